@@ -1,0 +1,140 @@
+"""Callbacks: collect rollouts before each update, show a trajectory per step, export adapters, print a summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
+
+from sglightning.rollout import Episode
+
+
+def run_dir(trainer: Trainer) -> Path:
+    """The run directory: the logger's version folder, else ``default_root_dir``."""
+    path = trainer.log_dir if trainer.loggers else None
+    return Path(path or trainer.default_root_dir)
+
+
+def trajectory_markdown(ep: Episode) -> str:
+    """One episode as Markdown (observations, guidance, actions) for TensorBoard's text panel."""
+
+    def quote(text: str) -> str:
+        return "\n".join("    " + line for line in str(text).splitlines()) or "    (empty)"
+
+    lines = [
+        f"**task** ({ep.task_type}, seed {ep.seed}, group {ep.group}): {ep.task}",
+        f"**result**: {'success' if ep.won else 'failure'}, env return {ep.env_return:g}, "
+        f"{len(ep.steps)} steps" + (f", error: {ep.error}" if ep.error else "") + (", truncated" if ep.truncated else ""),
+        "",
+    ]
+    for t, s in enumerate(ep.steps, start=1):
+        lines.append(f"**step {t}** observation:")
+        lines.append(quote(s.observation))
+        if ep.guided:
+            lines.append(f"guidance: label **{s.label or 'unparsed'}** (r={s.internal_reward:+g}), reason:")
+            lines.append(quote(s.reason or s.guidance_text))
+        flag = " (invalid)" if s.invalid else ""
+        lines.append(f"action{flag}: `{(s.action or s.action_text or '').replace('`', '')}`")
+        lines.append("")
+    return "\n".join(lines)
+
+
+class RolloutCallback(Callback):
+    """Plays this step's groups before the update; logs one trajectory as text; prints a summary at the end."""
+
+    def __init__(self, text_every_n_steps: int = 1):
+        self.text_every_n_steps = text_every_n_steps
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        pl_module.collect_rollout()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        rb = pl_module.current_rollout
+        if rb is None or not rb.episodes or pl_module.rollouts_done % self.text_every_n_steps:
+            return
+        # show a successful episode when there is one (more informative), else the first
+        ep = next((e for e in rb.episodes if e.won), rb.episodes[0])
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("rollout/trajectory", trajectory_markdown(ep), pl_module.global_step)
+        pl_module.current_rollout = None  # free the buffers: nothing of a step outlives it
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        print(format_summary(trainer, pl_module))
+
+
+class AdapterExport(Callback):
+    """Writes the peft adapter (``PeftModel.from_pretrained`` format) to ``<run dir>/adapter`` atomically, at every
+    checkpoint save and at the end of fit."""
+
+    def __init__(self, dirname: str = "adapter"):
+        self.dirname = dirname
+
+    def export(self, trainer: Trainer, pl_module: LightningModule) -> Path | None:
+        if trainer.global_rank != 0 or pl_module.policy is None:
+            return None
+        target = run_dir(trainer) / self.dirname
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{self.dirname}-", dir=target.parent))
+        try:
+            pl_module.policy.save_pretrained(tmp)
+            (tmp / "sglightning.json").write_text(
+                json.dumps({"global_step": int(pl_module.global_step), "rollouts_done": pl_module.rollouts_done})
+            )
+            old = target.with_name(target.name + ".old")
+            if target.exists():
+                os.replace(target, old)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        pl_module.adapter_dir = str(target)
+        return target
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        self.export(trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.export(trainer, pl_module)
+
+
+def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
+    hist = pl_module.history
+    if not hist:
+        return "sglightning: no training step ran"
+
+    def mean(key: str, rows=hist) -> float:
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    half = max(1, len(hist) // 2)
+    lines = [
+        "",
+        f"sglightning fit: {len(hist)} GRPO steps, {int(sum(r.get('rollout/episodes', 0) for r in hist))} episodes",
+        f"  success rate      all {mean('rollout/success_rate'):.3f} | first half {mean('rollout/success_rate', hist[:half]):.3f}"
+        f" | second half {mean('rollout/success_rate', hist[half:]):.3f}",
+        f"  mean env return   {mean('rollout/env_return'):.3f}   internal sum {mean('reward/internal_sum'):+.3f}",
+        "  labels            "
+        + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),
+        f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {pl_module.skipped_updates}",
+        f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
+    ]
+    report = getattr(pl_module, "val_report", None)
+    if report:
+        for mode, stats in report["modes"].items():
+            lines.append(
+                f"  validation [{'self-guidance on' if mode == 'sg' else 'self-guidance off'}] success "
+                f"{stats.get('rollout/success_rate', float('nan')):.3f} over {stats.get('episodes', 0)} episodes"
+            )
+    lines.append(f"  TensorBoard       tensorboard --logdir {run_dir(trainer)}")
+    adapter = getattr(pl_module, "adapter_dir", None)
+    lines.append(f"  adapter           {adapter or run_dir(trainer) / 'adapter'}")
+    return "\n".join(lines)

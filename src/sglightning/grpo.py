@@ -1,0 +1,433 @@
+r"""Self-Guide GRPO as pure tensor functions (no model, no Lightning).
+
+Everything the trainer needs between "a group of finished episodes" and "a scalar loss" lives here.
+
+Notation: N episodes (trajectories), grouped by task instance; S samples (one sample = one model call whose
+tokens we score: a guidance call or an actor call of some step of some episode); L tokens per sample (padded).
+
+Blended return (paper eq. 5-6)::
+
+    r_t      = g(z_t) in {+0.1, 0, -0.1}                     (label -> reward, done in guidance.py)
+    S_i      = \sum_t r_{i,t}                                  (normalise="sum", the paper)
+             = (1/T_i) \sum_t r_{i,t}   (0 if T_i = 0)         (normalise="mean", our option)
+    R_i      = R_env,i + \lambda(u) * S_i
+
+Group-relative advantage (paper eq. 8)::
+
+    \hat A_i = (R_i - mean_{j in g(i)} R_j) / (std_{j in g(i)} R_j + eps)     (scale="std")
+    \hat A_i =  R_i - mean_{j in g(i)} R_j                                       (scale="none", Dr.GRPO)
+
+and every policy-written token of every call of episode i carries \hat A_i (guidance and action tokens alike).
+
+Clipped surrogate with KL (paper eq. 9), per policy token k::
+
+    rho_k    = exp(log pi_theta(y_k) - log pi_old(y_k))
+    l_k      = -min(rho_k * A_k, clip(rho_k, 1 - eps_low, 1 + eps_high) * A_k) + beta * KL_k
+    loss     = \sum_k m_k l_k / \sum_k m_k                        (loss_agg="token_mean", DAPO / paper)
+             = mean_{s: n_s > 0} (\sum_k m_{s,k} l_{s,k} / n_s)    (loss_agg="seq_mean_token_mean")
+
+Trust schedule (paper eq. 10), u = training step, breakpoints b0 <= b1 <= b2 <= b3::
+
+    \lambda(u) = 0                      u < b0
+               = (u - b0) / (b1 - b0)   b0 <= u < b1
+               = 1                      b1 <= u < b2
+               = 1 - (u - b2)/(b3 - b2) b2 <= u < b3
+               = 0                      u >= b3
+
+Departures from the paper (and why)
+-----------------------------------
+* ``normalise="mean"`` for the internal return is offered: the paper's un-normalised sum reaches +-5 over 50 steps
+  and can swamp a 0/1 success reward. Default stays "sum" (paper-faithful).
+* Clip-higher (DAPO): separate ``clip_low=0.2`` / ``clip_high=0.28`` -- the paper's DAPO appendix values; the paper's
+  eq. 9 writes one symmetric epsilon (pass ``clip_high=clip_low`` for that).
+* Group std is the *sample* (unbiased, N-1) std, ``torch.std``'s default, as in TRL and verl. The paper does not
+  say which.
+* Degenerate groups (all returns bitwise equal, incl. groups of size 1) get advantage exactly 0, set explicitly,
+  rather than 0/(0+eps) which can leave float noise. They carry no learning signal; ``degenerate_groups`` counts them.
+* KL estimator: default ``low_var_kl`` (Schulman's k3, clamped to [-10, 10] as verl does, with the log-ratio first
+  clamped to [-20, 20]); the paper only says "KL penalty" and ran on verl-agent whose default this is. The KL is
+  added per token inside the loss (GRPO style), not subtracted from the reward.
+* Token log-ratios are clamped to [-20, 20] before ``exp`` (verl does the same) so garbage never overflows.
+* Loss aggregation defaults to token-mean over all policy tokens of the batch (DAPO); the per-sequence mean of the
+  original GRPO is available as ``seq_mean_token_mean``.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "trust_schedule",
+    "validate_breakpoints",
+    "internal_returns",
+    "blend_returns",
+    "group_advantages",
+    "degenerate_groups",
+    "broadcast_advantages",
+    "token_advantages",
+    "kl_penalty",
+    "masked_mean",
+    "grpo_loss",
+    "entropy_from_logits",
+    "NORMALISE_CHOICES",
+    "SCALE_CHOICES",
+    "KL_KINDS",
+    "LOSS_AGGS",
+]
+
+NORMALISE_CHOICES = ("sum", "mean")
+SCALE_CHOICES = ("std", "none")
+KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+
+_LOG_RATIO_CLAMP = 20.0
+_KL_CLAMP = 10.0
+
+
+# --------------------------------------------------------------------------------------------- trust schedule
+def validate_breakpoints(breakpoints, key: str = "grpo.trust_breakpoints") -> tuple[float, float, float, float]:
+    """Check trust-schedule breakpoints; return them as a float 4-tuple or raise ``ValueError`` naming ``key``.
+
+    Rules: exactly 4 finite, non-negative numbers, non-decreasing. All <= 1.0 means "fractions of total steps";
+    any > 1 means "absolute steps", and then no value may be a non-integer fraction in (0, 1) (that would be a
+    mix of the two conventions, e.g. (0.4, 50, 70, 80)).
+    """
+    try:
+        values = tuple(breakpoints)
+    except TypeError:
+        raise ValueError(f"{key}: expected 4 numbers, got {breakpoints!r}") from None
+    if len(values) != 4:
+        raise ValueError(f"{key}: expected 4 numbers (b0 <= b1 <= b2 <= b3), got {len(values)}: {values!r}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, Real) or not math.isfinite(float(v)):
+            raise ValueError(f"{key}: every breakpoint must be a finite number, got {values!r}")
+    out = tuple(float(v) for v in values)
+    if any(v < 0 for v in out):
+        raise ValueError(f"{key}: breakpoints must be >= 0, got {values!r}")
+    if any(a > b for a, b in zip(out, out[1:])):
+        raise ValueError(f"{key}: breakpoints must be non-decreasing (b0 <= b1 <= b2 <= b3), got {values!r}")
+    if any(v > 1.0 for v in out) and any(0.0 < v < 1.0 for v in out):
+        raise ValueError(
+            f"{key}: mixes fractions (<= 1) with absolute steps (> 1): {values!r}; "
+            "give all four as fractions of training or all as step numbers"
+        )
+    return out  # type: ignore[return-value]
+
+
+def trust_schedule(
+    step: int,
+    total_steps: int,
+    breakpoints: tuple[float, float, float, float] = (0.4, 0.5, 0.7, 0.8),
+    *,
+    constant: float | None = None,
+) -> float:
+    """Trust weight lambda(u) in [0, 1] for training step ``step`` (paper eq. 10, a trapezoid).
+
+    ``breakpoints`` are fractions of ``total_steps`` when all are <= 1.0, else absolute step numbers.
+    ``constant`` overrides the schedule (lambda == constant), e.g. 0.0 for "guidance in rollouts only" and 1.0 for
+    "full reward from step 0".
+    """
+    if constant is not None:
+        c = float(constant)
+        if not 0.0 <= c <= 1.0:
+            raise ValueError(f"grpo.trust_constant: must lie in [0, 1], got {constant!r}")
+        return c
+    b0, b1, b2, b3 = validate_breakpoints(breakpoints)
+    if max(b0, b1, b2, b3) <= 1.0:  # fractions of training
+        if total_steps is None or total_steps <= 0:
+            raise ValueError(
+                f"grpo.trust_breakpoints: fractional breakpoints need total_steps > 0, got {total_steps!r}"
+            )
+        b0, b1, b2, b3 = (b * total_steps for b in (b0, b1, b2, b3))
+    u = float(step)
+    if u < b0:
+        return 0.0
+    if u < b1:  # only reachable when b1 > b0, so no division by zero
+        return (u - b0) / (b1 - b0)
+    if u < b2:
+        return 1.0
+    if u < b3:
+        return 1.0 - (u - b2) / (b3 - b2)
+    return 0.0
+
+
+# --------------------------------------------------------------------------------------------- returns
+def _check_normalise(normalise: str) -> None:
+    if normalise not in NORMALISE_CHOICES:
+        raise ValueError(f"grpo.internal_reward_norm: must be one of {NORMALISE_CHOICES}, got {normalise!r}")
+
+
+def internal_returns(
+    internal_rewards: list[Tensor] | Tensor,
+    normalise: str = "sum",
+    step_mask: Tensor | None = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Per-episode internal return S_i: sum (or mean) of step rewards. Returns ``[N]``.
+
+    ``internal_rewards``: list of 1-D tensors (any lengths, empty allowed) or a padded ``[N, T]`` tensor; for the
+    padded form ``step_mask`` ``[N, T]`` (bool or 0/1) marks real steps (all steps real when None).
+    An episode with no steps has S_i = 0 under both normalisations.
+    """
+    _check_normalise(normalise)
+    if isinstance(internal_rewards, Tensor):
+        r = internal_rewards.detach()
+        if r.dim() != 2:
+            raise ValueError(f"padded internal_rewards must be [N, T], got shape {tuple(r.shape)}")
+        r = r.to(dtype=dtype, device=device if device is not None else r.device)
+        if step_mask is None:
+            m = torch.ones_like(r, dtype=torch.bool)
+        else:
+            if step_mask.shape != r.shape:
+                raise ValueError(f"step_mask shape {tuple(step_mask.shape)} != rewards shape {tuple(r.shape)}")
+            m = step_mask.to(device=r.device).bool()
+        total = torch.where(m, r, torch.zeros_like(r)).sum(dim=1)  # [N]; where() so NaN padding can't leak
+        if normalise == "sum":
+            return total
+        count = m.sum(dim=1).to(dtype)  # [N]
+        return total / count.clamp(min=1.0)  # empty episode: 0 / 1 = 0
+    if step_mask is not None:
+        raise ValueError("step_mask is only meaningful with a padded [N, T] internal_rewards tensor")
+    out = []
+    for ep in internal_rewards:  # one 1-D tensor of step rewards per episode
+        ep = torch.as_tensor(ep).detach().to(dtype=dtype, device=device).reshape(-1)
+        if ep.numel() == 0:
+            out.append(torch.zeros((), dtype=dtype, device=ep.device))
+        else:
+            out.append(ep.sum() if normalise == "sum" else ep.mean())
+    return torch.stack(out) if out else torch.zeros(0, dtype=dtype, device=device)  # [N]
+
+
+def blend_returns(
+    env_returns: Tensor,
+    internal_rewards: list[Tensor] | Tensor,
+    lam: float,
+    normalise: str = "sum",
+    step_mask: Tensor | None = None,
+) -> Tensor:
+    """R_i = R_env,i + lam * S_i (paper eq. 5-6); ``S_i`` from :func:`internal_returns`. Returns ``[N]``.
+
+    Output is floating (float32 if ``env_returns`` is integer) on ``env_returns``' device; no autograd.
+    """
+    _check_normalise(normalise)
+    env = env_returns.detach()
+    if env.dim() != 1:
+        raise ValueError(f"env_returns must be 1-D [N], got shape {tuple(env.shape)}")
+    dtype = env.dtype if env.is_floating_point() else torch.float32
+    env = env.to(dtype)
+    s = internal_returns(internal_rewards, normalise, step_mask, dtype=dtype, device=env.device)  # [N]
+    if s.shape != env.shape:
+        raise ValueError(f"{s.shape[0]} episodes of internal rewards for {env.shape[0]} env returns")
+    return env + float(lam) * s
+
+
+# --------------------------------------------------------------------------------------------- advantages
+def _group_stats(returns: Tensor, group_ids: Tensor):
+    """In float64: deviation from group mean [N], group unbiased std [N], degenerate flag [N] and per group [G]."""
+    if returns.dim() != 1 or group_ids.shape != returns.shape:
+        raise ValueError(
+            f"returns and group_ids must both be [N]; got {tuple(returns.shape)} and {tuple(group_ids.shape)}"
+        )
+    if group_ids.is_floating_point() or group_ids.is_complex():
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    r = returns.detach().to(torch.float64)  # [N]
+    if not torch.isfinite(r).all():
+        raise ValueError("returns contain NaN/inf; refusing to compute advantages")
+    _, inv = torch.unique(group_ids.to(r.device), return_inverse=True)  # inv: [N] dense group index 0..G-1
+    num_groups = int(inv.max().item()) + 1 if inv.numel() else 0
+    counts = torch.bincount(inv, minlength=num_groups).to(torch.float64)  # [G]
+    mean = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, inv, r) / counts  # [G]
+    dev = r - mean[inv]  # [N]
+    sq = torch.zeros_like(mean).index_add_(0, inv, dev * dev)  # [G]
+    std = (sq / (counts - 1.0).clamp(min=1.0)).sqrt()  # [G] unbiased (N-1); size-1 groups are degenerate anyway
+    init = torch.zeros_like(mean)
+    gmax = init.scatter_reduce(0, inv, r, reduce="amax", include_self=False)  # [G]
+    gmin = init.scatter_reduce(0, inv, r, reduce="amin", include_self=False)  # [G]
+    degenerate = gmax == gmin  # [G] exact equality: all returns identical (includes size-1 groups)
+    return dev, std[inv], degenerate[inv], degenerate
+
+
+def group_advantages(returns: Tensor, group_ids: Tensor, eps: float = 1e-6, scale: str = "std") -> Tensor:
+    """GRPO advantage per episode: (R_i - mean_g) / (std_g + eps), or mean-centering only for ``scale="none"``.
+
+    ``std_g`` is the unbiased (N-1) std, like ``torch.std`` / TRL / verl. Group ids may be any integers, groups
+    may have unequal sizes. A group whose returns are all identical (including a group of one) gets exactly 0.
+    Returns ``[N]`` in the returns' float dtype (float32 for integer returns); never requires grad.
+    """
+    if scale not in SCALE_CHOICES:
+        raise ValueError(f"grpo.advantage_scale: must be one of {SCALE_CHOICES}, got {scale!r}")
+    out_dtype = returns.dtype if returns.is_floating_point() else torch.float32
+    if returns.numel() == 0:
+        return torch.zeros_like(returns, dtype=out_dtype)
+    dev, std, degen, _ = _group_stats(returns, group_ids)  # each [N]
+    adv = dev / (std + eps) if scale == "std" else dev
+    adv = torch.where(degen, torch.zeros_like(adv), adv)  # no signal in an all-equal group: exact zeros
+    return adv.to(out_dtype)
+
+
+def degenerate_groups(returns: Tensor, group_ids: Tensor) -> int:
+    """Number of groups whose returns are all identical (zero variance, incl. size-1 groups)."""
+    if returns.numel() == 0:
+        return 0
+    *_, per_group = _group_stats(returns, group_ids)
+    return int(per_group.sum().item())
+
+
+def broadcast_advantages(adv: Tensor, sample_episode: Tensor) -> Tensor:
+    """Per-sample advantage: ``adv[sample_episode]``. ``adv`` [N], ``sample_episode`` [S] long -> [S]."""
+    if sample_episode.is_floating_point():
+        raise ValueError(f"sample_episode must be an integer tensor, got {sample_episode.dtype}")
+    idx = sample_episode.to(device=adv.device, dtype=torch.long)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= adv.shape[0]):
+        raise ValueError(
+            f"sample_episode indices must lie in [0, {adv.shape[0]}), got [{int(idx.min())}, {int(idx.max())}]"
+        )
+    return adv.detach()[idx]  # [S]
+
+
+def token_advantages(adv_per_sample: Tensor, mask: Tensor) -> Tensor:
+    """``[S]`` advantages -> ``[S, L]``: the sample's advantage at policy tokens (mask true), 0 elsewhere."""
+    if mask.dim() != 2 or adv_per_sample.shape != mask.shape[:1]:
+        raise ValueError(f"need adv [S] and mask [S, L]; got {tuple(adv_per_sample.shape)} and {tuple(mask.shape)}")
+    a = adv_per_sample.detach()[:, None].expand(mask.shape)  # [S, L] view, no copy
+    return torch.where(mask.to(a.device).bool(), a, torch.zeros((), dtype=a.dtype, device=a.device))  # [S, L]
+
+
+# --------------------------------------------------------------------------------------------- loss
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:
+    """Per-token KL estimate of KL(pi_theta || pi_ref) from sampled-token log-probs (elementwise).
+
+    "k1": logp - ref; "k2": 0.5 (logp - ref)^2; "k3" / "low_var_kl": exp(ref - logp) - (ref - logp) - 1 with
+    ref - logp clamped to [-20, 20] and the result clamped to [-10, 10] (verl's low_var_kl).
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"grpo.kl_kind: must be one of {KL_KINDS}, got {kind!r}")
+    if kind == "k1":
+        return logp - ref_logp
+    if kind == "k2":
+        return 0.5 * (logp - ref_logp).square()
+    d = (ref_logp - logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return (torch.exp(d) - d - 1.0).clamp(-_KL_CLAMP, _KL_CLAMP)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` over positions where ``mask`` is true (0 where there are none; never NaN).
+
+    Masked-out entries may hold anything (even inf/NaN): they are selected away, not multiplied by 0.
+    """
+    m = mask.to(x.device).bool().expand_as(x)
+    total = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    if dim is None:
+        return total.sum() / m.sum().clamp(min=1).to(x.dtype)
+    return total.sum(dim) / m.sum(dim).clamp(min=1).to(x.dtype)
+
+
+def grpo_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    ref_logp: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "low_var_kl",
+    loss_agg: str = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped GRPO surrogate + optional per-token KL (paper eq. 9). Returns ``(loss, stats)``.
+
+    Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``: ``[S, L]``; ``advantages``: ``[S, L]`` or ``[S]``.
+    Gradient flows only through ``logp``. Stats are detached scalars: policy_loss (surrogate part, same
+    aggregation as the loss), kl (token-mean KL over policy tokens; computed whenever ``ref_logp`` is given, even
+    if ``kl_coef`` is 0), clip_frac, ratio_mean, ratio_max, num_tokens (float), adv_mean. An empty mask gives
+    loss 0 (still attached to ``logp``'s graph) and zero stats.
+    """
+    if kl_kind not in KL_KINDS:
+        raise ValueError(f"grpo.kl_kind: must be one of {KL_KINDS}, got {kl_kind!r}")
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"grpo.loss_agg: must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
+        raise ValueError(f"grpo.clip: need 0 <= clip_low < 1 and clip_high >= 0, got ({clip_low}, {clip_high})")
+    if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(
+            f"logp, old_logp, mask must all be [S, L]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
+            f"{tuple(mask.shape)}"
+        )
+    if ref_logp is not None and ref_logp.shape != logp.shape:
+        raise ValueError(f"ref_logp must match logp {tuple(logp.shape)}, got {tuple(ref_logp.shape)}")
+    if advantages.dim() == 1 and advantages.shape[0] == logp.shape[0]:
+        adv = advantages.detach()[:, None].expand(logp.shape)  # [S] -> [S, L]
+    elif advantages.shape == logp.shape:
+        adv = advantages.detach()  # [S, L]
+    else:
+        raise ValueError(
+            f"advantages must be [S] or [S, L] for logp {tuple(logp.shape)}, got {tuple(advantages.shape)}"
+        )
+    m = mask.to(logp.device).bool()  # [S, L]
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    # Select padding away *before* any arithmetic: padded entries may be garbage (inf/NaN), and 0 * NaN in a
+    # backward pass would poison logp.grad even though the forward value is masked.
+    lp = torch.where(m, logp, zero)  # [S, L]
+    old = torch.where(m, old_logp.detach().to(logp.dtype), zero)  # [S, L]
+    adv = torch.where(m, adv.to(logp.dtype), zero)  # [S, L]
+
+    log_ratio = (lp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [S, L]
+    ratio = torch.exp(log_ratio)  # [S, L]
+    surr1 = ratio * adv  # [S, L]
+    surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # [S, L]
+    pg = torch.where(m, -torch.minimum(surr1, surr2), zero)  # [S, L] per-token policy loss
+    clipped = (surr2 < surr1) & m  # [S, L] the clipped term is the active (smaller) one
+
+    if ref_logp is not None:
+        ref = torch.where(m, ref_logp.detach().to(logp.dtype), zero)  # [S, L]
+        kl = torch.where(m, kl_penalty(lp, ref, kl_kind), zero)  # [S, L]
+    else:
+        kl = None
+    per_token = pg + kl_coef * kl if (kl is not None and kl_coef > 0) else pg  # [S, L]
+
+    n_tok = m.sum()
+    mf = m.to(logp.dtype)
+    if loss_agg == "token_mean":
+        denom = n_tok.clamp(min=1).to(logp.dtype)
+        loss = per_token.sum() / denom
+        policy_loss = pg.detach().sum() / denom
+    else:  # seq_mean_token_mean
+        n_seq = mf.sum(dim=1)  # [S] tokens per sequence
+        has = n_seq > 0  # [S]
+        n_valid = has.sum().clamp(min=1).to(logp.dtype)
+        loss = (per_token.sum(dim=1) / n_seq.clamp(min=1)).sum() / n_valid  # empty rows contribute 0
+        policy_loss = (pg.detach().sum(dim=1) / n_seq.clamp(min=1)).sum() / n_valid
+
+    with torch.no_grad():
+        r = ratio.detach()
+        stats = {
+            "policy_loss": policy_loss.detach(),
+            "kl": masked_mean(kl.detach(), m) if kl is not None else zero.clone(),
+            "clip_frac": masked_mean(clipped.to(logp.dtype), m),
+            "ratio_mean": masked_mean(r, m),
+            # ratios are > 0, so the zeros put at padding never win the max
+            "ratio_max": torch.where(m, r, zero).amax() if r.numel() else zero.clone(),
+            "num_tokens": n_tok.to(logp.dtype),
+            "adv_mean": masked_mean(adv, m),
+        }
+    return loss, stats
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: ``[..., V] -> [...]``, stable for -inf logits.
+
+    Half-precision inputs are computed (and returned) in float32.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logq = torch.log_softmax(logits, dim=-1)  # [..., V]
+    q = logq.exp()  # [..., V]
+    safe_logq = torch.where(q > 0, logq, torch.zeros_like(logq))  # avoid 0 * -inf = NaN (forward and backward)
+    return -(q * safe_logq).sum(dim=-1)  # [...]

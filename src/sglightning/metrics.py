@@ -1,0 +1,95 @@
+"""Episode statistics (pure Python, testable) and their torchmetrics aggregators.
+
+``episode_stats(batch)`` turns one :class:`~sglightning.rollout.RolloutBatch` into named floats; ``EpisodeMetrics``
+accumulates them across batches (validation) and ranks (torchmetrics syncs under DDP) with per-episode weights.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torchmetrics import MeanMetric
+
+from sglightning.guidance import LABELS
+from sglightning.rollout import Episode, RolloutBatch
+
+#: statistics averaged per episode
+EPISODE_KEYS = (
+    "rollout/success_rate",
+    "rollout/env_return",
+    "rollout/score",
+    "rollout/episode_length",
+    "rollout/invalid_action_rate",
+    "rollout/truncated_rate",
+    "rollout/env_error_rate",
+    "reward/internal_sum",
+    "guidance/label_positive",
+    "guidance/label_neutral",
+    "guidance/label_negative",
+    "guidance/label_unparsed",
+)
+
+
+def _episode_values(ep: Episode) -> dict[str, float]:
+    n = len(ep.steps)
+    labels = Counter(s.label if s.label in LABELS else "unparsed" for s in ep.steps) if ep.guided else Counter()
+    out = {
+        "rollout/success_rate": float(ep.won),
+        "rollout/env_return": ep.env_return,
+        "rollout/score": ep.score if ep.score is not None else 100.0 * float(ep.won),
+        "rollout/episode_length": float(n),
+        "rollout/invalid_action_rate": sum(s.invalid for s in ep.steps) / n if n else 0.0,
+        "rollout/truncated_rate": float(ep.truncated),
+        "rollout/env_error_rate": float(ep.error is not None),
+        "reward/internal_sum": sum(ep.internal_rewards),
+    }
+    for lab in (*LABELS, "unparsed"):
+        out[f"guidance/label_{lab}"] = labels[lab] / n if n and ep.guided else 0.0
+    return out
+
+
+def episode_stats(batch: RolloutBatch) -> dict[str, float]:
+    """Means over the episodes of a batch (label shares are per-episode shares, then averaged)."""
+    eps = batch.episodes
+    if not eps:
+        return {}
+    rows = [_episode_values(e) for e in eps]
+    stats = {k: sum(r[k] for r in rows) / len(rows) for k in EPISODE_KEYS}
+    stats["rollout/env_errors"] = float(sum(e.error is not None for e in eps))
+    stats["rollout/episodes"] = float(len(eps))
+    # does the guidance know? share of positive labels in won vs lost episodes (self-guide.md §9)
+    won = [r["guidance/label_positive"] for r, e in zip(rows, eps) if e.won]
+    lost = [r["guidance/label_positive"] for r, e in zip(rows, eps) if not e.won]
+    if won and lost and batch.guided:
+        stats["guidance/positive_gap_won_minus_lost"] = sum(won) / len(won) - sum(lost) / len(lost)
+    return stats
+
+
+def per_task_type_success(episodes: list[Episode]) -> dict[str, float]:
+    by: dict[str, list[bool]] = {}
+    for e in episodes:
+        by.setdefault(e.task_type, []).append(e.won)
+    return {k: sum(v) / len(v) for k, v in sorted(by.items())}
+
+
+class EpisodeMetrics(torch.nn.Module):
+    """Episode-weighted means of :data:`EPISODE_KEYS`, one ``MeanMetric`` each (synced across ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names = list(EPISODE_KEYS)
+        self.means = torch.nn.ModuleList([MeanMetric() for _ in self.names])
+
+    def update(self, batch: RolloutBatch) -> None:
+        for ep in batch.episodes:
+            vals = _episode_values(ep)
+            for name, metric in zip(self.names, self.means):
+                metric.update(vals[name])
+
+    def compute(self) -> dict[str, float]:
+        return {n: float(m.compute()) for n, m in zip(self.names, self.means) if m.update_called}
+
+    def reset(self) -> None:
+        for m in self.means:
+            m.reset()

