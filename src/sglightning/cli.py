@@ -38,6 +38,17 @@ class SGLightningCLI(LightningCLI):
         full = LightningCLI.subcommands()
         return {k: full[k] for k in ("fit", "validate")}
 
+    def instantiate_classes(self) -> None:
+        """Config values our dataclasses reject (``ValueError`` naming the key) become a one-line parser error."""
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            msg = str(err)
+            while err.__cause__ is not None and isinstance(err.__cause__, ValueError):
+                err = err.__cause__
+                msg = str(err)
+            self.parser.error(msg.splitlines()[0] if msg else repr(err))
+
     def after_validate(self) -> None:
         report = getattr(self.model, "val_report", None)
         if report is None or self.trainer.global_rank != 0:

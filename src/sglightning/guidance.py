@@ -96,9 +96,11 @@ def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 # parsers
 
-_LABEL_LINE = re.compile(r"label\s*[:=\-]\s*\**\s*(positive|neutral|negative)", re.IGNORECASE)
+# written without adjacent overlapping repeats (e.g. ``\s*\**\s*``): those backtrack quadratically on long
+# whitespace runs, and degenerate model output is full of them
+_LABEL_LINE = re.compile(r"label\s*[:=\-][\s*]*(positive|neutral|negative)", re.IGNORECASE)
 _REASON_LINE = re.compile(r"reason\s*[:=\-]\s*(.*)", re.IGNORECASE)
-_ACTION_LINE = re.compile(r"(?:^|\n)\s*\**action\**\s*[:=]\s*(.+)", re.IGNORECASE)
+_ACTION_LINE = re.compile(r"^[^\S\n]*\**action\**\s*[:=]\s*(.+)", re.IGNORECASE | re.MULTILINE)
 _ACTION_TAG = re.compile(r"<action>(.*?)(?:</action>|$)", re.IGNORECASE | re.DOTALL)
 _JSON_OBJ = re.compile(r"\{.*\}", re.DOTALL)
 _CTRL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
@@ -167,8 +169,8 @@ def parse_action(text: object) -> ParsedAction:
                 break
     if found is None:
         return ParsedAction(None, notes=["empty"])
-    action = " ".join(found.split("\n")[0].split()).strip().strip("`*\"'").strip()
-    action = action.rstrip(".").strip()[:200]
+    action = " ".join(found.strip().split("\n")[0].split())
+    action = action.lstrip("`*\"' ").rstrip("`*\"'. ")[:200].rstrip()
     return ParsedAction(action or None, source)
 
 

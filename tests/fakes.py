@@ -1,0 +1,126 @@
+"""Test doubles: a scripted language model with the HF forward/cache interface, and faulty environments."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import torch
+
+from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.envs.household import HouseholdEnv
+
+ASSISTANT_OPEN = "<|im_start|>assistant\n"
+
+
+class FakeCache:
+    """Keeps each row's real (unmasked) tokens; supports the one cache method the sampler uses."""
+
+    def __init__(self, n: int):
+        self.rows: list[list[int]] = [[] for _ in range(n)]
+
+    def batch_select_indices(self, idx: torch.Tensor) -> None:
+        self.rows = [self.rows[int(i)] for i in idx]
+
+
+class ScriptedLM(torch.nn.Module):
+    """A 'model' that decodes its own context and writes ``reply(context)`` as the current assistant turn, one token
+    per forward call (all probability on the next token of the scripted reply, then end-of-turn)."""
+
+    def __init__(self, tokenizer, reply):
+        super().__init__()
+        self.tok = tokenizer
+        self.reply = reply
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.vocab = len(tokenizer)
+        self.calls = 0
+
+    def forward(self, input_ids, attention_mask, position_ids=None, use_cache=True, logits_to_keep=1, cache=None, **kw):
+        self.calls += 1
+        n, w = input_ids.shape
+        cache = cache or FakeCache(n)
+        new_mask = attention_mask[:, -w:]
+        logits = torch.full((n, 1, self.vocab), -30.0)
+        for b in range(n):
+            cache.rows[b] += [int(t) for t, m in zip(input_ids[b], new_mask[b]) if m]
+            text = self.tok.decode(cache.rows[b])
+            head, sep, written = text.rpartition(ASSISTANT_OPEN)
+            target = self.reply(head + sep)
+            remaining = target[len(written):] if target.startswith(written) else ""
+            ids = self.tok.encode(remaining, add_special_tokens=False) if remaining else [self.tok.eos_token_id]
+            logits[b, 0, ids[0]] = 0.0
+        return SimpleNamespace(logits=logits, cache=cache)
+
+
+_ADM = re.compile(r"Admissible actions: (.*)")
+
+
+def first_admissible(context: str) -> str:
+    found = _ADM.findall(context)
+    return found[-1].split("; ")[0] if found else "look"
+
+
+def scripted_reply(label: str = "positive", action=first_admissible):
+    """Reply function: guidance + the first admissible action (single stream), or the part a two-call prompt asks."""
+
+    def reply(context: str) -> str:
+        last_user = context.rsplit("<|im_start|>user", 1)[-1]
+        if "Answer in exactly two lines" in last_user:  # two_call rate prompt
+            return f"Reason: scripted\nLabel: {label}"
+        act = action(context)
+        if "Answer with one line" in last_user or "Reason:" not in context.split("<|im_start|>user", 1)[0]:
+            return f"Action: {act}"
+        return f"Reason: scripted\nLabel: {label}\nAction: {act}"
+
+    return reply
+
+
+class RecordingEnv(HouseholdEnv):
+    """Household env that records every reset seed (class-level log)."""
+
+    log: list[int] = []
+
+    def reset(self, seed: int) -> ResetResult:
+        RecordingEnv.log.append(seed)
+        return super().reset(seed)
+
+
+class CrashingEnv(HouseholdEnv):
+    """Raises in ``step`` (after ``crash_after`` steps) for seeds in ``bad_seeds``; counts instances."""
+
+    instances = 0
+
+    def __init__(self, bad_seeds=(1,), crash_after: int = 1, where: str = "step", **kw):
+        super().__init__(**kw)
+        CrashingEnv.instances += 1
+        self.bad_seeds, self.crash_after, self.where = set(bad_seeds), crash_after, where
+        self._seed = None
+        self._n = 0
+
+    def reset(self, seed: int) -> ResetResult:
+        self._seed, self._n = seed, 0
+        if self.where == "reset" and seed in self.bad_seeds:
+            raise RuntimeError("simulated reset crash")
+        if self.where == "garbage" and seed in self.bad_seeds:
+            return "not a ResetResult"  # type: ignore[return-value]
+        return super().reset(seed)
+
+    def step(self, action: str) -> StepResult:
+        self._n += 1
+        if self.where == "step" and self._seed in self.bad_seeds and self._n > self.crash_after:
+            raise RuntimeError("simulated step crash")
+        return super().step(action)
+
+
+class FreeFormEnv(TextEnv):
+    """An env without an admissible list: echoes actions, succeeds on 'finish'."""
+
+    name = "freeform"
+    action_help = "Write one action, e.g. 'finish'."
+
+    def reset(self, seed: int) -> ResetResult:
+        return ResetResult("Nothing here.", "say finish", None, "echo")
+
+    def step(self, action: str) -> StepResult:
+        won = action.strip().lower() == "finish"
+        return StepResult(f"You said {action!r}.", float(won), won, won)

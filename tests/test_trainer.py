@@ -1,0 +1,224 @@
+"""The Lightning module and the CLI on the tiny config: training changes adapters only, logs, exports, validates."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from sglightning import grpo
+from sglightning.cli import cli_main
+from sglightning.envs.household import HouseholdEnv
+from sglightning.guidance import GuidanceConfig
+from sglightning.models import ModelConfig
+from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
+from sglightning.rollout import RolloutConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+REQUIRED_SCALARS = [
+    "rollout/success_rate", "rollout/env_return", "reward/internal_sum", "reward/lambda",
+    "guidance/label_positive", "guidance/label_neutral", "guidance/label_negative", "guidance/label_unparsed",
+    "rollout/invalid_action_rate", "loss/policy", "loss/kl", "loss/clip_frac", "policy/entropy",
+    "tokens/generated", "tokens/policy", "time/rollout_s", "time/update_s",
+]
+
+
+def tiny_module(**over) -> SelfGuideModule:
+    kw = dict(
+        model=ModelConfig(model_name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
+        env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+        rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=2),
+        guidance=GuidanceConfig(action_decoding="admissible", max_guidance_tokens=4, max_action_tokens=4),
+        grpo=GRPOConfig(kl_coef=0.01, micro_batch_size=2),
+        evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
+    kw.update(over)
+    return SelfGuideModule(**kw)
+
+
+def tiny_trainer(tmp_path, steps=2, **kw) -> Trainer:
+    return Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path, **kw,
+    )
+
+
+def test_training_changes_adapters_only(tmp_path):
+    torch.manual_seed(0)
+    module = tiny_module()
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    tiny_trainer(tmp_path).fit(module)
+    changed_lora, changed_base = [], []
+    for n, p in module.policy.named_parameters():
+        diff = not torch.equal(before[n], p.detach())
+        (changed_lora if "lora_" in n else changed_base).append(diff)
+    assert any(changed_lora), "no adapter parameter moved"
+    assert not any(changed_base), "a frozen base parameter changed"
+    assert module.rollouts_done == 2 and len(module.history) == 2
+    assert all(math.isfinite(h["loss/total"]) for h in module.history if "loss/total" in h)
+
+
+def test_trainer_logprobs_match_sampler_logprobs(tmp_path):
+    """pitfalls §1: the trainer's recomputed log-probs of the sampled ids equal the sampler's (same weights)."""
+    module = tiny_module(rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3, temperature=0.8))
+    module.configure_model()
+    module._trainer = None
+    batch = module.get_engine().run([1, 2], generator=torch.Generator().manual_seed(0))
+    data = module.collate(batch.samples)
+    module.policy.train()  # the trainer scores in train mode (LoRA dropout 0)
+    with torch.no_grad():
+        logp, _ = module.token_logprobs(data["ids"], data["attn"], data["mask"], temperature=0.8)
+    m = data["mask"]
+    assert m.sum() > 20
+    assert torch.allclose(logp[m], data["old_logp"][m], atol=1e-5), float((logp[m] - data["old_logp"][m]).abs().max())
+
+
+def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch):
+    """pitfalls §3: the advantage tensor handed to the loss is the episode's Â_i at every policy token."""
+    seen = {}
+    real = grpo.grpo_loss
+
+    def spy(logp, old_logp, advantages, mask, **kw):
+        seen.setdefault("adv", []).append((advantages.detach().clone(), mask.clone()))
+        return real(logp, old_logp, advantages, mask, **kw)
+
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    captured = {}
+    orig_adv = grpo.group_advantages
+
+    def adv_spy(returns, groups, **kw):
+        out = orig_adv(returns, groups, **kw)
+        captured["adv"] = out
+        return out
+
+    monkeypatch.setattr(grpo, "group_advantages", adv_spy)
+    module = tiny_module(grpo=GRPOConfig(kl_coef=0.0, micro_batch_size=100))
+    tiny_trainer(tmp_path, steps=1).fit(module)
+    (adv_tok, mask), = seen["adv"]
+    per_episode = captured["adv"]
+    assert adv_tok.shape == mask.shape and adv_tok.shape[0] == len(per_episode)  # single stream: 1 sample/episode
+    for i in range(adv_tok.shape[0]):
+        vals = adv_tok[i][mask[i]]
+        assert vals.numel() > 0 and torch.all(vals == per_episode[i])
+        assert torch.all(adv_tok[i][~mask[i]] == 0)
+
+
+def test_nonfinite_loss_skips_the_update(tmp_path, monkeypatch):
+    real = grpo.grpo_loss
+
+    def nan_loss(*a, **kw):
+        loss, st = real(*a, **kw)
+        return loss * float("nan"), st
+
+    monkeypatch.setattr(grpo, "grpo_loss", nan_loss)
+    module = tiny_module()
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+    with pytest.warns(RuntimeWarning, match="update skipped"):
+        tiny_trainer(tmp_path).fit(module)
+    assert module.skipped_updates == 2
+    assert all(torch.equal(before[n], p) for n, p in module.policy.named_parameters() if p.requires_grad)
+    assert module.history[-1]["train/skipped_updates"] == 2.0
+
+
+def _scalars(run_dir: Path) -> tuple[set[str], set[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    return set(tags.get("scalars", [])), set(tags.get("tensors", []))
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli")
+    cli = cli_main([
+        "fit", "--config", TINY, f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}",
+        "--trainer.max_steps=2",
+    ])
+    return cli, Path(cli.trainer.log_dir)
+
+
+def test_cli_fit_logs_everything_and_exports_the_adapter(cli_run, capsys):
+    cli, run_dir = cli_run
+    scalars, tensors = _scalars(run_dir)
+    missing = [t for t in REQUIRED_SCALARS if t not in scalars]
+    assert not missing, missing
+    assert any("trajectory" in t for t in tensors), tensors  # text panel
+    assert (run_dir / "config.yaml").is_file()
+    adapter = run_dir / "adapter"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+
+    from peft import PeftModel
+
+    from sglightning.models import build_tiny_model
+
+    base = build_tiny_model(cli.model.model_cfg.tiny, len(cli.model.tokenizer))
+    loaded = PeftModel.from_pretrained(base, str(adapter))
+    ids = torch.tensor([[1, 5, 9, 20]])
+    cli.model.policy.eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(input_ids=ids).logits, cli.model.policy(input_ids=ids).logits, atol=1e-5)
+    # checkpoints hold the adapters, not the frozen base
+    ckpts = list((run_dir / "checkpoints").glob("*.ckpt"))
+    assert ckpts
+    state = torch.load(ckpts[0], map_location="cpu", weights_only=False)["state_dict"]
+    assert state and all("lora_" in k for k in state)
+
+
+def test_cli_validate_reports_with_and_without_guidance(cli_run, tmp_path, capsys):
+    _, run_dir = cli_run
+    cli = cli_main([
+        "validate", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", f"--model.adapter_path={run_dir / 'adapter'}",
+    ])
+    out = Path(cli.trainer.log_dir)
+    report = json.loads((out / "validation_report.json").read_text())
+    assert set(report["modes"]) == {"sg", "nosg"}
+    for stats in report["modes"].values():
+        assert stats["episodes"] == 4
+        assert 0.0 <= stats["rollout/success_rate"] <= 1.0
+    assert report["modes"]["nosg"]["guidance/label_positive"] == 0.0
+    shares = sum(report["modes"]["sg"][f"guidance/label_{k}"] for k in ("positive", "neutral", "negative", "unparsed"))
+    assert shares == pytest.approx(1.0)
+    text = capsys.readouterr().out
+    assert "| self-guidance |" in text and "| on |" in text and "| off |" in text
+
+
+@pytest.mark.parametrize("cfg", sorted(str(p) for p in (ROOT / "configs").glob("*.yaml")))
+def test_every_shipped_config_parses(cfg, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", cfg, "--print_config"])
+    assert exc.value.code in (0, None)
+    assert "model:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model.rollout.group_size=1"], "group_size"),
+        (["--model.grpo.clip_low=-0.1"], "clip_low"),
+        (["--model.grpo.trust_breakpoints=[0.5,0.4,0.7,0.8]"], "trust_breakpoints"),
+        (["--model.env.class_path=no.such.Env"], "env"),
+        (["--model.model.model_name_or_path=embedded:gpt9"], "model_name_or_path"),
+        (["--model.model.quantization=8bit"], "quantization"),
+        (["--model.guidance.prompt_mode=three_call"], "prompt_mode"),
+        (["--model.rollout.max_steps=0"], "max_steps"),
+        (["--model.evaluation.self_guidance=maybe"], "self_guidance"),
+    ],
+)
+def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", TINY, *args])
+    assert exc.value.code not in (0, None)
+    assert needle in capsys.readouterr().err
