@@ -7,7 +7,7 @@ import random
 import pytest
 
 from sglightning.envs import make_env
-from sglightning.envs.household import TASK_TYPES, HouseholdEnv, expert_success, random_policy_success
+from sglightning.envs.household import ALFWORLD_TYPES, TASK_TYPES, HouseholdEnv, expert_success, random_policy_success
 
 
 def _rollout(env: HouseholdEnv, seed: int, policy_seed: int, steps: int) -> list[tuple]:
@@ -182,7 +182,7 @@ def test_constructor_validation(kwargs, name):
 def test_task_type_coverage_and_restriction():
     for difficulty in (2, 3):
         env = HouseholdEnv(difficulty)
-        assert {env.reset(s).task_type for s in range(100)} == set(TASK_TYPES)
+        assert {env.reset(s).task_type for s in range(100)} == set(ALFWORLD_TYPES)
     assert {HouseholdEnv(0).reset(s).task_type for s in range(50)} == {"pick_and_place"}
     assert "pick_two" not in {HouseholdEnv(1).reset(s).task_type for s in range(100)}
     env = HouseholdEnv(2, task_types=["heat_and_place", "pick_two"])
@@ -219,3 +219,36 @@ def test_registry():
     assert isinstance(env, HouseholdEnv) and env.difficulty == 0 and env.name == "household"
     with pytest.raises(ValueError, match="bogus"):
         make_env("household", {"bogus": 1})
+
+
+def test_pick_up_task_and_revealed_contents():
+    env = HouseholdEnv(0, task_types=["pick_up"], info_actions=False, reveal_contents=True)
+    for seed in range(40):
+        res = env.reset(seed)
+        assert res.task_type == "pick_up" and res.task.startswith("pick up a ")
+        target = res.task.rsplit(" ", 1)[-1]
+        overview = res.observation.split("\n")[0]
+        assert f"a {target} 1" in overview.split(". On the ", 1)[1]  # the contents are listed up front
+        assert not any(a.split()[0] in ("look", "inventory", "examine") for a in res.admissible_actions)
+        steps = 0
+        while True:
+            out = env.step(env.expert_action())
+            steps += 1
+            if out.done:
+                break
+        assert out.won and out.score == 100.0 and steps == 2  # go to the source, take it
+    # taking a wrong object is not success
+    env = HouseholdEnv(0, task_types=["pick_up"])
+    for seed in range(200):
+        res = env.reset(seed)
+        target = res.task.rsplit(" ", 1)[-1]
+        for a in res.admissible_actions:
+            if a.startswith("go to"):
+                out = env.step(a)
+                wrong = [t for t in out.admissible_actions if t.startswith("take ") and f"take {target} " not in t]
+                if wrong:
+                    out = env.step(wrong[0])
+                    assert not out.won and not out.done
+                    return
+                break
+    raise AssertionError("no seed with a distractor next to the agent")

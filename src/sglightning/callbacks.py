@@ -57,14 +57,14 @@ class RolloutCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         rb = pl_module.current_rollout
-        if rb is None or not rb.episodes or pl_module.rollouts_done % self.text_every_n_steps:
+        pl_module.current_rollout = None  # free the buffers: nothing of a step outlives it
+        if rb is None or not rb.episodes or (pl_module.rollouts_done - 1) % self.text_every_n_steps:
             return
         # show a successful episode when there is one (more informative), else the first
         ep = next((e for e in rb.episodes if e.won), rb.episodes[0])
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("rollout/trajectory", trajectory_markdown(ep), pl_module.global_step)
-        pl_module.current_rollout = None  # free the buffers: nothing of a step outlives it
 
     @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -104,5 +104,11 @@ def cli_main(args: list[str] | None = None) -> SGLightningCLI:
     )
 
 
-if __name__ == "__main__":  # pragma: no cover
+def main() -> int:
+    """Console-script entry point (``sglightning``): exit code 0 on success."""
     cli_main(sys.argv[1:])
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -13,6 +13,7 @@ The reference policy is the same module with adapters disabled (never a second c
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 import warnings
@@ -154,6 +155,7 @@ class SelfGuideModule(LightningModule):
         self.rollouts_done = 0
         self.skipped_updates = 0
         self.history: list[dict[str, float]] = []  # per-step summary for the end-of-run report
+        self.train_metrics = EpisodeMetrics()
         self.val_metrics = torch.nn.ModuleDict({"sg": EpisodeMetrics(), "nosg": EpisodeMetrics()})
         self.val_episodes: dict[str, list] = {"sg": [], "nosg": []}
         self.val_report: dict[str, Any] | None = None
@@ -176,10 +178,10 @@ class SelfGuideModule(LightningModule):
         return env
 
     def env_name(self) -> str:
-        func = getattr(self.env_class, "func", None) or getattr(self.env_class, "args", [None])[-1:]
-        cls = self.env_class.args[-1] if hasattr(self.env_class, "args") and self.env_class.args else self.env_class
-        del func
-        return getattr(cls, "__qualname__", str(cls))
+        target = self.env_class
+        if isinstance(target, functools.partial):  # jsonargparse: partial(instantiator, EnvClass, **init_args)
+            target = next((a for a in target.args if isinstance(a, type)), target.func)
+        return getattr(target, "__qualname__", repr(target))
 
     def get_engine(self) -> Rollout:
         if self.engine is None:
@@ -192,9 +194,16 @@ class SelfGuideModule(LightningModule):
             self.engine = None
 
     def configure_callbacks(self):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
         from sglightning.callbacks import AdapterExport, RolloutCallback
 
-        return [RolloutCallback(), AdapterExport()]
+        callbacks = [RolloutCallback(), AdapterExport()]
+        ckpt = self.trainer.checkpoint_callback if self._trainer is not None else None
+        if type(ckpt) is ModelCheckpoint and ckpt.save_last is None and ckpt.dirpath is None and ckpt.monitor is None:
+            # Lightning's default checkpoint callback (not a user's): also keep `last.ckpt` for `--ckpt_path last`
+            callbacks.append(ModelCheckpoint(save_last=True))
+        return callbacks
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -306,7 +315,11 @@ class SelfGuideModule(LightningModule):
         lam = self.trust_lambda()
         returns, internal_sum, groups = self.episode_returns(rb, lam)  # [N] x3
         adv = grpo.group_advantages(returns, groups, eps=c.adv_eps, scale=c.adv_scale)  # [N]
-        logs: dict[str, float] = {k: v for k, v in episode_stats(rb).items()}
+        logs: dict[str, float] = episode_stats(rb)
+        # the per-episode means go through torchmetrics so that under DDP they are means over all ranks' episodes
+        self.train_metrics.update(rb)
+        logs.update(self.train_metrics.compute())
+        self.train_metrics.reset()
         logs.update({
             "reward/lambda": lam,
             "reward/blended_return": float(returns.mean()),

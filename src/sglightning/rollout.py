@@ -442,12 +442,9 @@ class Rollout:
             results = self._call(prompts, programs, temperature, generator, greedy, stats)
             for ep, prompt, pieces in zip(live, prompts, results):
                 ep.samples.append(_sample_of(ep.index, prompt, pieces))
-                obs = ep.observation
                 self._apply_turn(ep, guid.get(ep.index, []) + pieces, guided)
-                rec = ep.steps[-1] if ep.steps else None
-                if rec is not None:
-                    views[ep.index].append(StepView(rec.action or rec.action_text, ep.observation, rec.label, rec.reason))
-                del obs
+                rec = ep.steps[-1]
+                views[ep.index].append(StepView(rec.action or rec.action_text, ep.observation, rec.label, rec.reason))
             live = [ep for ep in live if not ep.done]
         for ep in live:
             ep.truncated, ep.done = True, True

@@ -13,6 +13,7 @@ Tasks (``task_type``: goal text):
 * ``heat_and_place``:  "put a hot egg on countertop"  (``heat <obj> with microwave 1``)
 * ``cool_and_place``:  "put a cool tomato in cabinet" (``cool <obj> with fridge 1``)
 * ``pick_two``:        "put two bowl in drawer"       (both in the *same* receptacle instance)
+* ``pick_up``:         "pick up a bowl"              (holding one is success; the easiest type, for tiny models)
 
 Actions (exact ALFWorld strings; input is lower-cased, whitespace-collapsed, a trailing "." dropped):
 ``go to <recep>``, ``open <recep>``, ``close <recep>``, ``take <obj> from <recep>``, ``put <obj> in/on <recep>``,
@@ -44,7 +45,8 @@ import random
 
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 
-TASK_TYPES = ("pick_and_place", "clean_and_place", "heat_and_place", "cool_and_place", "pick_two")
+TASK_TYPES = ("pick_and_place", "clean_and_place", "heat_and_place", "cool_and_place", "pick_two", "pick_up")
+ALFWORLD_TYPES = TASK_TYPES[:5]  # the ALFWorld-like types the difficulty levels sample by default
 OBJECTS = ("apple", "tomato", "potato", "egg", "mug", "cup", "plate", "bowl", "knife", "spoon", "lettuce", "bread")
 _HEATABLE = ("apple", "tomato", "potato", "egg", "mug", "cup", "plate", "bowl", "bread")
 _COOLABLE = ("apple", "tomato", "potato", "egg", "mug", "cup", "plate", "bowl", "lettuce", "bread")
@@ -65,8 +67,8 @@ _VERB_PROP = {"clean": "clean", "heat": "hot", "cool": "cool"}
 # difficulty -> receptacles (min, max), distractors (min, max), P(openable starts closed), target may be hidden, pool
 _LEVELS = {0: ((3, 4), (0, 1), 0.0, False, _EASY_POOL, TASK_TYPES[:1]),
            1: ((5, 6), (2, 3), 0.5, False, _POOL, TASK_TYPES[:4]),
-           2: ((8, 10), (4, 6), 0.7, True, _POOL, TASK_TYPES),
-           3: ((15, 20), (8, 12), 1.0, True, _POOL, TASK_TYPES)}
+           2: ((8, 10), (4, 6), 0.7, True, _POOL, ALFWORLD_TYPES),
+           3: ((15, 20), (8, 12), 1.0, True, _POOL, ALFWORLD_TYPES)}
 
 
 def _kind(name: str) -> str:
@@ -172,6 +174,8 @@ class HouseholdEnv(TextEnv):
         prep = "on" if target_kind in _SURFACES else "in"
         art = "two" if ttype == "pick_two" else "a"
         self._task = f"put {art} {adj}{target_obj} {prep} {target_kind}"
+        if ttype == "pick_up":
+            self._task = f"pick up a {target_obj}"
         self._adm = self._admissible()
         plan_len = self._plan_length()
         obs = f"{self._look()}\nYour task is to: {self._task}."
@@ -278,10 +282,12 @@ class HouseholdEnv(TextEnv):
         return max(sum(map(self._ok, self._contents[r])) for r in self._receps if _kind(r) == self._dest_kind)
 
     def _won(self) -> bool:
+        if self._type == "pick_up":
+            return self._held is not None and self._ok(self._held)
         return self._best_dest_count() >= (2 if self._type == "pick_two" else 1)
 
     def _score(self, won: bool) -> float:
-        n = 1 if self._type == "pick_and_place" else 2
+        n = {"pick_up": 0, "pick_and_place": 1}.get(self._type, 2)
         return 100.0 if won else round(100.0 * len(self._subgoals) / (n + 1), 1)
 
     # ------------------------------------------------------------------ expert
