@@ -22,6 +22,7 @@ from sglightning.module import SelfGuideModule
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "max_steps": 10,
+    "max_epochs": 1,  # one epoch = the whole run (the train dataloader yields one item per rollout)
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
     "enable_model_summary": False,

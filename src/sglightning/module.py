@@ -415,7 +415,10 @@ class SelfGuideModule(LightningModule):
                 RuntimeWarning,
                 stacklevel=2,
             )
-            opt.zero_grad()
+            # grads set to None, so the optimiser step below leaves every parameter (and its state) untouched; it
+            # still counts as a step, so trainer.max_steps and the step counters advance and the run can end
+            opt.zero_grad(set_to_none=True)
+            opt.step()
             return {"train/update_skipped": 1.0}
         if c.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], c.max_grad_norm)
