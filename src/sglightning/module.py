@@ -17,7 +17,7 @@ import functools
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +27,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from torch.utils.data import DataLoader
 
 from sglightning import grpo
+from sglightning.grpo import GRPOConfig
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
@@ -34,57 +35,6 @@ from sglightning.metrics import EpisodeMetrics, episode_stats, per_task_type_suc
 from sglightning.models import ModelConfig, load_policy
 from sglightning.rollout import Rollout, RolloutBatch, RolloutConfig, Sample
 from sglightning.sampler import KIND_ACTION, KIND_GUIDANCE
-
-
-@dataclass
-class GRPOConfig:
-    """The policy-gradient update (grpo.py)."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.28
-    kl_coef: float = 0.01
-    #: k1, k2, k3 or low_var_kl
-    kl_kind: str = "low_var_kl"
-    #: token_mean (DAPO / paper) or seq_mean_token_mean
-    loss_agg: str = "token_mean"
-    #: std (GRPO) or none (mean-centred only)
-    adv_scale: str = "std"
-    adv_eps: float = 1e-6
-    #: sum (paper) or mean over steps
-    internal_reward_norm: str = "sum"
-    #: λ(u) trapezoid breakpoints, fractions of the run (all <= 1) or absolute steps
-    trust_breakpoints: tuple[float, float, float, float] = (0.4, 0.5, 0.7, 0.8)
-    #: λ ≡ constant instead of the schedule (0 = guidance in rollouts only; 1 = full reward from the start)
-    trust_constant: float | None = None
-    #: total steps the fractions refer to (default: trainer.max_steps)
-    total_steps: int | None = None
-    ppo_epochs: int = 1
-    #: samples per forward/backward pass (gradients accumulate over micro-batches)
-    micro_batch_size: int = 4
-    max_grad_norm: float | None = 1.0
-
-    def __post_init__(self) -> None:
-        if self.clip_low <= 0 or self.clip_high <= 0:
-            raise ValueError(f"grpo.clip_low/clip_high: must be > 0, got {self.clip_low}, {self.clip_high}")
-        if self.kl_coef < 0:
-            raise ValueError(f"grpo.kl_coef: must be >= 0, got {self.kl_coef}")
-        if self.kl_kind not in ("k1", "k2", "k3", "low_var_kl"):
-            raise ValueError(f"grpo.kl_kind: {self.kl_kind!r} is not one of k1, k2, k3, low_var_kl")
-        if self.loss_agg not in ("token_mean", "seq_mean_token_mean"):
-            raise ValueError(f"grpo.loss_agg: {self.loss_agg!r} is not one of token_mean, seq_mean_token_mean")
-        if self.adv_scale not in ("std", "none"):
-            raise ValueError(f"grpo.adv_scale: {self.adv_scale!r} is not one of std, none")
-        if self.internal_reward_norm not in ("sum", "mean"):
-            raise ValueError(f"grpo.internal_reward_norm: {self.internal_reward_norm!r} is not one of sum, mean")
-        self.trust_breakpoints = grpo.validate_breakpoints(self.trust_breakpoints, key="grpo.trust_breakpoints")
-        if self.trust_constant is not None and not 0.0 <= self.trust_constant <= 1.0:
-            raise ValueError(f"grpo.trust_constant: must be in [0, 1], got {self.trust_constant}")
-        if self.ppo_epochs < 1:
-            raise ValueError(f"grpo.ppo_epochs: must be >= 1, got {self.ppo_epochs}")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"grpo.micro_batch_size: must be >= 1, got {self.micro_batch_size}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"grpo.max_grad_norm: must be > 0 or null, got {self.max_grad_norm}")
 
 
 @dataclass
