@@ -247,3 +247,19 @@ def test_quickstart_config_trains_smollm2_for_one_step(tmp_path):
     assert h["tokens/policy"] > 0 and math.isfinite(h["loss/total"])
     assert h["policy/logprob_gap_sampler_trainer"] < 1e-4
     assert (Path(cli.trainer.log_dir) / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_cli_validate_from_a_lightning_checkpoint(cli_run, tmp_path):
+    cli_fit, run_dir = cli_run
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    assert ckpt.is_file()
+    cli = cli_main([
+        "validate", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", f"--ckpt_path={ckpt}",
+        "--model.evaluation.self_guidance=on",
+    ])
+    trained = {n: p for n, p in cli_fit.model.policy.named_parameters() if "lora_" in n}
+    loaded = {n: p for n, p in cli.model.policy.named_parameters() if "lora_" in n}
+    assert trained.keys() == loaded.keys() and trained
+    assert all(torch.equal(trained[n].detach(), loaded[n].detach()) for n in trained)
+    assert set(cli.model.val_report["modes"]) == {"sg"}

@@ -418,6 +418,10 @@ class SelfGuideModule(LightningModule):
         trainable = {n for n, p in self.named_parameters() if p.requires_grad}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates}
+        # the config lives in the run's config.yaml; kept out of the checkpoint so that `validate --ckpt_path` uses the
+        # config it is given (LightningCLI would otherwise re-apply the training-time values over it)
+        checkpoint.pop("hyper_parameters", None)
+        checkpoint.pop("hparams_name", None)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("sglightning", {})
