@@ -11,14 +11,20 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+# third-party import-time noise that says nothing about the run (set before lightning imports bitsandbytes)
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # "no `kernels` package" on CPU
+warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
-from sglightning.module import SelfGuideModule
+from lightning.pytorch.cli import LightningCLI  # noqa: E402
+
+from sglightning.module import SelfGuideModule  # noqa: E402
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "max_steps": 10,
