@@ -64,6 +64,7 @@ def test_training_changes_adapters_only(tmp_path):
     assert any(changed_lora), "no adapter parameter moved"
     assert not any(changed_base), "a frozen base parameter changed"
     assert module.rollouts_done == 2 and len(module.history) == 2
+    assert [h["rollout/policy_lag"] for h in module.history] == [0.0, 0.0]  # sampled with the current adapters
     assert all(math.isfinite(h["loss/total"]) for h in module.history if "loss/total" in h)
 
 

@@ -275,6 +275,8 @@ class SelfGuideModule(LightningModule):
             "reward/blended_return": float(returns.mean()),
             "reward/internal_sum": float(internal_sum.mean()),
             "rollout/degenerate_groups": float(grpo.degenerate_groups(returns, groups)),
+            # pitfalls §2: the rollout must come from the weights being trained (0 = on-policy, as it should be)
+            "rollout/policy_lag": float(self.global_step - rb.policy_version),
             "rollout/groups": float(groups.unique().numel()),
             "time/rollout_s": rb.seconds,
             "tokens/generated": float(rb.generated_tokens),
