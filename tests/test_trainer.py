@@ -264,3 +264,19 @@ def test_cli_validate_from_a_lightning_checkpoint(cli_run, tmp_path):
     assert trained.keys() == loaded.keys() and trained
     assert all(torch.equal(trained[n].detach(), loaded[n].detach()) for n in trained)
     assert set(cli.model.val_report["modes"]) == {"sg"}
+
+
+def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
+    cli, run_dir = cli_run
+    leftovers = [p.name for p in run_dir.iterdir() if p.name.startswith(".") or p.name.endswith(".old")]
+    assert leftovers == []  # adapter export goes through a temp dir + rename
+    from sglightning.callbacks import format_summary, trajectory_markdown
+    from sglightning.rollout import Episode, StepRecord
+
+    ep = Episode(index=0, group=0, seed=7, task="put a mug on shelf", task_type="pick_and_place", won=True, env_return=1.0)
+    ep.steps = [StepRecord(observation="You arrive.", label="positive", reason="found it", action="take mug 1 from shelf 1",
+                           internal_reward=0.1)]
+    md = trajectory_markdown(ep)
+    assert "put a mug on shelf" in md and "**positive**" in md and "take mug 1 from shelf 1" in md and "success" in md
+    summary = format_summary(cli.trainer, cli.model)
+    assert "2 GRPO steps" in summary and str(run_dir / "adapter") in summary and "tensorboard --logdir" in summary
