@@ -280,3 +280,27 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
     assert "put a mug on shelf" in md and "**positive**" in md and "take mug 1 from shelf 1" in md and "success" in md
     summary = format_summary(cli.trainer, cli.model)
     assert "2 GRPO steps" in summary and str(run_dir / "adapter") in summary and "tensorboard --logdir" in summary
+
+
+def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
+    real = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("inf"), real(*a, **kw)[1]))
+    module = tiny_module(grpo=GRPOConfig(max_consecutive_skips=2, micro_batch_size=8))
+    with pytest.warns(RuntimeWarning, match="consecutive non-finite"):
+        tiny_trainer(tmp_path, steps=6).fit(module)
+    assert module.rollouts_done == 2 and module.skipped_updates == 2
+    assert "grpo.max_consecutive_skips=2" in module.stop_reason
+    ckpt = tmp_path / "checkpoints" / "nonfinite-stop.ckpt"
+    assert ckpt.is_file() and torch.load(ckpt, weights_only=True)["sglightning"]["skipped_updates"] == 2
+
+
+def test_cli_exits_nonzero_when_the_run_stops_itself(tmp_path, monkeypatch, capsys):
+    real = grpo.grpo_loss
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), real(*a, **kw)[1]))
+    with pytest.raises(SystemExit) as exc, pytest.warns(RuntimeWarning):
+        cli_main([
+            "fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.grpo.max_consecutive_skips=1",
+        ])
+    assert exc.value.code == 1
+    assert "consecutive non-finite updates" in capsys.readouterr().err

@@ -56,6 +56,12 @@ class SGLightningCLI(LightningCLI):
                 msg = str(err)
             self.parser.error(msg.splitlines()[0] if msg else repr(err))
 
+    def after_fit(self) -> None:
+        reason = getattr(self.model, "stop_reason", None)
+        if reason:
+            print(f"sglightning: {reason}", file=sys.stderr)
+            sys.exit(1)
+
     def after_validate(self) -> None:
         report = getattr(self.model, "val_report", None)
         if report is None or self.trainer.global_rank != 0:

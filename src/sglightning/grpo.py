@@ -460,6 +460,8 @@ class GRPOConfig:
     #: samples per forward/backward pass (gradients accumulate over micro-batches)
     micro_batch_size: int = 4
     max_grad_norm: float | None = 1.0
+    #: stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop
+    max_consecutive_skips: int = 5
 
     def __post_init__(self) -> None:
         if self.clip_low <= 0 or self.clip_high <= 0:
@@ -481,5 +483,7 @@ class GRPOConfig:
             raise ValueError(f"grpo.ppo_epochs: must be >= 1, got {self.ppo_epochs}")
         if self.micro_batch_size < 1:
             raise ValueError(f"grpo.micro_batch_size: must be >= 1, got {self.micro_batch_size}")
+        if self.max_consecutive_skips < 0:
+            raise ValueError(f"grpo.max_consecutive_skips: must be >= 0, got {self.max_consecutive_skips}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"grpo.max_grad_norm: must be > 0 or null, got {self.max_grad_norm}")

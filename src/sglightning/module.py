@@ -104,6 +104,8 @@ class SelfGuideModule(LightningModule):
         self.current_rollout: RolloutBatch | None = None
         self.rollouts_done = 0
         self.skipped_updates = 0
+        self.consecutive_skips = 0
+        self.stop_reason: str | None = None  # set when the run stopped itself (e.g. repeated non-finite updates)
         self.history: list[dict[str, float]] = []  # per-step summary for the end-of-run report
         self.train_metrics = EpisodeMetrics()
         self.val_metrics = torch.nn.ModuleDict({"sg": EpisodeMetrics(), "nosg": EpisodeMetrics()})
@@ -371,7 +373,12 @@ class SelfGuideModule(LightningModule):
             # still counts as a step, so trainer.max_steps and the step counters advance and the run can end
             opt.zero_grad(set_to_none=True)
             opt.step()
+            self.consecutive_skips += 1
+            limit = c.max_consecutive_skips
+            if limit and self.consecutive_skips >= limit:
+                self._stop_on_nonfinite(limit)
             return {"train/update_skipped": 1.0}
+        self.consecutive_skips = 0
         if c.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], c.max_grad_norm)
         opt.step()
@@ -379,6 +386,21 @@ class SelfGuideModule(LightningModule):
         out["train/grad_norm"] = float(grad_norm)
         out["train/update_skipped"] = 0.0
         return out
+
+    def _stop_on_nonfinite(self, limit: int) -> None:
+        """K consecutive non-finite updates: save a checkpoint, stop the run, say why (the CLI exits non-zero)."""
+        from sglightning.callbacks import run_dir
+
+        path = run_dir(self.trainer) / "checkpoints" / "nonfinite-stop.ckpt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.trainer.save_checkpoint(path)
+        self.stop_reason = (
+            f"stopped after {limit} consecutive non-finite updates (grpo.max_consecutive_skips={limit}) at step "
+            f"{self.rollouts_done + 1}; last good adapters saved in {path}. Lower the learning rate, set "
+            f"grpo.max_grad_norm, or check the rollouts' log-prob gap."
+        )
+        warnings.warn(self.stop_reason, RuntimeWarning, stacklevel=2)
+        self.trainer.should_stop = True
 
     # ------------------------------------------------------------------------------------------------------------------
     # validation
