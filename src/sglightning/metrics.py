@@ -1,7 +1,7 @@
 """Episode statistics (pure Python, testable) and their torchmetrics aggregators.
 
-``episode_stats(batch)`` turns one :class:`~sglightning.rollout.RolloutBatch` into named floats; ``EpisodeMetrics``
-accumulates them across batches (validation) and ranks (torchmetrics syncs under DDP) with per-episode weights.
+``EpisodeMetrics`` accumulates per-episode statistics across batches (validation) and ranks (torchmetrics syncs under
+DDP); ``batch_stats(batch)`` adds the few batch-level numbers that are not per-episode means.
 """
 
 from __future__ import annotations
@@ -49,18 +49,19 @@ def _episode_values(ep: Episode) -> dict[str, float]:
     return out
 
 
-def episode_stats(batch: RolloutBatch) -> dict[str, float]:
-    """Means over the episodes of a batch (label shares are per-episode shares, then averaged)."""
+def batch_stats(batch: RolloutBatch) -> dict[str, float]:
+    """Batch-level statistics that are not per-episode means (those go through :class:`EpisodeMetrics`)."""
     eps = batch.episodes
     if not eps:
         return {}
-    rows = [_episode_values(e) for e in eps]
-    stats = {k: sum(r[k] for r in rows) / len(rows) for k in EPISODE_KEYS}
-    stats["rollout/env_errors"] = float(sum(e.error is not None for e in eps))
-    stats["rollout/episodes"] = float(len(eps))
+    stats = {
+        "rollout/env_errors": float(sum(e.error is not None for e in eps)),
+        "rollout/episodes": float(len(eps)),
+    }
     # does the guidance know? share of positive labels in won vs lost episodes (self-guide.md §9)
-    won = [r["guidance/label_positive"] for r, e in zip(rows, eps) if e.won]
-    lost = [r["guidance/label_positive"] for r, e in zip(rows, eps) if not e.won]
+    positive = [_episode_values(e)["guidance/label_positive"] for e in eps]
+    won = [v for v, e in zip(positive, eps) if e.won]
+    lost = [v for v, e in zip(positive, eps) if not e.won]
     if won and lost and batch.guided:
         stats["guidance/positive_gap_won_minus_lost"] = sum(won) / len(won) - sum(lost) / len(lost)
     return stats

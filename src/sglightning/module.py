@@ -31,7 +31,7 @@ from sglightning.grpo import GRPOConfig
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
-from sglightning.metrics import EpisodeMetrics, episode_stats, per_task_type_success
+from sglightning.metrics import EpisodeMetrics, batch_stats, per_task_type_success
 from sglightning.models import ModelConfig, load_policy
 from sglightning.rollout import Rollout, RolloutBatch, RolloutConfig, Sample
 from sglightning.sampler import KIND_ACTION, KIND_GUIDANCE
@@ -267,7 +267,7 @@ class SelfGuideModule(LightningModule):
         lam = self.trust_lambda()
         returns, internal_sum, groups = self.episode_returns(rb, lam)  # [N] x3
         adv = grpo.group_advantages(returns, groups, eps=c.adv_eps, scale=c.adv_scale)  # [N]
-        logs: dict[str, float] = episode_stats(rb)
+        logs: dict[str, float] = batch_stats(rb)
         # the per-episode means go through torchmetrics so that under DDP they are means over all ranks' episodes
         self.train_metrics.update(rb)
         logs.update(self.train_metrics.compute())
@@ -357,9 +357,10 @@ class SelfGuideModule(LightningModule):
                 weights[k] = weights.get(k, 0.0) + n
         grad_norm = None
         if finite:
+            # one pass: the total gradient norm (checked below) and, when configured, the clipping
             params = [p for p in self.policy.parameters() if p.requires_grad]
-            grads = [p.grad for p in params if p.grad is not None]
-            grad_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) if grads else torch.zeros(())
+            max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             finite = bool(torch.isfinite(grad_norm))
         if not finite:
             self.skipped_updates += 1
@@ -379,8 +380,6 @@ class SelfGuideModule(LightningModule):
                 self._stop_on_nonfinite(limit)
             return {"train/update_skipped": 1.0}
         self.consecutive_skips = 0
-        if c.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], c.max_grad_norm)
         opt.step()
         out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
         out["train/grad_norm"] = float(grad_norm)
