@@ -80,9 +80,9 @@ class RecordingEnv(HouseholdEnv):
 
     log: list[int] = []
 
-    def reset(self, seed: int) -> ResetResult:
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
         RecordingEnv.log.append(seed)
-        return super().reset(seed)
+        return super().reset(seed, split)
 
 
 class CrashingEnv(HouseholdEnv):
@@ -97,13 +97,13 @@ class CrashingEnv(HouseholdEnv):
         self._seed = None
         self._n = 0
 
-    def reset(self, seed: int) -> ResetResult:
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
         self._seed, self._n = seed, 0
         if self.where == "reset" and seed in self.bad_seeds:
             raise RuntimeError("simulated reset crash")
         if self.where == "garbage" and seed in self.bad_seeds:
             return "not a ResetResult"  # type: ignore[return-value]
-        return super().reset(seed)
+        return super().reset(seed, split)
 
     def step(self, action: str) -> StepResult:
         self._n += 1
@@ -118,7 +118,7 @@ class FreeFormEnv(TextEnv):
     name = "freeform"
     action_help = "Write one action, e.g. 'finish'."
 
-    def reset(self, seed: int) -> ResetResult:
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
         return ResetResult("Nothing here.", "say finish", None, "echo")
 
     def step(self, action: str) -> StepResult:

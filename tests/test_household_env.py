@@ -48,7 +48,10 @@ def test_same_seed_same_episode_and_global_random_ignored(difficulty):
     random.random()
     trace_b = _rollout(env_b, seed=7, policy_seed=3, steps=30)
     assert trace_a == trace_b
-    assert env_a.reset(7).info == {"seed": 7, "expert_plan_length": env_a.reset(7).info["expert_plan_length"]}
+    info = env_a.reset(7).info
+    assert info == env_b.reset(7).info
+    assert info["seed"] == 7 and info["task_id"].endswith("-7")
+    assert info["target_objects"][0] in env_a._task  # the object named in the task is a target
 
 
 def test_different_seeds_give_different_tasks():

@@ -77,11 +77,12 @@ def test_group_members_get_the_groups_seed(tok):
     lm = ScriptedLM(tok, scripted_reply())
     r = Rollout(lm, tok, functools.partial(RecordingEnv, difficulty=0), GuidanceConfig(), RolloutConfig(group_size=3, max_steps=1))
     r.run([5, 9])
-    assert RecordingEnv.log == [5, 5, 5, 9, 9, 9]
+    assert sorted(RecordingEnv.log) == [5, 5, 5, 9, 9, 9]  # resets run concurrently: order is free
     # environments are reused across calls, not recreated per episode (pitfalls §7)
-    envs = list(r.envs)
+    envs = [r.pool.peek(i) for i in range(6)]
+    assert all(e is not None for e in envs)
     r.run([6, 7])
-    assert r.envs == envs
+    assert [r.pool.peek(i) for i in range(6)] == envs
 
 
 def test_negative_labels_give_negative_internal_reward_and_penalties(tok):
@@ -119,7 +120,9 @@ def test_env_crash_fails_only_that_episode(tok):
     assert all(e.error is None for e in good)
     assert [s.action for s in good[0].steps] == replay_first_admissible(2, 4)[0]
     assert r.env_errors == 2
-    assert CrashingEnv.instances == 4 + 2  # two broken envs were replaced
+    assert CrashingEnv.instances == 4 and r.pool.replaced == 2  # the broken workers were retired ...
+    r.run([2, 3])
+    assert CrashingEnv.instances == 4 + 2  # ... and rebuilt on their next use
 
 
 @pytest.mark.parametrize("where", ["reset", "garbage"])

@@ -22,8 +22,9 @@ from typing import Any
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # "no `kernels` package" on CPU
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
-from lightning.pytorch.cli import LightningCLI  # noqa: E402
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback  # noqa: E402
 
+from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS  # noqa: E402
 from sglightning.module import SelfGuideModule  # noqa: E402
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -37,6 +38,22 @@ TRAINER_DEFAULTS: dict[str, Any] = {
         "init_args": {"save_dir": "runs", "name": "sglightning"},
     },
 }
+
+
+class VersionedSaveConfig(SaveConfigCallback):
+    """Saves the resolved config like Lightning does, then appends the package versions of this run as YAML comments
+    (pitfalls §6: benchmark version drift), so the file stays a valid ``--config`` and records what ran."""
+
+    def save_config(self, trainer, pl_module, stage: str) -> None:
+        if not self.save_to_log_dir or trainer.log_dir is None:
+            return
+        path = Path(trainer.log_dir) / self.config_filename
+        versions = pl_module.package_versions() if hasattr(pl_module, "package_versions") else {}
+        if path.is_file() and versions:
+            with path.open("a") as f:
+                f.write("# package versions of this run (written by sglightning):\n")
+                for k, v in versions.items():
+                    f.write(f"#   {k}: {v}\n")
 
 
 class SGLightningCLI(LightningCLI):
@@ -68,7 +85,17 @@ class SGLightningCLI(LightningCLI):
             return
         out = Path(self.trainer.log_dir or self.trainer.default_root_dir)
         out.mkdir(parents=True, exist_ok=True)
-        report = dict(report, config={"env": self.model.env_name(), "model": self.model.model_cfg.model_name_or_path})
+        report = dict(report, config={
+            "env": self.model.env_name(),
+            "model": self.model.model_cfg.model_name_or_path,
+            "adapter": self.model.adapter_path,
+            "checkpoint": self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None,
+            "episodes_per_mode": self.model.eval_cfg.num_tasks * self.model.eval_cfg.episodes_per_task,
+            "temperature": self.model.eval_cfg.temperature,
+            "max_steps": self.model.rollout_cfg.max_steps,
+            "guidance": {"prompt_mode": self.model.guidance_cfg.prompt_mode, "decoding": self.model.guidance_cfg.decoding,
+                         "action_decoding": self.model.guidance_cfg.action_decoding},
+        })
         text = report_markdown(report)
         (out / "validation_report.json").write_text(json.dumps(report, indent=2, default=str))
         (out / "validation_report.md").write_text(text)
@@ -87,20 +114,39 @@ def report_markdown(report: dict[str, Any]) -> str:
         ("neu", "guidance/label_neutral"),
         ("neg", "guidance/label_negative"),
     ]
+    cfg = report.get("config", {})
+    split = report.get("split")
     lines = [
-        f"### validation — {report.get('config', {}).get('model', '')} on {report.get('config', {}).get('env', '')}",
+        f"### validation — {cfg.get('model', '')} on {cfg.get('env', '')}" + (f" ({split} split)" if split else ""),
         "",
         "| self-guidance | episodes | " + " | ".join(c for c, _ in cols) + " |",
         "|---|---|" + "---|" * len(cols),
     ]
-    for mode, stats in report["modes"].items():
+    modes = report["modes"]
+    name = {"sg": "on", "nosg": "off"}
+    for mode, stats in modes.items():
         vals = " | ".join(f"{stats.get(k, float('nan')):.3f}" for _, k in cols)
-        lines.append(f"| {'on' if mode == 'sg' else 'off'} | {stats.get('episodes', 0)} | {vals} |")
-    for mode, stats in report["modes"].items():
-        per = stats.get("per_task_type_success") or {}
-        if len(per) > 1:
-            lines.append("")
-            lines.append(f"per task type ({'on' if mode == 'sg' else 'off'}): " + ", ".join(f"{k} {v:.2f}" for k, v in per.items()))
+        lines.append(f"| {name.get(mode, mode)} | {stats.get('episodes', 0)} | {vals} |")
+    types = sorted({t for st in modes.values() for t in (st.get("per_task_type_success") or {})})
+    if len(types) > 1:
+        lines += ["", "Success per task type:", "", "| self-guidance | " + " | ".join(types) + " |",
+                  "|---|" + "---|" * len(types)]
+        for mode, stats in modes.items():
+            per = stats.get("per_task_type_success") or {}
+            lines.append(f"| {name.get(mode, mode)} | " + " | ".join(
+                f"{per[t]:.2f}" if t in per else "–" for t in types) + " |")
+    patterns = [p for p in (*PATTERNS, *WEBSHOP_PATTERNS) if any(p in (st.get("failure_patterns") or {}) for st in modes.values())]
+    if patterns:
+        lines += ["", "Failure patterns (share of failed episodes, self-guide.md §8):", "",
+                  "| self-guidance | failed | " + " | ".join(p.replace("_", " ") for p in patterns) + " |",
+                  "|---|---|" + "---|" * len(patterns)]
+        for mode, stats in modes.items():
+            fp = stats.get("failure_patterns") or {}
+            lines.append(f"| {name.get(mode, mode)} | {fp.get('failed_episodes', 0)} | " + " | ".join(
+                f"{fp[p]:.2f}" if p in fp else "–" for p in patterns) + " |")
+    versions = report.get("versions") or {}
+    if versions:
+        lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
     return "\n".join(lines) + "\n"
 
 
@@ -109,6 +155,7 @@ def cli_main(args: list[str] | None = None) -> SGLightningCLI:
     return SGLightningCLI(
         SelfGuideModule,
         trainer_defaults=TRAINER_DEFAULTS,
+        save_config_callback=VersionedSaveConfig,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
         seed_everything_default=0,

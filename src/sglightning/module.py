@@ -31,6 +31,7 @@ from sglightning.grpo import GRPOConfig
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
+from sglightning.diagnostics import failure_pattern_rates
 from sglightning.metrics import EpisodeMetrics, batch_stats, per_task_type_success
 from sglightning.models import ModelConfig, load_policy
 from sglightning.rollout import Rollout, RolloutBatch, RolloutConfig, Sample
@@ -51,6 +52,8 @@ class EvalConfig:
     self_guidance: str = "both"
     #: evaluation task seeds are ``seed_offset + i`` (disjoint from training seeds, which are < seed_offset)
     seed_offset: int = 1_000_000
+    #: the env split evaluated (e.g. dev/test; ALFWorld: valid_seen/valid_unseen)
+    split: str = "dev"
 
     def __post_init__(self) -> None:
         if self.self_guidance not in ("on", "off", "both"):
@@ -119,7 +122,7 @@ class SelfGuideModule(LightningModule):
             return
         self.policy, self.tokenizer = load_policy(self.model_cfg, self.device, self.adapter_path)
         try:  # build the first environment now: bad env arguments fail before any model call
-            self.get_engine()._env(0)
+            self.get_engine().env(0)
         except (TypeError, ValueError) as err:
             raise ValueError(f"env: cannot create the environment: {err}") from err
 
@@ -130,10 +133,32 @@ class SelfGuideModule(LightningModule):
         return env
 
     def env_name(self) -> str:
-        target = self.env_class
-        if isinstance(target, functools.partial):  # jsonargparse: partial(instantiator, EnvClass, **init_args)
-            target = next((a for a in target.args if isinstance(a, type)), target.func)
+        target = self.env_target()
         return getattr(target, "__qualname__", repr(target))
+
+    def env_target(self) -> Any:
+        """The environment class behind ``env`` (jsonargparse wraps it in a partial)."""
+        target = self.env_class
+        if isinstance(target, functools.partial):
+            target = next((a for a in target.args if isinstance(a, type)), target.func)
+        return target
+
+    def package_versions(self) -> dict[str, str]:
+        """sglightning + the training stack + the env's benchmark packages (pitfalls §6: record them everywhere)."""
+        import importlib.metadata as md
+
+        import sglightning
+
+        out = {"sglightning": sglightning.__version__}
+        for dist in ("torch", "lightning", "transformers", "peft"):
+            try:
+                out[dist] = md.version(dist)
+            except md.PackageNotFoundError:
+                pass
+        target = self.env_target()
+        if isinstance(target, type) and issubclass(target, TextEnv):
+            out.update(target.package_versions())
+        return out
 
     def get_engine(self) -> Rollout:
         if self.engine is None:
@@ -419,6 +444,7 @@ class SelfGuideModule(LightningModule):
                 temperature=self.eval_cfg.temperature,
                 guided=mode == "sg",
                 generator=self.sampling_generator(10_000_000 + batch_idx, salt=1),
+                split=self.eval_cfg.split,
             )
             self.val_metrics[mode].update(rb)
             self.val_episodes[mode].extend(rb.episodes)
@@ -428,11 +454,19 @@ class SelfGuideModule(LightningModule):
         for mode in self._val_modes():
             stats = self.val_metrics[mode].compute()
             stats["per_task_type_success"] = per_task_type_success(self.val_episodes[mode])
+            stats["failure_patterns"] = failure_pattern_rates(self.val_episodes[mode])
             stats["episodes"] = len(self.val_episodes[mode])
             report["modes"][mode] = stats
             for k, v in stats.items():
                 if isinstance(v, float) and not math.isnan(v):
                     self.log(f"val/{mode}/{k.split('/', 1)[-1]}", v, on_epoch=True, batch_size=1)
+            for k, v in stats["failure_patterns"].items():
+                if k != "failed_episodes":
+                    self.log(f"val/{mode}/failure_{k}", float(v), on_epoch=True, batch_size=1)
+            for k, v in stats["per_task_type_success"].items():
+                self.log(f"val/{mode}/success_{k}", float(v), on_epoch=True, batch_size=1)
+        report["split"] = self.eval_cfg.split
+        report["versions"] = self.package_versions()
         self.val_report = report
 
     # ------------------------------------------------------------------------------------------------------------------

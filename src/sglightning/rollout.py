@@ -20,7 +20,11 @@ Departures from the paper (and why):
   is the paper-faithful setting.
 * At step 1 there is no previous step to judge; the guidance then rates the starting situation (it still conditions
   the first action and still earns r_1).
-* An environment that raises ends only its own episode (failed, reason recorded, counted); the env is recreated.
+* An environment that raises, returns the wrong type or hangs past ``rollout.env_step_timeout_s`` ends only its own
+  episode (failed, reason recorded, counted); its worker is rebuilt (:mod:`sglightning.envs.pool`).  The failed
+  episode stays in its group with the environment return it had reached (0 for a sparse-reward env): its group's
+  other episodes still carry a valid comparison, and dropping it would bias the group baseline toward survivors.
+  Environment steps of all live episodes run concurrently, one worker (one JVM) per episode slot.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.envs.pool import EnvPool
 from sglightning.guidance import (
     LABELS,
     Guidance,
@@ -81,6 +86,14 @@ class RolloutConfig:
     max_context_tokens: int = 4096
     #: base of all randomness (task seeds, sampling)
     seed: int = 0
+    #: the env split training tasks come from
+    split: str = "train"
+    #: an env step slower than this fails its episode (seconds; null = wait forever)
+    env_step_timeout_s: float | None = 60.0
+    #: the same for creating an env + ``reset`` (JVM start, task loading)
+    env_reset_timeout_s: float | None = 300.0
+    #: step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially
+    env_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -95,6 +108,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.invalid_action_penalty: must be >= 0, got {self.invalid_action_penalty}")
         if self.max_context_tokens < 64:
             raise ValueError(f"rollout.max_context_tokens: must be >= 64, got {self.max_context_tokens}")
+        for key in ("env_step_timeout_s", "env_reset_timeout_s"):
+            v = getattr(self, key)
+            if v is not None and v <= 0:
+                raise ValueError(f"rollout.{key}: must be > 0 seconds or null (no timeout), got {v}")
 
 
 @dataclass
@@ -138,6 +155,7 @@ class StepRecord:
     invalid: bool = False
     env_reward: float = 0.0
     internal_reward: float = 0.0
+    info: dict = field(default_factory=dict)  # the env's step info (e.g. WebShop's purchase flags)
 
 
 @dataclass
@@ -161,6 +179,8 @@ class Episode:
     admissible: list[str] | None = None
     observation: str = ""
     initial_observation: str = ""
+    action_help: str = ""
+    info: dict = field(default_factory=dict)  # the env's reset info (task_id, target_objects, ...)
 
     @property
     def internal_rewards(self) -> list[float]:
@@ -172,6 +192,7 @@ class RolloutBatch:
     episodes: list[Episode]
     group_size: int
     seconds: float = 0.0
+    env_seconds: float = 0.0  # wall time spent waiting for environment resets/steps
     generated_tokens: int = 0
     forward_calls: int = 0
     policy_version: int = 0  # the trainer step whose weights sampled this batch (pitfalls §2)
@@ -232,7 +253,12 @@ class Rollout:
         self.guidance = guidance
         self.cfg = config
         self.chat = ChatFormat(tokenizer)
-        self.envs: list[TextEnv] = []
+        self.pool = EnvPool(
+            env_factory,
+            step_timeout_s=config.env_step_timeout_s,
+            reset_timeout_s=config.env_reset_timeout_s,
+            concurrent=config.env_parallel,
+        )
         self.env_errors = 0
         self.eot = end_of_turn_ids(tokenizer)
         self.eot_id = tokenizer.eos_token_id
@@ -243,32 +269,19 @@ class Rollout:
 
     # ------------------------------------------------------------------------------------------------------------------
     def close(self) -> None:
-        for env in self.envs:
-            try:
-                env.close()
-            except Exception as err:  # noqa: BLE001 - closing must not mask the real error
-                log.warning("closing %s failed: %s", type(env).__name__, err)
-        self.envs = []
+        """Close every environment worker (JVMs included)."""
+        self.pool.close()
 
-    def _env(self, i: int) -> TextEnv:
-        while len(self.envs) <= i:
-            self.envs.append(self.env_factory())
-        return self.envs[i]
+    def env(self, slot: int) -> TextEnv:
+        """The environment of episode slot ``slot`` (created now if needed; raises what the env constructor raises)."""
+        return self.pool.env(slot)
 
-    def _replace_env(self, i: int) -> None:
-        try:
-            self.envs[i].close()
-        except Exception:  # noqa: BLE001
-            pass
-        self.envs[i] = self.env_factory()
-
-    def _fail(self, ep: Episode, what: str, err: BaseException) -> None:
-        ep.error = f"{what}: {type(err).__name__}: {err}"[:500]
+    def _fail(self, ep: Episode, reason: str) -> None:
+        ep.error = reason[:500]
         ep.done = True
         ep.won = False
         self.env_errors += 1
         log.warning("episode %d (seed %d) failed in %s", ep.index, ep.seed, ep.error)
-        self._replace_env(ep.index)
 
     # ------------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -282,26 +295,33 @@ class Rollout:
         generator: torch.Generator | None = None,
         greedy: bool = False,
         policy_version: int = 0,
+        split: str | None = None,
     ) -> RolloutBatch:
-        """Play ``group_size`` episodes for every task seed (one group per seed, same seed for each member)."""
+        """Play ``group_size`` episodes for every task seed (one group per seed, same seed for each member) of the
+        env split ``split`` (default ``rollout.split``)."""
         g = group_size or self.cfg.group_size
+        split = split or self.cfg.split
         temperature = temperature or self.cfg.temperature
         guided = self.guidance.enabled if guided is None else guided
         t0 = time.perf_counter()
         was_training = self.model.training
         self.model.eval()
         episodes = [Episode(index=k * g + j, group=k, seed=int(s), guided=guided) for k, s in enumerate(seeds) for j in range(g)]
-        for ep in episodes:
-            try:
-                res = self._env(ep.index).reset(ep.seed)
-                if not isinstance(res, ResetResult):
-                    raise TypeError(f"reset returned {type(res).__name__}, expected ResetResult")
-            except Exception as err:  # noqa: BLE001 - a broken env fails its episode only
-                self._fail(ep, "reset", err)
+        self._env_seconds = 0.0
+        te = time.perf_counter()
+        outcomes = self.pool.reset_many([(ep.index, ep.seed, split) for ep in episodes])
+        self._env_seconds += time.perf_counter() - te
+        for ep, out in zip(episodes, outcomes):
+            if not out.ok:  # a broken env fails its episode only
+                self._fail(ep, out.error or "reset failed")
                 continue
-            ep.task, ep.task_type = res.task, res.task_type
-            ep.observation = ep.initial_observation = res.observation
-            ep.admissible = res.admissible_actions
+            res: ResetResult = out.value
+            ep.task, ep.task_type = str(res.task), str(res.task_type)
+            ep.observation = ep.initial_observation = str(res.observation)
+            ep.admissible = _clean_admissible(res.admissible_actions)
+            env = self.pool.peek(ep.index)
+            ep.action_help = res.action_help if res.action_help is not None else getattr(env, "action_help", "")
+            ep.info = dict(res.info) if isinstance(res.info, dict) else {}
         stats = {"tokens": 0, "forward": 0}
         try:
             if self.guidance.prompt_mode == "single_stream":
@@ -317,6 +337,7 @@ class Rollout:
             episodes=episodes,
             group_size=g,
             seconds=time.perf_counter() - t0,
+            env_seconds=self._env_seconds,
             generated_tokens=stats["tokens"],
             forward_calls=stats["forward"],
             policy_version=policy_version,
@@ -360,7 +381,7 @@ class Rollout:
         live = [ep for ep in episodes if not ep.done]
         if not live:
             return
-        env_help = {ep.index: getattr(self.envs[ep.index], "action_help", "") for ep in live}
+        env_help = {ep.index: ep.action_help for ep in live}
         session = DecodeSession(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
         blocks = []
         for ep in live:
@@ -389,7 +410,7 @@ class Rollout:
                     stats["tokens"] += sum(p.policy)
                 if guided and not constrained:
                     _split_free_turn(ep.samples[0], pieces, self.tok)
-                self._apply_turn(ep, pieces, guided)
+            self._apply_turns(live, results, guided)
             # next turn: observation for the survivors, drop finished rows from the cache
             keep, blocks = [], []
             for row, ep in enumerate(live):
@@ -435,14 +456,14 @@ class Rollout:
             prompts, programs = [], []
             for ep in live:
                 g = _guidance_from_pieces(guid[ep.index], self.tok) if guided else None
-                env_help = getattr(self.envs[ep.index], "action_help", "")
-                prompts.append(self.chat.prompt_ids(actor_messages(ep.task, ep.observation, ep.admissible, env_help, views[ep.index], hist, g)))
+                prompts.append(self.chat.prompt_ids(actor_messages(ep.task, ep.observation, ep.admissible, ep.action_help, views[ep.index], hist, g)))
                 free_actor = self.guidance.action_decoding == "free"
                 programs.append(self._action_program(ep, force_prefix=not free_actor or constrained))
             results = self._call(prompts, programs, temperature, generator, greedy, stats)
             for ep, prompt, pieces in zip(live, prompts, results):
                 ep.samples.append(_sample_of(ep.index, prompt, pieces))
-                self._apply_turn(ep, guid.get(ep.index, []) + pieces, guided)
+            self._apply_turns(live, [guid.get(ep.index, []) + pieces for ep, pieces in zip(live, results)], guided)
+            for ep in live:
                 rec = ep.steps[-1]
                 views[ep.index].append(StepView(rec.action or rec.action_text, ep.observation, rec.label, rec.reason))
             live = [ep for ep in live if not ep.done]
@@ -458,8 +479,24 @@ class Rollout:
         return out
 
     # ------------------------------------------------------------------------------------------------------------------
-    def _apply_turn(self, ep: Episode, pieces: list[Piece], guided: bool) -> None:
-        """Parse guidance + action from one turn's pieces, step the environment, record the step."""
+    def _apply_turns(self, live: list[Episode], results: list[list[Piece]], guided: bool) -> None:
+        """Parse every live episode's turn, step all their environments concurrently, record the steps."""
+        actions = [self._decide(ep, pieces, guided) for ep, pieces in zip(live, results)]
+        te = time.perf_counter()
+        outcomes = self.pool.step_many([(ep.index, a or "") for ep, a in zip(live, actions)])
+        self._env_seconds += time.perf_counter() - te
+        for ep, action, out in zip(live, actions, outcomes):
+            if not out.ok:  # a broken env fails its episode only
+                self._fail(ep, out.error or "step failed")
+                continue
+            try:
+                self._record(ep, action, out.value)
+            except (TypeError, ValueError) as err:  # e.g. a reward that is not a number
+                self._fail(ep, f"step: malformed StepResult: {type(err).__name__}: {err}")
+                self.pool.retire(ep.index)
+
+    def _decide(self, ep: Episode, pieces: list[Piece], guided: bool) -> str | None:
+        """Parse guidance + action from one turn's pieces, append the step record, return the action to send."""
         g_text = self.tok.decode([t for p in pieces if p.kind == KIND_GUIDANCE for t in p.ids], skip_special_tokens=True)
         a_pieces = [p for p in pieces if p.kind == KIND_ACTION]
         a_text = self.tok.decode([t for p in a_pieces for t in p.ids], skip_special_tokens=True)
@@ -480,13 +517,10 @@ class Rollout:
         rec.action_text = a_text
         rec.action = action
         ep.steps.append(rec)
-        try:
-            res = self.envs[ep.index].step(action or "")
-            if not isinstance(res, StepResult):
-                raise TypeError(f"step returned {type(res).__name__}, expected StepResult")
-        except Exception as err:  # noqa: BLE001 - a broken env fails its episode only
-            self._fail(ep, "step", err)
-            return
+        return action
+
+    def _record(self, ep: Episode, action: str | None, res: StepResult) -> None:
+        rec = ep.steps[-1]
         invalid = bool(res.invalid_action) or action is None or (
             ep.admissible is not None and match_admissible(action, ep.admissible) is None
         )
@@ -494,14 +528,22 @@ class Rollout:
         if invalid:
             ep.penalty += self.cfg.invalid_action_penalty
         rec.env_reward = float(res.reward)
+        rec.info = dict(res.info) if isinstance(res.info, dict) else {}
         ep.env_return += float(res.reward)
-        ep.observation = res.observation
-        ep.admissible = res.admissible_actions
+        ep.observation = str(res.observation)
+        ep.admissible = _clean_admissible(res.admissible_actions)
         if res.score is not None:
             ep.score = float(res.score)
         if res.done:
             ep.done = True
             ep.won = bool(res.won)
+
+
+def _clean_admissible(actions) -> list[str] | None:
+    """The env's admissible list as unique non-empty strings (None stays None: free-form actions)."""
+    if actions is None:
+        return None
+    return list(dict.fromkeys(str(a) for a in actions if str(a).strip()))
 
 
 def _sample_of(episode: int, prompt: list[int], pieces: list[Piece]) -> Sample:

@@ -18,6 +18,10 @@ __all__ = ["ResetResult", "StepResult", "TextEnv", "register_env", "resolve_env_
 _REGISTRY: dict[str, str] = {
     # short name -> import path (imported lazily so optional benchmark extras are not needed to list names)
     "household": "sglightning.envs.household.HouseholdEnv",
+    "scienceworld": "sglightning.envs.scienceworld.ScienceWorldEnv",
+    "twx": "sglightning.envs.textworld_express.TextWorldExpressEnv",
+    "alfworld": "sglightning.envs.alfworld.ALFWorldEnv",
+    "webshop": "sglightning.envs.webshop.WebShopEnv",
 }
 
 

@@ -3,8 +3,12 @@
 An environment is a plain Python object; the rollout owns episode bookkeeping (step limits, invalid-action penalties,
 group seeding) so adapters stay thin.  Contract:
 
-* ``reset(seed)`` starts the task identified by ``seed``.  The *rollout* chooses the seed and passes the same value to
-  every member of a GRPO group (pitfalls §4): an environment must never draw its own task inside ``reset``.
+* ``reset(seed, split)`` starts the task identified by ``(split, seed)``.  The *rollout* chooses the seed and passes the
+  same value to every member of a GRPO group (pitfalls §4): an environment must never draw its own task inside
+  ``reset``.  ``split`` is ``"train"`` for training rollouts and the evaluation split (``evaluation.split``, e.g.
+  ``"dev"``, ``"valid_seen"``, ``"test"``) for validation; an env maps any integer seed into that split's task set
+  (e.g. ``seed % len(variations)``) and raises ``ValueError`` for a split it does not have.  Envs whose ``reset``
+  takes no ``split`` argument still work for training (seed only).
 * ``step(action)`` takes the raw action text (already extracted from the model's output).  An action the environment
   cannot execute is not an error: it returns the environment's usual "nothing happens" observation with
   ``invalid_action=True``.
@@ -24,7 +28,11 @@ class ResetResult:
     task: str  # the goal in words, e.g. "put a clean apple in fridge"
     admissible_actions: list[str] | None = None  # None when the env has no list (free-form actions)
     task_type: str = "default"  # e.g. "pick_and_place"; used for per-type success
+    #: conventional keys: "target_objects" (list of object names the task is about; enables the wrong-object-focus
+    #: failure pattern), "task_id" (a stable name of the task instance), "gold_path_length"
     info: dict[str, Any] = field(default_factory=dict)
+    #: per-task action help (e.g. ScienceWorld's grammar + room list); None = the env's ``action_help``
+    action_help: str | None = None
 
 
 @dataclass
@@ -44,17 +52,24 @@ class TextEnv(abc.ABC):
 
     #: short name used in configs and metrics
     name: str = "env"
+    #: the splits ``reset`` accepts
+    splits: tuple[str, ...] = ("train", "dev", "test")
     #: the action format the actor prompt should describe (one line of help text)
     action_help: str = "Answer with exactly one of the admissible actions."
 
     @abc.abstractmethod
-    def reset(self, seed: int) -> ResetResult: ...
+    def reset(self, seed: int, split: str = "train") -> ResetResult: ...
 
     @abc.abstractmethod
     def step(self, action: str) -> StepResult: ...
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (processes, files). Safe to call twice."""
+
+    @classmethod
+    def package_versions(cls) -> dict[str, str]:
+        """Versions of the benchmark packages this env runs on (recorded in the run's config and reports)."""
+        return {}
 
     def expert_action(self) -> str | None:
         """The next action of an expert solver from the current state, or None when the env has none."""

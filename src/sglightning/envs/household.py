@@ -123,7 +123,11 @@ class HouseholdEnv(TextEnv):
         self._done = True
 
     # ------------------------------------------------------------------ episode API
-    def reset(self, seed: int) -> ResetResult:
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
+        """The task is a pure function of ``seed``; training and evaluation seeds are disjoint ranges, so every split
+        shares one generator (``split`` is checked, not used)."""
+        if split not in self.splits:
+            raise ValueError(f"household: unknown split {split!r}; allowed: {', '.join(self.splits)}")
         rng = random.Random(seed)
         (rmin, rmax), (dmin, dmax), p_closed, hidden_ok, pool, _ = _LEVELS[self.difficulty]
         ttype = rng.choice(self.task_types)
@@ -179,7 +183,8 @@ class HouseholdEnv(TextEnv):
         self._adm = self._admissible()
         plan_len = self._plan_length()
         obs = f"{self._look()}\nYour task is to: {self._task}."
-        info = {"seed": seed, "expert_plan_length": plan_len}
+        info = {"seed": seed, "expert_plan_length": plan_len, "task_id": f"{ttype}-{seed}",
+                "target_objects": [target_obj, target_kind] + ([_kind(appliance)] if appliance else [])}
         return ResetResult(obs, self._task, list(self._adm), ttype, info)
 
     def step(self, action: str) -> StepResult:

@@ -1,0 +1,117 @@
+"""Environment throughput: the worker pool (one thread + one env/JVM per episode slot, steps of a round run
+concurrently) vs one worker (the same envs stepped one after another), on the real benchmark engines.
+
+    python benchmarks/env_throughput.py                            # twx twc + scienceworld + household, 16 slots
+    python benchmarks/env_throughput.py --envs scienceworld --slots 8 --rounds 30
+    python benchmarks/env_throughput.py --alfworld-data /path/with/json_2.1.1   # + ALFWorld games
+
+No model is involved: each round every slot takes one action (a seeded random admissible action where the env lists
+them; a fixed mix of ScienceWorld commands otherwise), as a lock-step rollout round does.  Prints env steps/s and
+resets/s for both modes.  ScienceWorld also compares our direct simulator step with the package's ``env.step``, which
+rebuilds the full valid-action list on every call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import random
+import time
+
+from sglightning.envs.pool import EnvPool
+
+SW_ACTIONS = ["look around", "inventory", "open door to kitchen", "go to kitchen", "look at table", "pick up thermometer",
+              "open cupboard", "go to hallway", "wait1", "read book", "focus on thermometer"]
+
+
+def make_factory(name: str, alfworld_data: str | None):
+    if name == "twx":
+        from sglightning.envs.textworld_express import TextWorldExpressEnv
+
+        return functools.partial(TextWorldExpressEnv, "twc")
+    if name == "scienceworld":
+        from sglightning.envs.scienceworld import ScienceWorldEnv
+
+        return functools.partial(ScienceWorldEnv, ["boil", "find-plant", "use-thermometer", "test-conductivity"])
+    if name == "alfworld":
+        from sglightning.envs.alfworld import ALFWorldEnv
+
+        return functools.partial(ALFWorldEnv, data_path=alfworld_data, expert=False)
+    from sglightning.envs.household import HouseholdEnv
+
+    return functools.partial(HouseholdEnv, difficulty=2)
+
+
+def play(pool: EnvPool, slots: int, rounds: int, seed: int, split: str) -> dict[str, float]:
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    outs = pool.reset_many([(i, seed + i // 2, split) for i in range(slots)])
+    reset_s = time.perf_counter() - t0
+    adm = {i: o.value.admissible_actions for i, o in enumerate(outs) if o.ok}
+    steps, errors = 0, sum(not o.ok for o in outs)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        calls = [(i, rng.choice(adm[i]) if adm[i] else rng.choice(SW_ACTIONS)) for i in sorted(adm)]
+        if not calls:
+            break
+        for (i, _), o in zip(calls, pool.step_many(calls)):
+            if not o.ok:
+                errors += 1
+                adm.pop(i)
+                continue
+            steps += 1
+            if o.value.done:
+                adm.pop(i)
+            else:
+                adm[i] = o.value.admissible_actions
+    step_s = time.perf_counter() - t0
+    return {"steps": steps, "steps_per_s": steps / max(step_s, 1e-9), "resets_per_s": slots / max(reset_s, 1e-9),
+            "errors": errors}
+
+
+def official_scienceworld_step_rate(n: int = 40) -> float:
+    from scienceworld import ScienceWorldEnv as Official
+
+    env = Official("", envStepLimit=100_000)
+    env.load("use-thermometer", 0)
+    env.reset()
+    t0 = time.perf_counter()
+    for k in range(n):
+        env.step(SW_ACTIONS[k % len(SW_ACTIONS)])
+    rate = n / (time.perf_counter() - t0)
+    env.close()
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--envs", nargs="+", default=["twx", "scienceworld", "household"],
+                    choices=["twx", "scienceworld", "alfworld", "household"])
+    ap.add_argument("--slots", type=int, default=16, help="concurrent episodes (= envs = JVMs)")
+    ap.add_argument("--rounds", type=int, default=20, help="steps per episode")
+    ap.add_argument("--alfworld-data", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if args.alfworld_data and "alfworld" not in args.envs:
+        args.envs.append("alfworld")
+    print(f"{'env':14s} {'mode':10s} {'steps':>6s} {'steps/s':>9s} {'resets/s':>9s} {'errors':>6s}")
+    for name in args.envs:
+        factory = make_factory(name, args.alfworld_data)
+        results = {}
+        for mode, concurrent in (("pool", True), ("one worker", False)):
+            with EnvPool(factory, concurrent=concurrent) as pool:
+                for i in range(args.slots):  # start every env first: JVM start-up is not throughput
+                    pool.env(i)
+                play(pool, args.slots, 2, args.seed + 1000, "train")  # warm-up (class loading, JIT)
+                r = play(pool, args.slots, args.rounds, args.seed, "train")
+            results[mode] = r
+            print(f"{name:14s} {mode:10s} {r['steps']:6d} {r['steps_per_s']:9.1f} {r['resets_per_s']:9.1f} {r['errors']:6d}")
+        speed = results["pool"]["steps_per_s"] / max(results["one worker"]["steps_per_s"], 1e-9)
+        print(f"{name:14s} pool / one worker: steps ×{speed:.2f}, resets "
+              f"×{results['pool']['resets_per_s'] / max(results['one worker']['resets_per_s'], 1e-9):.2f}")
+        if name == "scienceworld":
+            print(f"{name:14s} package env.step (valid-action list every call): {official_scienceworld_step_rate():.1f} steps/s, one env")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""A pool of environment workers: concurrent ``reset``/``step`` across episodes, timeouts, clean shutdown.
+
+One *slot* per concurrently played episode.  A slot is one environment instance (for ScienceWorld and
+TextWorldExpress: one JVM) plus one daemon thread that makes every call on it; both live across steps, episodes and
+rollout batches (pitfalls §7: never one env per sample).  A round of the lock-step rollout hands every live episode's
+action to its slot at once and waits for all of them, so the wall time of a round is the slowest step, not the sum.
+
+Why threads (and not processes): the expensive envs are JVMs behind py4j sockets — a step blocks on socket I/O with
+the GIL released, so threads step JVMs truly in parallel, without pickling envs or re-importing the trainer in child
+processes.  Pure-Python envs (``household``) take microseconds per step; threads cost them nothing.
+
+Failure handling (each case fails *that episode only*, see :class:`CallOutcome`):
+
+* the env raises (including a killed JVM: py4j raises on the dead socket) → ``error="step: <Type>: <message>"``;
+* the env returns the wrong type → ``TypeError`` recorded the same way;
+* the call does not return within the timeout (``step_timeout_s``; ``reset_timeout_s`` for create+reset) →
+  ``error="step: timeout after X s"``.  The slot is retired: its env is closed from a helper thread (closing a JVM
+  env kills the process, which also unblocks the stuck call) and the slot is rebuilt on its next use.  A pure-Python
+  env that never returns cannot be interrupted from another thread; its daemon thread is abandoned (counted in
+  ``abandoned_threads``) and dies with the process.
+
+``close()`` closes every env (each with a deadline) and ends the worker threads; :func:`live_java_processes` lets
+tests check that no JVM outlives its pool.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+from sglightning.envs.base import ResetResult, StepResult, TextEnv
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass
+class CallOutcome:
+    """Result of one pooled call: ``value`` or ``error`` (a one-line reason), never both."""
+
+    value: Any = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _Worker:
+    """One env + the thread that makes every call on it."""
+
+    def __init__(self, factory: Callable[[], TextEnv], name: str):
+        self.factory = factory
+        self.env: TextEnv | None = None
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self.inbox.get()
+            if job is _STOP:
+                return
+            fn, fut = job
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                if self.env is None:
+                    env = self.factory()
+                    if not isinstance(env, TextEnv):
+                        raise TypeError(f"the env factory built a {type(env).__name__}, not a sglightning TextEnv")
+                    self.env = env
+                fut.set_result(fn(self.env))
+            except BaseException as err:  # noqa: BLE001 - delivered to the caller, never lost
+                fut.set_exception(err)
+
+    def submit(self, fn: Callable[[TextEnv], Any]) -> Future:
+        fut: Future = Future()
+        self.inbox.put((fn, fut))
+        return fut
+
+    def stop(self) -> None:
+        self.inbox.put(_STOP)
+
+
+def _accepts_split(env: TextEnv) -> bool:
+    try:
+        params = inspect.signature(env.reset).parameters
+    except (TypeError, ValueError):
+        return True
+    return "split" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _reset(env: TextEnv, seed: int, split: str) -> ResetResult:
+    if _accepts_split(env):
+        res = env.reset(seed, split=split)
+    elif split == "train":
+        res = env.reset(seed)
+    else:
+        raise ValueError(f"{type(env).__name__}.reset takes no split argument, so it cannot play split {split!r}")
+    if not isinstance(res, ResetResult):
+        raise TypeError(f"reset returned {type(res).__name__}, expected ResetResult")
+    return res
+
+
+def _step(env: TextEnv, action: str) -> StepResult:
+    res = env.step(action)
+    if not isinstance(res, StepResult):
+        raise TypeError(f"step returned {type(res).__name__}, expected StepResult")
+    return res
+
+
+class EnvPool:
+    """Slots of (env, thread); ``reset_many``/``step_many`` run calls on many slots concurrently.
+
+    Args:
+        factory: builds one environment (called in the slot's thread, so JVMs start in parallel too).
+        step_timeout_s: a ``step`` taking longer fails its episode (``None``: wait forever).
+        reset_timeout_s: the same for env creation + ``reset`` (JVM start and task loading can take seconds).
+        concurrent: ``False`` runs every call in the caller's thread, one after another (the reference for the
+            throughput benchmark and for debugging); timeouts are then not enforced.
+    """
+
+    def __init__(
+        self,
+        factory: Callable[[], TextEnv],
+        *,
+        step_timeout_s: float | None = 60.0,
+        reset_timeout_s: float | None = 300.0,
+        concurrent: bool = True,
+    ):
+        self.factory = factory
+        self.step_timeout_s = step_timeout_s
+        self.reset_timeout_s = reset_timeout_s
+        self.concurrent = concurrent
+        self._workers: dict[int, _Worker] = {}
+        self._local_envs: dict[int, TextEnv] = {}
+        self.errors = 0  # calls that failed (exception, wrong type or timeout)
+        self.timeouts = 0
+        self.replaced = 0  # slots rebuilt after a failure
+        self.abandoned_threads = 0
+        self._closers: list[threading.Thread] = []
+        self._serial = 0
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def env(self, slot: int) -> TextEnv:
+        """The slot's environment, created now if needed (synchronously; raises what the factory raises)."""
+        if not self.concurrent:
+            if slot not in self._local_envs:
+                self._local_envs[slot] = self._build()
+            return self._local_envs[slot]
+        w = self._worker(slot)
+        if w.env is None:
+            w.submit(lambda env: None).result()
+        assert w.env is not None
+        return w.env
+
+    def peek(self, slot: int) -> TextEnv | None:
+        """The slot's environment if it exists (never creates one)."""
+        if not self.concurrent:
+            return self._local_envs.get(slot)
+        w = self._workers.get(slot)
+        return w.env if w is not None else None
+
+    def _build(self) -> TextEnv:
+        env = self.factory()
+        if not isinstance(env, TextEnv):
+            raise TypeError(f"the env factory built a {type(env).__name__}, not a sglightning TextEnv")
+        return env
+
+    def _worker(self, slot: int) -> _Worker:
+        w = self._workers.get(slot)
+        if w is None:
+            self._serial += 1
+            w = self._workers[slot] = _Worker(self.factory, f"sglightning-env-{slot}-{self._serial}")
+        return w
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def reset_many(self, calls: Sequence[tuple[int, int, str]]) -> list[CallOutcome]:
+        """``calls``: (slot, seed, split) → one outcome per call, in order."""
+        return self._run([(slot, lambda env, s=seed, sp=split: _reset(env, s, sp)) for slot, seed, split in calls], "reset")
+
+    def step_many(self, calls: Sequence[tuple[int, str]]) -> list[CallOutcome]:
+        """``calls``: (slot, action) → one outcome per call, in order."""
+        return self._run([(slot, lambda env, a=action: _step(env, a)) for slot, action in calls], "step")
+
+    def _run(self, calls: list[tuple[int, Callable[[TextEnv], Any]]], what: str) -> list[CallOutcome]:
+        if len({slot for slot, _ in calls}) != len(calls):
+            raise ValueError("EnvPool: one call per slot per round")
+        if not self.concurrent:
+            return [self._run_local(slot, fn, what) for slot, fn in calls]
+        timeout = self.step_timeout_s if what == "step" else self.reset_timeout_s
+        t0 = time.perf_counter()
+        futures = [(slot, self._worker(slot).submit(fn)) for slot, fn in calls]
+        out: list[CallOutcome] = []
+        wait([f for _, f in futures], timeout=timeout)
+        for slot, fut in futures:
+            if not fut.done():
+                self.timeouts += 1
+                out.append(self._failed(slot, f"{what}: timeout after {timeout:g} s", retire=True))
+                continue
+            err = fut.exception()
+            if err is not None:  # the env's exception fails its episode only
+                out.append(self._failed(slot, f"{what}: {type(err).__name__}: {err}", retire=True))
+            else:
+                out.append(CallOutcome(value=fut.result(), seconds=time.perf_counter() - t0))
+        return out
+
+    def _run_local(self, slot: int, fn: Callable[[TextEnv], Any], what: str) -> CallOutcome:
+        t0 = time.perf_counter()
+        try:
+            return CallOutcome(value=fn(self.env(slot)), seconds=time.perf_counter() - t0)
+        except Exception as err:  # noqa: BLE001
+            return self._failed(slot, f"{what}: {type(err).__name__}: {err}", retire=True)
+
+    def _failed(self, slot: int, reason: str, retire: bool) -> CallOutcome:
+        self.errors += 1
+        log.warning("env slot %d: %s", slot, reason)
+        if retire:
+            self.retire(slot)
+        return CallOutcome(error=reason[:500])
+
+    def retire(self, slot: int) -> None:
+        """Close the slot's env (in the background, with a deadline) and forget it; the next call rebuilds it."""
+        self.replaced += 1
+        if not self.concurrent:
+            env = self._local_envs.pop(slot, None)
+            if env is not None:
+                _close_quietly(env)
+            return
+        w = self._workers.pop(slot, None)
+        if w is None:
+            return
+        w.stop()
+        if w.env is not None:
+            t = threading.Thread(target=_close_quietly, args=(w.env,), daemon=True, name=f"sglightning-env-close-{slot}")
+            t.start()
+            self._closers.append(t)
+        # the old thread ends after its current call returns (or never, for a hung pure-Python env)
+        if w.thread.is_alive():
+            self.abandoned_threads += 1
+
+    # ------------------------------------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return len(self._workers) if self.concurrent else len(self._local_envs)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Close every env (each in its own thread, all within ``timeout_s``) and stop the worker threads."""
+        closers = []
+        envs = [w.env for w in self._workers.values() if w.env is not None] + list(self._local_envs.values())
+        for w in self._workers.values():
+            w.stop()
+        for env in envs:
+            t = threading.Thread(target=_close_quietly, args=(env,), daemon=True, name="sglightning-env-close")
+            t.start()
+            closers.append(t)
+        deadline = time.perf_counter() + timeout_s
+        for t in closers + self._closers:
+            t.join(max(0.0, deadline - time.perf_counter()))
+        for w in self._workers.values():
+            w.thread.join(max(0.0, deadline - time.perf_counter()))
+        self._workers.clear()
+        self._local_envs.clear()
+        self._closers = [t for t in self._closers if t.is_alive()]
+
+    def __enter__(self) -> EnvPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_quietly(env: TextEnv) -> None:
+    try:
+        env.close()
+    except Exception as err:  # noqa: BLE001 - closing must not mask the real error
+        log.warning("closing %s failed: %s", type(env).__name__, err)
+
+
+def live_java_processes(parent: int | None = None) -> list[int]:
+    """PIDs of ``java`` processes that are children of ``parent`` (default: this process). Linux /proc only."""
+    parent = os.getpid() if parent is None else parent
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")[0]
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        state = stat.rsplit(")", 1)[1].split()[0]
+        if ppid == parent and state != "Z" and cmd.endswith(b"java"):
+            pids.append(int(entry))
+    return pids

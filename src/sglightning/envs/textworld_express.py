@@ -1,0 +1,139 @@
+"""TextWorldExpress (``textworld-express==1.1.0``, Java 17): fast, real text games — the default place to run learning
+experiments on a CPU.
+
+Install: ``pip install "sglightning[twx]"`` (the wheel ships its jar; needs a Java 17 runtime on ``PATH``).
+
+* Games: ``twc`` (TextWorld Commonsense: put household objects where they belong; the ALFWorld-like one), ``coin``,
+  ``cookingworld``, ``mapreader``, ``arithmetic``, ``sorting``, ``simonsays``, ``peckingorder``; ``game_params``
+  is the engine's parameter string (e.g. ``numLocations=3,numItemsToPutAway=3,includeDoors=0,limitInventorySize=0``).
+* Splits map to the engine's seed folds: ``train`` → its train seeds (0…999), ``dev`` → 10000…, ``test`` → 20000….
+  ``reset(seed, split)`` plays fold seed ``seeds[seed % len(seeds)]``: every integer is valid and the same (seed,
+  split) is the same game.
+* Admissible actions come back with every step (``validActions``); the engine's "Unknown action" answer and any action
+  outside the list count as invalid.
+* Score: the engine's normalised score × 100; success = ``tasksuccess``; reward = 1.0 on the winning step (the
+  engine's own reward is a score delta that is 0 on the last step of some games, so success is the sparse reward).
+* One JVM per env instance (≈100–200 MB); ``close()`` ends it.  The engine's own step limit is set above the rollout's
+  ``max_steps`` so the rollout, not the engine, ends episodes.
+* ``expert_action()`` follows the engine's gold path while the agent has followed it too.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from sglightning.envs.base import ResetResult, StepResult, TextEnv
+
+GAMES = ("cookingworld", "twc", "coin", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
+DEFAULT_PARAMS = {
+    "twc": "numLocations=3,numItemsToPutAway=3,includeDoors=0,limitInventorySize=0",
+    "coin": "numLocations=5,numDistractorItems=2,includeDoors=1,limitInventorySize=0",
+}
+_UNKNOWN = "unknown action"
+
+
+def _require_twx():
+    try:
+        from textworld_express import TextWorldExpressEnv
+    except ImportError as err:
+        raise ValueError(
+            f"env: TextWorldExpress is not installed ({err}); install the extra: pip install \"sglightning[twx]\" "
+            "(textworld-express==1.1.0, needs a Java 17 runtime)"
+        ) from err
+    return TextWorldExpressEnv
+
+
+class TextWorldExpressEnv(TextEnv):
+    name = "twx"
+    action_help = "Answer with exactly one of the admissible actions."
+    splits = ("train", "dev", "test")
+
+    def __init__(self, game: str = "twc", game_params: str | None = None, env_step_limit: int = 1000):
+        """
+        Args:
+            game: one of cookingworld, twc, coin, mapreader, arithmetic, sorting, simonsays, peckingorder.
+            game_params: the engine's parameter string (default: a small setting for twc and coin, the engine's
+                defaults otherwise).
+            env_step_limit: the engine's own limit (keep it above ``rollout.max_steps``).
+        """
+        if game not in GAMES:
+            raise ValueError(f"env.init_args.game: {game!r} is not one of {', '.join(GAMES)}")
+        if env_step_limit < 1:
+            raise ValueError(f"env.init_args.env_step_limit: must be >= 1, got {env_step_limit}")
+        cls = _require_twx()
+        self.game = game
+        self.game_params = DEFAULT_PARAMS.get(game, "") if game_params is None else game_params
+        self._env = cls(envStepLimit=env_step_limit)
+        self._seeds = {
+            "train": list(self._env.getValidSeedsTrain()),
+            "dev": list(self._env.getValidSeedsDev()),
+            "test": list(self._env.getValidSeedsTest()),
+        }
+        self._gold: list[str] = []
+        self._on_gold = False
+        self._n = 0
+        self._valid: list[str] = []
+        self._closed = False
+
+    @classmethod
+    def package_versions(cls) -> dict[str, str]:
+        try:
+            return {"textworld-express": importlib.metadata.version("textworld-express")}
+        except importlib.metadata.PackageNotFoundError:
+            return {}
+
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
+        if split not in self._seeds:
+            raise ValueError(f"twx: unknown split {split!r}; allowed: {', '.join(self.splits)}")
+        fold = self._seeds[split]
+        game_seed = int(fold[int(seed) % len(fold)])
+        obs, info = self._env.reset(
+            seed=game_seed, gameFold=split, gameName=self.game, gameParams=self.game_params, generateGoldPath=True
+        )
+        self._gold = list(self._env.getGoldActionSequence())
+        if self._gold and self._gold[0] == "look around":
+            self._gold = self._gold[1:]  # the engine's gold path starts with the look that reset already did
+        self._on_gold, self._n = True, 0
+        self._valid = sorted(info.get("validActions", []))
+        task = str(info.get("taskDescription", "")).strip()
+        goal = task.removeprefix("Your task is to ").rstrip(".") or task
+        return ResetResult(
+            observation=f"{obs.strip()}\n{task}",
+            task=goal,
+            admissible_actions=list(self._valid),
+            task_type=self.game,
+            info={"task_id": f"{self.game}/{split}/{game_seed}", "game_seed": game_seed, "gold_path_length": len(self._gold)},
+        )
+
+    def step(self, action: str) -> StepResult:
+        action = " ".join(str(action).split())
+        invalid = action not in self._valid
+        if self._on_gold:
+            self._on_gold = self._n < len(self._gold) and action == self._gold[self._n]
+        self._n += 1
+        obs, _reward, done, info = self._env.step(action)
+        invalid = invalid or _UNKNOWN in str(obs).lower()
+        self._valid = sorted(info.get("validActions", []))
+        won = bool(info.get("tasksuccess", False))
+        done = bool(done) or won or bool(info.get("taskfailure", False))
+        return StepResult(
+            observation=str(obs).strip(),
+            reward=1.0 if won else 0.0,
+            done=done,
+            won=won,
+            score=100.0 * max(0.0, float(info.get("score", 0.0))),
+            admissible_actions=list(self._valid),
+            invalid_action=invalid,
+            info={"moves": info.get("numMoves")},
+        )
+
+    def expert_action(self) -> str | None:
+        if self._on_gold and self._n < len(self._gold):
+            return self._gold[self._n]
+        return None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._env.close()

@@ -1,0 +1,184 @@
+"""EnvPool: concurrent steps, timeouts, broken envs, clean shutdown (fake envs; the JVM cases live in
+test_benchmark_envs.py)."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+
+import pytest
+
+from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.envs.household import HouseholdEnv
+from sglightning.envs.pool import EnvPool
+from sglightning.guidance import GuidanceConfig
+from sglightning.models import build_tiny_tokenizer
+from sglightning.rollout import Rollout, RolloutConfig
+
+from fakes import ScriptedLM, scripted_reply
+
+RELEASE = threading.Event()  # set at the end of the module so that hung fake envs end their threads
+
+
+class SleepyEnv(TextEnv):
+    """Each step sleeps ``delay`` seconds (like a JVM env waiting on its socket, GIL released)."""
+
+    def __init__(self, delay: float = 0.2):
+        self.delay = delay
+        self.closed = 0
+
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
+        return ResetResult(f"start {seed}", "wait", ["wait"], "sleepy")
+
+    def step(self, action: str) -> StepResult:
+        time.sleep(self.delay)
+        return StepResult("waited", 0.0, False, admissible_actions=["wait"])
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+class HangingEnv(HouseholdEnv):
+    """Hangs in ``step`` (until the module releases it) for seeds in ``bad_seeds``."""
+
+    def __init__(self, bad_seeds=(1,), **kw):
+        super().__init__(**kw)
+        self.bad_seeds = bad_seeds
+
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
+        self._seed = seed
+        return super().reset(seed, split)
+
+    def step(self, action: str) -> StepResult:
+        if self._seed in self.bad_seeds:
+            RELEASE.wait(60)
+        return super().step(action)
+
+
+class GarbageStepEnv(HouseholdEnv):
+    """Returns a StepResult whose reward is not a number, or a plain string, for seed 1."""
+
+    def __init__(self, kind: str = "field", **kw):
+        super().__init__(**kw)
+        self.kind = kind
+
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
+        self._seed = seed
+        return super().reset(seed, split)
+
+    def step(self, action: str) -> StepResult:
+        res = super().step(action)
+        if self._seed == 1:
+            if self.kind == "field":
+                res.reward = "lots"  # type: ignore[assignment]
+            else:
+                return "garbage"  # type: ignore[return-value]
+        return res
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_hung_threads():
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def test_steps_of_different_slots_run_concurrently():
+    with EnvPool(functools.partial(SleepyEnv, 0.3)) as pool:
+        pool.reset_many([(i, i, "train") for i in range(4)])
+        t0 = time.perf_counter()
+        out = pool.step_many([(i, "wait") for i in range(4)])
+        parallel = time.perf_counter() - t0
+        assert all(o.ok for o in out) and parallel < 0.9  # 4 × 0.3 s serially
+    with EnvPool(functools.partial(SleepyEnv, 0.3), concurrent=False) as pool:
+        pool.reset_many([(i, i, "train") for i in range(4)])
+        t0 = time.perf_counter()
+        pool.step_many([(i, "wait") for i in range(4)])
+        assert time.perf_counter() - t0 >= 1.2
+
+
+def test_envs_are_reused_and_closed_once():
+    with EnvPool(SleepyEnv) as pool:
+        pool.reset_many([(0, 1, "train"), (1, 2, "train")])
+        envs = [pool.peek(0), pool.peek(1)]
+        pool.reset_many([(0, 3, "train"), (1, 4, "train")])
+        assert [pool.peek(0), pool.peek(1)] == envs
+    assert [e.closed for e in envs] == [1, 1]
+    assert pool.size == 0
+
+
+def test_a_hanging_step_times_out_and_fails_only_its_episode(tok):
+    factory = functools.partial(HangingEnv, bad_seeds=(1,), difficulty=0, info_actions=False)
+    cfg = RolloutConfig(group_size=2, max_steps=3, env_step_timeout_s=0.5)
+    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(), cfg)
+    t0 = time.perf_counter()
+    batch = r.run([1, 2])
+    assert time.perf_counter() - t0 < 20
+    bad = [e for e in batch.episodes if e.seed == 1]
+    good = [e for e in batch.episodes if e.seed == 2]
+    assert all(e.error == "step: timeout after 0.5 s" and e.done and not e.won for e in bad)
+    assert all(e.error is None and len(e.steps) >= 1 for e in good)
+    assert r.env_errors == 2 and r.pool.timeouts == 2 and r.pool.abandoned_threads == 2
+    # the run goes on: the retired slots get fresh workers
+    batch = r.run([2, 3])
+    assert all(e.error is None for e in batch.episodes)
+    r.close()
+
+
+@pytest.mark.parametrize("kind", ["field", "type"])
+def test_garbage_step_results_fail_the_episode_with_a_reason(tok, kind):
+    factory = functools.partial(GarbageStepEnv, kind=kind, difficulty=0, info_actions=False)
+    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(), RolloutConfig(group_size=2, max_steps=2))
+    batch = r.run([1, 2])
+    bad = [e for e in batch.episodes if e.seed == 1]
+    expected = "malformed StepResult" if kind == "field" else "expected StepResult"
+    assert all(e.error and expected in e.error for e in bad), [e.error for e in bad]
+    assert all(e.error is None for e in batch.episodes if e.seed == 2)
+    r.close()
+
+
+def test_reset_that_hangs_past_its_timeout_fails_the_episode():
+    class SlowReset(SleepyEnv):
+        def reset(self, seed, split="train"):
+            if seed == 1:
+                RELEASE.wait(60)
+            return super().reset(seed, split)
+
+    with EnvPool(SlowReset, reset_timeout_s=0.3) as pool:
+        out = pool.reset_many([(0, 1, "train"), (1, 2, "train")])
+        assert out[0].error == "reset: timeout after 0.3 s" and out[1].ok
+
+
+def test_split_reaches_envs_that_take_it_and_old_envs_still_train():
+    class OldEnv(SleepyEnv):
+        def reset(self, seed):  # a user env written before splits existed
+            return ResetResult("s", "t", None)
+
+    with EnvPool(OldEnv) as pool:
+        assert pool.reset_many([(0, 1, "train")])[0].ok
+        err = pool.reset_many([(0, 1, "dev")])[0].error
+        assert "takes no split argument" in err and "'dev'" in err
+    with EnvPool(functools.partial(HouseholdEnv, difficulty=0)) as pool:
+        assert "unknown split 'valid_unseen'" in pool.reset_many([(0, 1, "valid_unseen")])[0].error
+
+
+def test_one_call_per_slot_per_round():
+    with EnvPool(SleepyEnv) as pool, pytest.raises(ValueError, match="one call per slot"):
+        pool.step_many([(0, "a"), (0, "b")])
+
+
+def test_close_ends_worker_threads():
+    before = {t.name for t in threading.enumerate()}
+    pool = EnvPool(SleepyEnv)
+    pool.reset_many([(i, i, "train") for i in range(3)])
+    assert sum(t.name.startswith("sglightning-env-") for t in threading.enumerate()) >= 3
+    pool.close()
+    time.sleep(0.1)
+    left = {t.name for t in threading.enumerate()} - before
+    assert not [n for n in left if n.startswith("sglightning-env-") and "close" not in n]
