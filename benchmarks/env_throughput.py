@@ -4,10 +4,12 @@ concurrently) vs one worker (the same envs stepped one after another), on the re
     python benchmarks/env_throughput.py                            # twx twc + scienceworld + household, 16 slots
     python benchmarks/env_throughput.py --envs scienceworld --slots 8 --rounds 30
     python benchmarks/env_throughput.py --alfworld-data /path/with/json_2.1.1   # + ALFWorld games
+    python benchmarks/env_throughput.py --envs remote --latency-ms 50 --max-concurrency 16  # envs that wait (servers)
 
 No model is involved: each round every slot takes one action (a seeded random admissible action where the env lists
 them; a fixed mix of ScienceWorld commands otherwise), as a lock-step rollout round does.  Prints env steps/s and
-resets/s for both modes.  ScienceWorld also compares our direct simulator step with the package's ``env.step``, which
+resets/s for both modes.  ``remote`` is the household env behind a fixed per-call latency (a stand-in for env servers
+such as WebShop's, where a step mostly waits).  ScienceWorld also compares our direct simulator step with the package's ``env.step``, which
 rebuilds the full valid-action list on every call.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import random
 import time
 
@@ -24,7 +27,27 @@ SW_ACTIONS = ["look around", "inventory", "open door to kitchen", "go to kitchen
               "open cupboard", "go to hallway", "wait1", "read book", "focus on thermometer"]
 
 
-def make_factory(name: str, alfworld_data: str | None):
+class RemoteHousehold:
+    """Household env with a fixed latency per call (built lazily so that the class pickles)."""
+
+    def __new__(cls, latency_s: float):
+        from sglightning.envs.household import HouseholdEnv
+
+        class _Remote(HouseholdEnv):
+            def reset(self, seed, split="train"):
+                time.sleep(latency_s)
+                return super().reset(seed, split)
+
+            def step(self, action):
+                time.sleep(latency_s)
+                return super().step(action)
+
+        return _Remote(difficulty=2)
+
+
+def make_factory(name: str, alfworld_data: str | None, latency_ms: float = 50.0):
+    if name == "remote":
+        return functools.partial(RemoteHousehold, latency_ms / 1000)
     if name == "twx":
         from sglightning.envs.textworld_express import TextWorldExpressEnv
 
@@ -86,7 +109,9 @@ def official_scienceworld_step_rate(n: int = 40) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--envs", nargs="+", default=["twx", "scienceworld", "household"],
-                    choices=["twx", "scienceworld", "alfworld", "household"])
+                    choices=["twx", "scienceworld", "alfworld", "household", "remote"])
+    ap.add_argument("--latency-ms", type=float, default=50.0, help="per-call latency of the `remote` env")
+    ap.add_argument("--max-concurrency", type=int, default=None, help="env calls at once (default: CPU cores)")
     ap.add_argument("--slots", type=int, default=16, help="concurrent episodes (= envs = JVMs)")
     ap.add_argument("--rounds", type=int, default=20, help="steps per episode")
     ap.add_argument("--alfworld-data", default=None)
@@ -94,12 +119,13 @@ def main() -> None:
     args = ap.parse_args()
     if args.alfworld_data and "alfworld" not in args.envs:
         args.envs.append("alfworld")
+    print(f"{os.cpu_count()} CPU cores; {args.slots} slots × {args.rounds} rounds")
     print(f"{'env':14s} {'mode':10s} {'steps':>6s} {'steps/s':>9s} {'resets/s':>9s} {'errors':>6s}")
     for name in args.envs:
-        factory = make_factory(name, args.alfworld_data)
+        factory = make_factory(name, args.alfworld_data, args.latency_ms)
         results = {}
         for mode, concurrent in (("pool", True), ("one worker", False)):
-            with EnvPool(factory, concurrent=concurrent) as pool:
+            with EnvPool(factory, concurrent=concurrent, max_concurrency=args.max_concurrency) as pool:
                 for i in range(args.slots):  # start every env first: JVM start-up is not throughput
                     pool.env(i)
                 play(pool, args.slots, 2, args.seed + 1000, "train")  # warm-up (class loading, JIT)

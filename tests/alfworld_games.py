@@ -6,6 +6,15 @@ them to a scratch folder and runs ``alfworld-generate`` there, which writes each
 the handcoded expert (marking it ``solvable``).  Takes ~3 s for the fixtures on 2 CPU cores.  The goal text of a
 game is one of two templates drawn with the *unseeded* global ``random`` at generation time, so it may differ
 between generations (tests must not pin it).
+
+Writing a fixture game by hand (rules learnt the hard way):
+
+* a sink is ``Sink_bar_…_bar_SinkBasin`` (naming it ``SinkBasin_…`` renders as "sinkbasinbasin");
+* the agent's start location holds no receptacle, so the game opens "You are in the middle of a room";
+* the problem declares every type the domain uses (``SinkBasinType``, ``MicrowaveType``, ``FridgeType``,
+  ``KnifeType``, ``ButterKnifeType``); no ``(distance …)`` facts are needed;
+* ``alfworld-generate`` asks ``Do you want to continue? (y/n)`` (fed ``y``) and its default ``--end -1`` drops the
+  last game (we pass ``--end 100000``).
 """
 
 from __future__ import annotations

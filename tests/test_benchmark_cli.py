@@ -65,6 +65,12 @@ def test_validate_on_alfworld_fixture_games(alfworld_data, tmp_path, capsys):
         assert fp["failed_episodes"] == 2 - round(2 * stats["rollout/success_rate"])
         if fp["failed_episodes"]:
             assert {"looping", "redundant_exploration", "wrong_object_focus"} <= set(fp)
+    for mode in ("sg", "nosg"):  # every episode, as data: same tasks in both modes
+        eps = report["episodes"][mode]
+        assert len(eps) == 2 and all(len(e["actions"]) == e["steps"] for e in eps)
+        assert sorted(e["task_type"] for e in eps) == ["Cool", "Pick2"]
+    assert [e["task_id"] for e in report["episodes"]["sg"]] == [e["task_id"] for e in report["episodes"]["nosg"]]
+    assert report["episodes"]["nosg"][0]["labels"] is None and len(report["episodes"]["sg"][0]["labels"]) >= 1
     text = capsys.readouterr().out
     assert "(valid_seen split)" in text and "| self-guidance | Cool | Pick2 |" in text
     assert "Versions: " in text and "alfworld 0.4.2" in text

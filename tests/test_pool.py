@@ -90,7 +90,7 @@ def tok():
 
 
 def test_steps_of_different_slots_run_concurrently():
-    with EnvPool(functools.partial(SleepyEnv, 0.3)) as pool:
+    with EnvPool(functools.partial(SleepyEnv, 0.3), max_concurrency=4) as pool:
         pool.reset_many([(i, i, "train") for i in range(4)])
         t0 = time.perf_counter()
         out = pool.step_many([(i, "wait") for i in range(4)])
@@ -101,6 +101,33 @@ def test_steps_of_different_slots_run_concurrently():
         t0 = time.perf_counter()
         pool.step_many([(i, "wait") for i in range(4)])
         assert time.perf_counter() - t0 >= 1.2
+
+
+def test_concurrency_limit_and_timeouts_count_from_the_start_of_a_call():
+    # 4 calls of 0.3 s through 2 permits take two waves (~0.6 s); the second wave must not time out although it
+    # finishes 0.6 s after submission, because its 0.45 s timeout runs from when it got a permit
+    with EnvPool(functools.partial(SleepyEnv, 0.3), max_concurrency=2, step_timeout_s=0.45) as pool:
+        pool.reset_many([(i, i, "train") for i in range(4)])
+        t0 = time.perf_counter()
+        out = pool.step_many([(i, "wait") for i in range(4)])
+        took = time.perf_counter() - t0
+        assert all(o.ok for o in out) and 0.55 <= took < 1.1
+    with pytest.raises(ValueError, match="max_concurrency"):
+        EnvPool(SleepyEnv, max_concurrency=0)
+
+
+def test_a_hung_call_gives_its_permit_back():
+    class HangOnce(SleepyEnv):
+        def step(self, action):
+            if action == "hang":
+                RELEASE.wait(60)
+            return super().step(action)
+
+    with EnvPool(functools.partial(HangOnce, 0.01), max_concurrency=1, step_timeout_s=0.3) as pool:
+        pool.reset_many([(0, 0, "train"), (1, 1, "train")])
+        out = pool.step_many([(0, "hang"), (1, "wait")])
+        assert out[0].error == "step: timeout after 0.3 s" and out[1].ok  # slot 1 ran after slot 0 was abandoned
+        assert all(o.ok for o in pool.step_many([(0, "wait"), (1, "wait")]))
 
 
 def test_envs_are_reused_and_closed_once():

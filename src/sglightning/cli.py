@@ -166,7 +166,7 @@ def cli_main(args: list[str] | None = None) -> SGLightningCLI:
 
 def main() -> int:
     """Console-script entry point (``sglightning``): exit code 0 on success."""
-    cli_main(sys.argv[1:])
+    cli_main()  # LightningCLI reads sys.argv itself (passing it again triggers a warning)
     return 0
 
 

@@ -142,3 +142,22 @@ def failure_pattern_rates(episodes: Sequence[Episode]) -> dict[str, float | int]
         if judged:
             out[name] = sum(bool(v) for v in judged) / len(judged)
     return out
+
+
+def episode_summary(ep: Episode) -> dict:
+    """One evaluation episode as plain data for the validation report: what happened and which patterns it shows."""
+    return {
+        "seed": ep.seed,
+        "task_id": ep.info.get("task_id"),
+        "task_type": ep.task_type,
+        "task": ep.task,
+        "won": ep.won,
+        "score": ep.score,
+        "steps": len(ep.steps),
+        "actions": [s.action if s.action is not None else s.action_text for s in ep.steps],
+        "labels": [s.label for s in ep.steps] if ep.guided else None,
+        "invalid": [s.invalid for s in ep.steps],
+        "error": ep.error,
+        "truncated": ep.truncated,
+        "patterns": [k for k, v in episode_patterns(ep).items() if v] if not ep.won else [],
+    }

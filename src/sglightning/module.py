@@ -31,7 +31,7 @@ from sglightning.grpo import GRPOConfig
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
-from sglightning.diagnostics import failure_pattern_rates
+from sglightning.diagnostics import episode_summary, failure_pattern_rates
 from sglightning.metrics import EpisodeMetrics, batch_stats, per_task_type_success
 from sglightning.models import ModelConfig, load_policy
 from sglightning.rollout import Rollout, RolloutBatch, RolloutConfig, Sample
@@ -465,6 +465,7 @@ class SelfGuideModule(LightningModule):
                     self.log(f"val/{mode}/failure_{k}", float(v), on_epoch=True, batch_size=1)
             for k, v in stats["per_task_type_success"].items():
                 self.log(f"val/{mode}/success_{k}", float(v), on_epoch=True, batch_size=1)
+        report["episodes"] = {mode: [episode_summary(e) for e in self.val_episodes[mode]] for mode in self._val_modes()}
         report["split"] = self.eval_cfg.split
         report["versions"] = self.package_versions()
         self.val_report = report

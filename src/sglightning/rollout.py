@@ -94,6 +94,9 @@ class RolloutConfig:
     env_reset_timeout_s: float | None = 300.0
     #: step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially
     env_parallel: bool = True
+    #: env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
+    #: raise it for envs that mostly wait, e.g. remote env servers)
+    env_max_concurrency: int = 0
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -108,6 +111,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.invalid_action_penalty: must be >= 0, got {self.invalid_action_penalty}")
         if self.max_context_tokens < 64:
             raise ValueError(f"rollout.max_context_tokens: must be >= 64, got {self.max_context_tokens}")
+        if self.env_max_concurrency < 0:
+            raise ValueError(f"rollout.env_max_concurrency: must be >= 0 (0 = CPU cores), got {self.env_max_concurrency}")
         for key in ("env_step_timeout_s", "env_reset_timeout_s"):
             v = getattr(self, key)
             if v is not None and v <= 0:
@@ -258,6 +263,7 @@ class Rollout:
             step_timeout_s=config.env_step_timeout_s,
             reset_timeout_s=config.env_reset_timeout_s,
             concurrent=config.env_parallel,
+            max_concurrency=config.env_max_concurrency or None,
         )
         self.env_errors = 0
         self.eot = end_of_turn_ids(tokenizer)
