@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Imported up front, not at the end of the session: CPython 3.11's `ast` module keeps one process-wide recursion
+# counter, and tracebacks formatted concurrently in env worker threads (a killed JVM's py4j errors) can leave it off;
+# hypothesis's pytest plugin then imports hypothesis at the terminal summary and the AST compile of its source fails
+# with "SystemError: AST constructor recursion depth mismatch" (seen with `pytest tests/test_faults.py` alone).
+import hypothesis  # noqa: F401
 import pytest
 
 

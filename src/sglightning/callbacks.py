@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,9 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from sglightning.rollout import Episode
+from sglightning.rollout import Episode, RolloutAborted
 
 
 def run_dir(trainer: Trainer) -> Path:
@@ -53,7 +55,11 @@ class RolloutCallback(Callback):
         self.text_every_n_steps = text_every_n_steps
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        pl_module.collect_rollout()
+        try:
+            pl_module.collect_rollout()
+        except RolloutAborted:
+            # SIGTERM during the rollout: abandon this step (nothing was updated yet); PreemptionCheckpoint saves
+            raise SIGTERMException() from None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         rb = pl_module.current_rollout
@@ -69,6 +75,27 @@ class RolloutCallback(Callback):
     @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         print(format_summary(trainer, pl_module))
+
+
+class PreemptionCheckpoint(Callback):
+    """SIGTERM (preemption): Lightning stops at the end of the current step, or the rollout abandons its step; then
+    this saves ``last.ckpt`` (atomically) where ``--ckpt_path last`` finds it, exports the adapter, says how to
+    resume, and the process exits 0."""
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return
+        cb = trainer.checkpoint_callback
+        folder = Path(cb.dirpath) if cb is not None and getattr(cb, "dirpath", None) else run_dir(trainer) / "checkpoints"
+        path = folder / "last.ckpt"
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            print(
+                f"sglightning: SIGTERM received; stopped after {pl_module.rollouts_done} completed steps, saved {path}. "
+                "Resume with the same command plus --ckpt_path last",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class AdapterExport(Callback):

@@ -24,7 +24,9 @@ warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).
 
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback  # noqa: E402
 
+from sglightning.checkpointing import CheckpointError, load_checkpoint_file  # noqa: E402
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS  # noqa: E402
+from sglightning.errors import ConfigError  # noqa: E402
 from sglightning.module import SelfGuideModule  # noqa: E402
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -73,6 +75,50 @@ class SGLightningCLI(LightningCLI):
                 msg = str(err)
             self.parser.error(msg.splitlines()[0] if msg else repr(err))
 
+    def before_instantiate_classes(self) -> None:
+        """``--ckpt_path last`` on a fresh process: find the newest ``last.ckpt`` of this config's runs
+        (``<save_dir>/<name>/version_*/checkpoints/``) and continue in that run's folder; with none, start fresh (so
+        one command line serves both the first launch and every requeue after a preemption)."""
+        if self.subcommand != "fit":
+            return
+        cfg = self.config[self.subcommand]
+        if cfg.get("ckpt_path") != "last":
+            return
+        found = find_last_checkpoint(cfg)
+        if found is None:
+            print("sglightning: --ckpt_path last: no last.ckpt from an earlier run of this config; starting fresh",
+                  file=sys.stderr)
+            cfg["ckpt_path"] = None
+            return
+        ckpt, version = found
+        cfg["ckpt_path"] = str(ckpt)
+        logger = cfg.get("trainer", {}).get("logger")
+        if version is not None and logger is not None and not isinstance(logger, bool):
+            init = logger.get("init_args") if hasattr(logger, "get") else None
+            if init is not None:
+                init["version"] = version
+        print(f"sglightning: resuming from {ckpt}", file=sys.stderr)
+
+    def _parse_ckpt_path(self) -> None:
+        """Check ``--ckpt_path`` up front (safe load, sglightning checkpoint); our checkpoints carry no
+        hyper-parameters, so there is nothing to merge into the config (the config file is the source of truth)."""
+        sub = self.config.get("subcommand")
+        path = self.config[sub].get("ckpt_path") if sub else None
+        if not path or path in ("last", "best", "hpc") or not Path(str(path)).exists():
+            return  # Lightning resolves the keywords; a missing file is reported when it is loaded
+        try:
+            load_checkpoint_file(path)
+        except CheckpointError as err:
+            print(f"sglightning {sub}: error: {err}", file=sys.stderr)
+            sys.exit(2)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except (CheckpointError, ConfigError) as err:  # one line naming the file / config key, no traceback wall
+            print(f"sglightning {subcommand}: error: {err}", file=sys.stderr)
+            sys.exit(2)
+
     def after_fit(self) -> None:
         reason = getattr(self.model, "stop_reason", None)
         if reason:
@@ -101,6 +147,28 @@ class SGLightningCLI(LightningCLI):
         (out / "validation_report.md").write_text(text)
         print(text)
         print(f"report: {out / 'validation_report.json'}")
+
+
+def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
+    """The newest ``last.ckpt`` of runs made with this config's TensorBoard logger (``save_dir/name/version_*``) or,
+    without such a logger, under ``trainer.default_root_dir``; with the version folder name to continue in."""
+    trainer = cfg.get("trainer") or {}
+    logger = trainer.get("logger")
+    roots: list[tuple[Path, bool]] = []
+    init = logger.get("init_args") if logger is not None and not isinstance(logger, (bool, list)) and hasattr(logger, "get") else None
+    if init is not None and init.get("save_dir") is not None:
+        roots.append((Path(str(init.get("save_dir"))) / str(init.get("name") or "lightning_logs"), True))
+    roots.append((Path(str(trainer.get("default_root_dir") or ".")), False))
+    best: tuple[float, Path, str | None] | None = None
+    for root, versioned in roots:
+        pattern = "version_*/checkpoints/last*.ckpt" if versioned else "**/checkpoints/last*.ckpt"
+        for path in root.glob(pattern):
+            mtime = path.stat().st_mtime
+            if best is None or mtime > best[0]:
+                best = (mtime, path.resolve(), path.parent.parent.name if versioned else None)
+        if best is not None:
+            break
+    return None if best is None else (best[1], best[2])
 
 
 def report_markdown(report: dict[str, Any]) -> str:

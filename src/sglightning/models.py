@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from sglightning.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
@@ -250,7 +252,10 @@ def load_base_model(cfg: ModelConfig, vocab_size: int, device: torch.device | st
     dtype = resolve_dtype(cfg.dtype, device)
     if name == EMBEDDED_TINY:
         if cfg.quantization:
-            raise ValueError("model.quantization: 4bit is not supported for embedded:tiny (no bitsandbytes layers)")
+            raise ConfigError(
+                "model.quantization: 4bit is not supported for embedded:tiny (a random in-process model: nothing to "
+                "quantise); allowed: null, or 4bit with a real model"
+            )
         return build_tiny_model(cfg.tiny, vocab_size).to(dtype)
     if name == EMBEDDED_SMOLLM2:
         name = str(ensure_smollm2_folder(cfg))
@@ -260,8 +265,8 @@ def load_base_model(cfg: ModelConfig, vocab_size: int, device: torch.device | st
             from transformers import BitsAndBytesConfig
             import bitsandbytes  # noqa: F401
         except ImportError as err:
-            raise RuntimeError(
-                "model.quantization=4bit needs bitsandbytes: pip install 'sglightning[quant]'"
+            raise ConfigError(
+                "model.quantization: 4bit needs bitsandbytes: pip install 'sglightning[quant]' (or set it to null)"
             ) from err
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -291,7 +296,7 @@ def add_lora(model, cfg: ModelConfig):
     try:
         peft_model = get_peft_model(model, lora)
     except ValueError as err:
-        raise ValueError(f"model.lora_target_modules: {err}") from err
+        raise ConfigError(f"model.lora_target_modules: {err}") from err
     if cfg.gradient_checkpointing:
         peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         peft_model.enable_input_require_grads()

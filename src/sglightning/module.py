@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 from sglightning import grpo
 from sglightning.grpo import GRPOConfig
 from sglightning.envs.base import TextEnv
+from sglightning.errors import ConfigError
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
 from sglightning.diagnostics import episode_summary, failure_pattern_rates
@@ -120,11 +121,25 @@ class SelfGuideModule(LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:
             return
+        self.check_env()  # before the (slow) model load: a bad env config fails in a second
         self.policy, self.tokenizer = load_policy(self.model_cfg, self.device, self.adapter_path)
-        try:  # build the first environment now: bad env arguments fail before any model call
-            self.get_engine().env(0)
+
+    def check_env(self) -> None:
+        """Build one environment and check the configured splits against it; ``ConfigError`` naming the key."""
+        try:
+            probe = self.env_factory()
         except (TypeError, ValueError) as err:
-            raise ValueError(f"env: cannot create the environment: {err}") from err
+            msg = str(err)
+            raise ConfigError(msg if msg.startswith("env") else f"env: cannot create the environment: {msg}") from err
+        try:
+            splits = tuple(getattr(probe, "splits", ()) or ())
+            for key, split in (("rollout.split", self.rollout_cfg.split), ("evaluation.split", self.eval_cfg.split)):
+                if splits and split not in splits:
+                    raise ConfigError(
+                        f"{key}: {split!r} is not a split of {type(probe).__name__}; allowed: {', '.join(splits)}"
+                    )
+        finally:
+            probe.close()
 
     def env_factory(self) -> TextEnv:
         env = self.env_class()
@@ -173,14 +188,24 @@ class SelfGuideModule(LightningModule):
     def configure_callbacks(self):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        from sglightning.callbacks import AdapterExport, RolloutCallback
+        from sglightning.callbacks import AdapterExport, PreemptionCheckpoint, RolloutCallback
 
-        callbacks = [RolloutCallback(), AdapterExport()]
+        callbacks = [RolloutCallback(), AdapterExport(), PreemptionCheckpoint()]
         ckpt = self.trainer.checkpoint_callback if self._trainer is not None else None
         if type(ckpt) is ModelCheckpoint and ckpt.save_last is None and ckpt.dirpath is None and ckpt.monitor is None:
-            # Lightning's default checkpoint callback (not a user's): also keep `last.ckpt` for `--ckpt_path last`
-            callbacks.append(ModelCheckpoint(save_last=True))
+            # Lightning's default checkpoint callback (not a user's): instead, `last.ckpt` after every step (adapters
+            # + optimiser + counters: a killed or preempted run loses at most one step; `--ckpt_path last` resumes)
+            callbacks.append(ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1))
         return callbacks
+
+    def setup(self, stage: str) -> None:
+        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+        from sglightning.checkpointing import AtomicCheckpointIO
+
+        strategy = self.trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default (a user's plugin is left alone)
+            strategy.checkpoint_io = AtomicCheckpointIO()
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -224,9 +249,13 @@ class SelfGuideModule(LightningModule):
         if self.device.type != "cpu":
             gen = torch.Generator(device=self.device).manual_seed(int(gen.initial_seed()))
         self.current_rollout = self.get_engine().run(
-            self.task_seeds(step), generator=gen, policy_version=self.global_step
+            self.task_seeds(step), generator=gen, policy_version=self.global_step, should_stop=self._preempted
         )
         return self.current_rollout
+
+    def _preempted(self) -> bool:
+        """Lightning's SIGTERM flag (preemption): the rollout abandons its step when it is set."""
+        return bool(self._trainer is not None and getattr(self._trainer, "received_sigterm", False))
 
     def trust_lambda(self, step: int | None = None) -> float:
         u = self.rollouts_done if step is None else step
@@ -310,6 +339,13 @@ class SelfGuideModule(LightningModule):
             "tokens/generated_per_s": rb.generated_tokens / max(rb.seconds, 1e-9),
         })
         samples = [s for s in rb.samples if any(s.policy)]
+        failed_groups = {e.group for e in rb.episodes if e.error is not None}
+        logs["rollout/failed_groups"] = float(len(failed_groups))
+        logs["rollout/dropped_groups"] = 0.0
+        if failed_groups and self.rollout_cfg.failed_episodes == "drop_group":
+            group_of = {e.index: e.group for e in rb.episodes}
+            samples = [s for s in samples if group_of[s.episode] not in failed_groups]
+            logs["rollout/dropped_groups"] = float(len(failed_groups))
         opt = self.optimizers()
         stats_acc: dict[str, float] = {}
         if samples:

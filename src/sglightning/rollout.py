@@ -67,6 +67,10 @@ from sglightning.sampler import (
 log = logging.getLogger(__name__)
 
 
+class RolloutAborted(Exception):
+    """``Rollout.run``'s ``should_stop`` said stop (e.g. SIGTERM): the partial rollout is discarded."""
+
+
 @dataclass
 class RolloutConfig:
     """How episodes are collected."""
@@ -94,6 +98,10 @@ class RolloutConfig:
     env_reset_timeout_s: float | None = 300.0
     #: step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially
     env_parallel: bool = True
+    #: a group with an episode whose env failed (exception, timeout, dead process): ``keep`` trains on it (the failed
+    #: episode keeps the return it had reached; the others' comparison is intact) or ``drop_group`` leaves the whole
+    #: group out of the update (``rollout/dropped_groups`` counts them)
+    failed_episodes: str = "keep"
     #: env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
     #: raise it for envs that mostly wait, e.g. remote env servers)
     env_max_concurrency: int = 0
@@ -111,6 +119,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.invalid_action_penalty: must be >= 0, got {self.invalid_action_penalty}")
         if self.max_context_tokens < 64:
             raise ValueError(f"rollout.max_context_tokens: must be >= 64, got {self.max_context_tokens}")
+        if self.failed_episodes not in ("keep", "drop_group"):
+            raise ValueError(f"rollout.failed_episodes: {self.failed_episodes!r} is not one of keep, drop_group")
         if self.env_max_concurrency < 0:
             raise ValueError(f"rollout.env_max_concurrency: must be >= 0 (0 = CPU cores), got {self.env_max_concurrency}")
         for key in ("env_step_timeout_s", "env_reset_timeout_s"):
@@ -266,6 +276,7 @@ class Rollout:
             max_concurrency=config.env_max_concurrency or None,
         )
         self.env_errors = 0
+        self._should_stop: Callable[[], bool] | None = None
         self.eot = end_of_turn_ids(tokenizer)
         self.eot_id = tokenizer.eos_token_id
         self.newline = newline_token_ids(tokenizer)
@@ -302,9 +313,12 @@ class Rollout:
         greedy: bool = False,
         policy_version: int = 0,
         split: str | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> RolloutBatch:
         """Play ``group_size`` episodes for every task seed (one group per seed, same seed for each member) of the
-        env split ``split`` (default ``rollout.split``)."""
+        env split ``split`` (default ``rollout.split``).  ``should_stop`` is asked before every round; when it says
+        true the rollout raises :class:`RolloutAborted` (preemption: abandon the step rather than finish it)."""
+        self._should_stop = should_stop
         g = group_size or self.cfg.group_size
         split = split or self.cfg.split
         temperature = temperature or self.cfg.temperature
@@ -398,6 +412,7 @@ class Rollout:
             blocks.append(s.ids)
         session.feed(blocks)
         for _ in range(self.cfg.max_steps):
+            self._check_stop()
             programs = []
             for ep in live:
                 if guided and not constrained:
@@ -452,6 +467,7 @@ class Rollout:
         for _ in range(self.cfg.max_steps):
             if not live:
                 break
+            self._check_stop()
             guid: dict[int, list[Piece]] = {}
             if guided:
                 prompts = [self.chat.prompt_ids(rate_messages(ep.task, ep.initial_observation, views[ep.index], hist)) for ep in live]
@@ -475,6 +491,10 @@ class Rollout:
             live = [ep for ep in live if not ep.done]
         for ep in live:
             ep.truncated, ep.done = True, True
+
+    def _check_stop(self) -> None:
+        if self._should_stop is not None and self._should_stop():
+            raise RolloutAborted("rollout abandoned: stop requested")
 
     def _call(self, prompts, programs, temperature, generator, greedy, stats) -> list[list[Piece]]:
         session = DecodeSession(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)

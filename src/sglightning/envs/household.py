@@ -106,16 +106,16 @@ class HouseholdEnv(TextEnv):
         the game: the easiest setting for tiny models, which otherwise loop on them.  ``reveal_contents=True`` lists
         what lies on every open receptacle in the room overview (no search needed: a pure planning task)."""
         if isinstance(difficulty, bool) or difficulty not in _LEVELS:
-            raise ValueError(f"difficulty must be one of 0, 1, 2, 3 (got {difficulty!r})")
+            raise ValueError(f"env.init_args.difficulty: must be one of 0, 1, 2, 3 (got {difficulty!r})")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
-            raise ValueError(f"max_steps must be a positive integer or None (got {max_steps!r})")
+            raise ValueError(f"env.init_args.max_steps: must be a positive integer or None (got {max_steps!r})")
         if task_types is not None:
             if isinstance(task_types, str) or not task_types:
                 allowed = ", ".join(TASK_TYPES)
-                raise ValueError(f"task_types must be a non-empty list of: {allowed} (got {task_types!r})")
+                raise ValueError(f"env.init_args.task_types: must be a non-empty list of: {allowed} (got {task_types!r})")
             unknown = [t for t in task_types if t not in TASK_TYPES]
             if unknown:
-                raise ValueError(f"task_types: unknown task type(s) {unknown}; allowed: {', '.join(TASK_TYPES)}")
+                raise ValueError(f"env.init_args.task_types: unknown task type(s) {unknown}; allowed: {', '.join(TASK_TYPES)}")
         self.difficulty, self.max_steps, self.info_actions = difficulty, max_steps, bool(info_actions)
         self.reveal_contents = bool(reveal_contents)
         self.task_types = tuple(t for t in TASK_TYPES if t in task_types) if task_types else _LEVELS[difficulty][5]

@@ -181,6 +181,11 @@ class ScienceWorldEnv(TextEnv):
             info={"score_delta": delta, "raw_score": score},
         )
 
+    def process_id(self) -> int | None:
+        """PID of this env's JVM (fault injection, leak checks)."""
+        proc = getattr(getattr(self._env, "_gateway", None), "java_process", None)
+        return getattr(proc, "pid", None)
+
     def expert_action(self) -> str | None:
         if self._on_gold and self._n < len(self._gold):
             return self._gold[self._n]

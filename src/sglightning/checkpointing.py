@@ -1,0 +1,99 @@
+"""Checkpoints that survive kills: atomic writes, safe loads, clear errors.
+
+* **Atomic writes.** :class:`AtomicCheckpointIO` writes ``<name>.tmp-<pid>`` next to the target, flushes and fsyncs
+  it, then ``os.replace``-s it over the target (atomic on POSIX within one filesystem) and fsyncs the folder.  A kill
+  at any moment leaves either the previous complete file or the new complete file, never a torn one; a stale
+  ``*.tmp-*`` from a killed write is removed by the next save to that folder.
+* **Safe loads.** ``torch.load(..., weights_only=True)``: a checkpoint is tensors and plain containers, never pickled
+  code.  A file that is missing, truncated, not a torch file, or not a sglightning checkpoint raises ``ValueError``
+  naming the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used (the message names the file)."""
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """``torch.save`` to ``path`` atomically (temp file in the same folder + fsync + ``os.replace``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        try:
+            pid = int(stale.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid() or not _alive(pid):
+            stale.unlink(missing_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    try:  # make the rename itself durable
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", require_sglightning: bool = True) -> dict:
+    """Load a checkpoint with ``weights_only=True``; ``CheckpointError`` naming the file when it cannot be used."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path}: no such file")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - torch raises many types for bad files (IndexError for some text files)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {path}: cannot be read ({type(err).__name__}: {first[:300]}); it is truncated, corrupt, "
+            "or not a torch checkpoint that loads with weights_only=True"
+        ) from err
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(f"checkpoint {path}: holds a {type(ckpt).__name__}, not a Lightning checkpoint dict")
+    if require_sglightning and "sglightning" not in ckpt:
+        keys = ", ".join(sorted(map(str, ckpt))[:8])
+        raise CheckpointError(
+            f"checkpoint {path}: not a sglightning checkpoint (no 'sglightning' section; keys: {keys}). Pass a "
+            "checkpoint written by `sglightning fit`, or a peft adapter folder with --model.adapter_path"
+        )
+    return ckpt
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning checkpoint IO with atomic local writes and safe, explained loads."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options")
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path, map_location: Any = "cpu", weights_only: bool | None = None) -> dict[str, Any]:
+        return load_checkpoint_file(path, map_location=map_location)

@@ -1,0 +1,86 @@
+"""Fault injection through the whole trainer: each fault kind fails its episode only (reason recorded and counted),
+the worker is rebuilt, the group is kept or dropped as configured, and training goes on."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from sglightning.envs.faults import FaultyEnv
+from sglightning.envs.household import HouseholdEnv
+from sglightning.envs.textworld_express import TextWorldExpressEnv
+from sglightning.rollout import RolloutConfig
+from test_trainer import tiny_module, tiny_trainer
+
+HOUSE = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
+EXPECTED = {
+    "reset_raise": "reset: RuntimeError: injected fault",
+    "step_raise": "step: RuntimeError: injected fault",
+    "hang": "step: timeout after 1 s",
+    "garbage": "expected StepResult",
+    "bad_field": "malformed StepResult",
+    "die": "step: ProcessLookupError",
+}
+
+
+def _faulty_module(kind: str, inner=HOUSE, policy: str = "keep"):
+    probe = tiny_module()
+    seed = probe.task_seeds(0)[0]  # the first group of the first training step
+    env = functools.partial(FaultyEnv, env=inner, faults={seed: kind}, hang_s=30)
+    rollout = RolloutConfig(groups_per_step=2, group_size=2, max_steps=2, env_step_timeout_s=1, failed_episodes=policy)
+    return tiny_module(env=env, rollout=rollout)
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_each_fault_fails_its_episodes_only_and_training_goes_on(tmp_path, kind):
+    module = _faulty_module(kind)
+    module.configure_model()
+    batch = module.collect_rollout()
+    bad = [e for e in batch.episodes if e.group == 0]
+    good = [e for e in batch.episodes if e.group == 1]
+    assert all(e.error and EXPECTED[kind] in e.error and not e.won for e in bad), [e.error for e in bad]
+    assert all(e.error is None for e in good)
+    module.current_rollout = None
+    module.engine.close()
+    module.engine = None
+    # the same faults inside fit: both steps run, the errors are logged, the run ends normally
+    module = _faulty_module(kind)
+    tiny_trainer(tmp_path, steps=2).fit(module)
+    first, second = module.history
+    assert first["rollout/env_error_rate"] == 0.5 and first["rollout/failed_groups"] == 1.0
+    assert first["rollout/dropped_groups"] == 0.0  # kept by default
+    assert second["rollout/env_error_rate"] == 0.0  # the rebuilt workers are healthy
+    assert module.rollouts_done == 2
+
+
+def test_drop_group_leaves_the_failed_group_out_of_the_update(tmp_path):
+    keep, drop = _faulty_module("step_raise"), _faulty_module("step_raise", policy="drop_group")
+    tiny_trainer(tmp_path / "k", steps=1).fit(keep)
+    tiny_trainer(tmp_path / "d", steps=1).fit(drop)
+    assert drop.history[0]["rollout/dropped_groups"] == 1.0 and keep.history[0]["rollout/dropped_groups"] == 0.0
+    # fewer policy tokens in the update: the failed group's samples were removed
+    assert drop.history[0]["tokens/policy"] < keep.history[0]["tokens/policy"]
+
+
+def test_unknown_fault_kind_names_the_key():
+    with pytest.raises(ValueError, match="env.init_args.faults: unknown fault kind"):
+        FaultyEnv(faults={1: "explode"})
+
+
+@pytest.mark.jvm
+def test_jvm_killed_mid_episode_through_the_trainer(tmp_path):
+    from sglightning.envs.pool import live_java_processes
+
+    before = set(live_java_processes())
+    module = _faulty_module("die", inner=TextWorldExpressEnv)
+    tiny_trainer(tmp_path, steps=2).fit(module)
+    first, second = module.history
+    assert first["rollout/env_error_rate"] == 0.5 and second["rollout/env_error_rate"] == 0.0
+    module.teardown("fit")
+    import time
+
+    deadline = time.time() + 10
+    while set(live_java_processes()) - before and time.time() < deadline:
+        time.sleep(0.2)
+    assert not set(live_java_processes()) - before

@@ -1,0 +1,164 @@
+"""Real subprocesses: SIGTERM (preemption) saves and exits 0, a SIGKILL during a checkpoint write never leaves a torn
+``last.ckpt``, ``--ckpt_path last`` resumes in the same run folder and ends where a straight run ends; broken
+checkpoint files give one error line naming the file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglightning.checkpointing import CheckpointError, atomic_torch_save, load_checkpoint_file
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+pytestmark = pytest.mark.slow
+
+
+def _env() -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _fit_cmd(root: Path, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "sglightning.cli", "fit", "--config", TINY, f"--trainer.max_steps={steps}",
+        f"--trainer.default_root_dir={root}", f"--trainer.logger.init_args.save_dir={root}",
+        "--trainer.enable_progress_bar=false", "--model.rollout.max_steps=2", "--model.evaluation.num_tasks=1",
+        "--trainer.limit_val_batches=0", *extra,
+    ]
+
+
+def _lora(ckpt: Path) -> dict[str, torch.Tensor]:
+    return load_checkpoint_file(ckpt)["state_dict"]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not path.is_file():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before {path} appeared:\n{proc.stderr.read()}")
+        if time.time() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """Six steps without interruption: the reference."""
+    root = tmp_path_factory.mktemp("straight")
+    out = subprocess.run(_fit_cmd(root, 6), env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return root / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+def test_sigterm_saves_exits_zero_and_resume_matches_a_straight_run(tmp_path, straight):
+    ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    proc = subprocess.Popen(_fit_cmd(tmp_path, 6, "--model.rollout.max_steps=4"), env=_env(), stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, text=True)
+    _wait_for(ckpt, proc)  # at least one step done
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM received" in err and "--ckpt_path last" in err
+    state = load_checkpoint_file(ckpt)
+    done = state["sglightning"]["rollouts_done"]
+    assert 1 <= done < 6 and state["global_step"] == done  # a whole number of steps: none half-applied
+
+    # the same command + --ckpt_path last continues in the same run folder and finishes the 6 steps
+    out = subprocess.run(_fit_cmd(tmp_path, 6, "--model.rollout.max_steps=4", "--ckpt_path=last"), env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming from {ckpt.resolve()}" in out.stderr
+    assert not (tmp_path / "tiny" / "version_1").exists()
+    final = load_checkpoint_file(ckpt)
+    assert final["sglightning"]["rollouts_done"] == 6 and final["global_step"] == 6
+
+
+def test_resume_after_sigkill_equals_the_straight_run(tmp_path, straight):
+    ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    proc = subprocess.Popen(_fit_cmd(tmp_path, 6), env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True)
+    _wait_for(ckpt, proc)
+    time.sleep(1.0)
+    proc.kill()  # no handler runs: whatever is on disk must be usable
+    proc.communicate(timeout=60)
+    killed_at = load_checkpoint_file(ckpt)["sglightning"]["rollouts_done"]
+    out = subprocess.run(_fit_cmd(tmp_path, 6, "--ckpt_path=last"), env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed, ref = _lora(ckpt), _lora(straight)
+    assert resumed.keys() == ref.keys() and killed_at <= 6
+    for k in ref:
+        assert torch.allclose(resumed[k], ref[k], atol=1e-6), (k, killed_at)
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys, torch
+import sglightning.checkpointing as ck
+real_save, calls = torch.save, {"n": 0}
+def dying_save(obj, f, *a, **k):
+    calls["n"] += 1
+    if calls["n"] == int(os.environ["KILL_AT_SAVE"]):
+        f.write(b"PK\\x03\\x04 half a checkpoint")  # a torn write ...
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)    # ... and the process dies mid-save
+    return real_save(obj, f, *a, **k)
+ck.torch.save = dying_save
+from sglightning.cli import main
+sys.argv = ["sglightning", *sys.argv[1:]]
+main()
+"""
+
+
+def test_kill_during_a_checkpoint_write_leaves_the_previous_last_intact(tmp_path):
+    script = tmp_path / "dying_fit.py"
+    script.write_text(KILL_DURING_SAVE)
+    cmd = [sys.executable, str(script), *_fit_cmd(tmp_path, 5)[3:]]
+    out = subprocess.run(cmd, env=dict(_env(), KILL_AT_SAVE="3"), capture_output=True, text=True, timeout=600)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    folder = tmp_path / "tiny" / "version_0" / "checkpoints"
+    state = load_checkpoint_file(folder / "last.ckpt")  # complete and loadable
+    assert state["sglightning"]["rollouts_done"] == 2  # the two saves before the killed one
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".last.ckpt.tmp-")]  # the torn temp file
+    # the next run resumes from it and cleans the stale temp file up
+    out = subprocess.run(_fit_cmd(tmp_path, 3, "--ckpt_path=last"), env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert load_checkpoint_file(folder / "last.ckpt")["sglightning"]["rollouts_done"] == 3
+    assert not [p for p in folder.iterdir() if p.name.startswith(".last.ckpt.tmp-")]
+
+
+def test_ckpt_path_last_without_an_earlier_run_starts_fresh(tmp_path):
+    out = subprocess.run(_fit_cmd(tmp_path, 1, "--ckpt_path=last"), env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no last.ckpt from an earlier run of this config; starting fresh" in out.stderr
+
+
+@pytest.mark.parametrize("kind", ["truncated", "foreign", "garbage", "missing"])
+def test_broken_checkpoint_gives_one_line_naming_the_file(tmp_path, kind, straight):
+    bad = tmp_path / f"{kind}.ckpt"
+    if kind == "truncated":
+        bad.write_bytes(straight.read_bytes()[:5000])
+    elif kind == "foreign":
+        atomic_torch_save({"state_dict": {"w": torch.zeros(2)}, "epoch": 3}, bad)
+    elif kind == "garbage":
+        bad.write_text("this is not a checkpoint\n")
+    with pytest.raises(CheckpointError, match=str(bad)):
+        load_checkpoint_file(bad)
+    out = subprocess.run(_fit_cmd(tmp_path, 1, f"--ckpt_path={bad}"), env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 2
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("sglightning fit: error: checkpoint ") and str(bad) in last
+    assert "Traceback" not in out.stderr
