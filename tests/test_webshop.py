@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sglightning.diagnostics import episode_patterns
 from sglightning.envs.webshop import (
@@ -190,3 +192,15 @@ def test_webshop_rollout_and_failure_patterns():
         flags = episode_patterns(ep)
         assert flags["query_looping"] and flags["navigation_cycling"] and not flags["premature_purchase"]
     r.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300), st.booleans(), st.lists(st.text(max_size=20), max_size=8))
+def test_fuzz_webshop_text_handling_never_raises(text, search_bar, clickables):
+    available = {"has_search_bar": search_bar, "clickables": clickables}
+    action, problem = normalise_action(text, available)
+    assert (action is None) == bool(problem)
+    if action is not None:
+        assert action.startswith(("search[", "click[")) and action.endswith("]")
+    assert isinstance(instruction_of(text), str)
+    assert isinstance(format_observation(text, available), str)
