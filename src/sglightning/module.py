@@ -13,8 +13,10 @@ The reference policy is the same module with adapters disabled (never a second c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import random
 import time
 import warnings
 from dataclasses import dataclass
@@ -37,6 +39,19 @@ from sglightning.metrics import EpisodeMetrics, batch_stats, per_task_type_succe
 from sglightning.models import ModelConfig, load_policy
 from sglightning.rollout import Rollout, RolloutBatch, RolloutConfig, Sample
 from sglightning.sampler import KIND_ACTION, KIND_GUIDANCE
+
+
+class _Items(torch.utils.data.IterableDataset):
+    """A fixed list as an iterable dataset (Lightning leaves iterables alone under DDP: no sampler, no padding)."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def __iter__(self):
+        return iter(self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
 
 
 @dataclass
@@ -223,23 +238,40 @@ class SelfGuideModule(LightningModule):
             raise ValueError("trainer.max_steps must be set (or grpo.total_steps) for the trust schedule")
         return max(1, max_steps // self.grpo_cfg.ppo_epochs)
 
+    def _world(self) -> tuple[int, int]:
+        """(rank, world size): (0, 1) without a trainer or outside distributed runs."""
+        if self._trainer is None:
+            return 0, 1
+        return int(self.trainer.global_rank), int(self.trainer.world_size)
+
     def train_dataloader(self):
-        return DataLoader(range(self.total_steps()), batch_size=None, shuffle=False)
+        # an iterable (not a map-style dataset), so Lightning adds no DistributedSampler: every rank walks all step
+        # indices and collects its own share of groups at each step (task_seeds)
+        return DataLoader(_Items(list(range(self.total_steps()))), batch_size=None)
 
     def val_dataloader(self):
+        """This rank's share of the evaluation seeds (chunks ``rank::world``): every episode is played exactly once
+        across ranks, with no DistributedSampler padding; ``on_validation_epoch_end`` merges the ranks' episodes."""
         cfg = self.eval_cfg
         seeds = [cfg.seed_offset + i for i in range(cfg.num_tasks)]
         chunks = [seeds[i : i + cfg.tasks_per_batch] for i in range(0, len(seeds), cfg.tasks_per_batch)]
-        return DataLoader(chunks, batch_size=None, shuffle=False, collate_fn=lambda x: x)
+        rank, world = self._world()
+        return DataLoader(_Items(chunks[rank::world]), batch_size=None, collate_fn=lambda x: x)
 
     def task_seeds(self, step: int) -> list[int]:
-        """Training task seeds of step ``step``: a pure function of (rollout.seed, step) — reproducible on resume."""
-        g = torch.Generator().manual_seed(self.rollout_cfg.seed * 1_000_003 + step)
-        high = self.eval_cfg.seed_offset
-        return torch.randint(0, high, (self.rollout_cfg.groups_per_step,), generator=g).tolist()
+        """This rank's training task seeds at step ``step``: ``world × groups_per_step`` distinct seeds drawn from a
+        pure function of (rollout.seed, step) — disjoint across ranks, reproducible on resume — sliced by rank."""
+        rank, world = self._world()
+        n = self.rollout_cfg.groups_per_step
+        rng = random.Random(self.rollout_cfg.seed * 1_000_003 + step)
+        seeds = rng.sample(range(self.eval_cfg.seed_offset), world * n)
+        return seeds[rank * n : (rank + 1) * n]
 
     def sampling_generator(self, step: int, salt: int = 0) -> torch.Generator:
-        return torch.Generator(device="cpu").manual_seed(self.rollout_cfg.seed * 7_919 + step * 104_729 + salt)
+        rank, _ = self._world()
+        return torch.Generator(device="cpu").manual_seed(
+            self.rollout_cfg.seed * 7_919 + step * 104_729 + salt + rank * 15_485_863
+        )
 
     # ------------------------------------------------------------------------------------------------------------------
     # rollout + update
@@ -348,6 +380,7 @@ class SelfGuideModule(LightningModule):
             logs["rollout/dropped_groups"] = float(len(failed_groups))
         opt = self.optimizers()
         stats_acc: dict[str, float] = {}
+        data, tok_adv = None, None
         if samples:
             data = {k: v.to(self.device) for k, v in self.collate(samples).items()}
             # every policy token of every call of episode i carries Â_i (pitfalls §3)
@@ -356,23 +389,82 @@ class SelfGuideModule(LightningModule):
             tok_adv = grpo.token_advantages(sample_adv, data["mask"])  # [S, L]
             logs["tokens/policy"] = float(data["mask"].sum())
             logs["tokens/total"] = float(data["attn"].sum())
-            for epoch in range(c.ppo_epochs):
-                stats_acc = self._update(data, tok_adv, opt, first_epoch=epoch == 0)
+        # every rollout is one optimiser step per PPO epoch, with or without samples on this rank (under DDP all ranks
+        # must take part in the same collectives and keep the same step count)
+        for epoch in range(c.ppo_epochs):
+            stats_acc = self._update(data, tok_adv, opt, first_epoch=epoch == 0)
         logs.update(stats_acc)
         logs["time/update_s"] = time.perf_counter() - t0
         logs["train/skipped_updates"] = float(self.skipped_updates)
         self.rollouts_done += 1
+        logs = self._reduce_logs(logs)
         self.history.append(logs)
         self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(rb.episodes))
         self.log("success", logs["rollout/success_rate"], on_step=True, prog_bar=True, logger=False)
         self.log("lam", lam, on_step=True, prog_bar=True, logger=False)
 
-    def _update(self, data: dict[str, torch.Tensor], tok_adv: torch.Tensor, opt, first_epoch: bool) -> dict[str, float]:
+    # ------------------------------------------------------------------------------------------------------------------
+    # distributed helpers (DDP): one explicit gradient all-reduce per update, one gather of the logged numbers per step
+    def _distributed(self) -> bool:
+        return torch.distributed.is_available() and torch.distributed.is_initialized() and self._world()[1] > 1
+
+    def _all_reduce(self, x: torch.Tensor, op=None) -> torch.Tensor:
+        if self._distributed():
+            torch.distributed.all_reduce(x, op=op or torch.distributed.ReduceOp.SUM)
+        return x
+
+    def _no_sync(self):
+        """Backward without DDP's own gradient hooks: ranks run different numbers of micro-batches, so the gradients
+        are summed once, explicitly, after the local backward passes (see ``_sync_grads``)."""
+        import contextlib
+
+        model = self.trainer.strategy.model if self._trainer is not None else None
+        return model.no_sync() if hasattr(model, "no_sync") and self._distributed() else contextlib.nullcontext()
+
+    def _sync_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Σ over ranks of every trainable gradient (each rank's loss is already weighted by its share of the global
+        token count, so the sum is the gradient of the global token-mean loss).  One flat all-reduce."""
+        if not self._distributed():
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).clone()
+            offset += n
+
+    #: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
+    SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
+                          "rollout/dropped_groups", "rollout/degenerate_groups", "tokens/generated", "tokens/policy",
+                          "tokens/total"})
+
+    def _reduce_logs(self, logs: dict[str, float]) -> dict[str, float]:
+        """Merge the ranks' step logs (one ``all_gather_object``): counts summed, the rest averaged (episode means come
+        from torchmetrics and are global already).  Ranks may log different keys; none is dropped."""
+        if not self._distributed():
+            return logs
+        gathered: list[dict[str, float] | None] = [None] * self._world()[1]
+        torch.distributed.all_gather_object(gathered, logs)
+        merged: dict[str, float] = {}
+        for key in sorted({k for g in gathered if g for k in g}):
+            vals = [float(g[key]) for g in gathered if g and key in g]
+            merged[key] = sum(vals) if key in self.SUM_KEYS else sum(vals) / len(vals)
+        return merged
+
+    def _update(self, data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None, opt, first_epoch: bool
+                ) -> dict[str, float]:
         c = self.grpo_cfg
-        S = data["ids"].shape[0]
-        mask = data["mask"]
-        total_tokens = mask.sum().clamp(min=1)
-        total_seqs = (mask.sum(1) > 0).sum().clamp(min=1)
+        S = data["ids"].shape[0] if data is not None else 0
+        mask = data["mask"] if data is not None else None
+        local = torch.tensor(
+            [float(mask.sum()) if mask is not None else 0.0, float((mask.sum(1) > 0).sum()) if mask is not None else 0.0],
+            dtype=torch.float64, device=self.device,
+        )
+        totals = self._all_reduce(local)  # global policy tokens and sequences: the loss is a mean over all ranks
+        total_tokens = totals[0].clamp(min=1).to(torch.float32)
+        total_seqs = totals[1].clamp(min=1).to(torch.float32)
         temp = self.rollout_cfg.temperature
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
@@ -397,7 +489,8 @@ class SelfGuideModule(LightningModule):
             if not torch.isfinite(loss):
                 finite = False
                 break
-            self.manual_backward(loss * w)
+            with self._no_sync():
+                self.manual_backward(loss * w)
             n = float(m.sum())
             kinds = data["kinds"][sl]
             extra = {
@@ -417,9 +510,15 @@ class SelfGuideModule(LightningModule):
                 sums[k] = sums.get(k, 0.0) + v * n
                 weights[k] = weights.get(k, 0.0) + n
         grad_norm = None
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self._distributed():  # skip together or update together
+            flag = self._all_reduce(torch.tensor([1.0 if finite else 0.0], device=self.device),
+                                    op=torch.distributed.ReduceOp.MIN)
+            finite = bool(flag.item() == 1.0)
+            if finite:
+                self._sync_grads(params)
         if finite:
             # one pass: the total gradient norm (checked below) and, when configured, the clipping
-            params = [p for p in self.policy.parameters() if p.requires_grad]
             max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             finite = bool(torch.isfinite(grad_norm))
@@ -479,19 +578,31 @@ class SelfGuideModule(LightningModule):
                 group_size=self.eval_cfg.episodes_per_task,
                 temperature=self.eval_cfg.temperature,
                 guided=mode == "sg",
-                generator=self.sampling_generator(10_000_000 + batch_idx, salt=1),
+                generator=self.sampling_generator(10_000_000 + int(seeds[0]), salt=1),  # by task, not batch index
                 split=self.eval_cfg.split,
             )
             self.val_metrics[mode].update(rb)
             self.val_episodes[mode].extend(rb.episodes)
 
+    def _gather_episodes(self, episodes: list) -> list:
+        """All ranks' evaluation episodes (token samples stripped), each exactly once, in seed order."""
+        if not self._distributed():
+            return episodes
+        light = [dataclasses.replace(e, samples=[]) for e in episodes]
+        gathered: list[list | None] = [None] * self._world()[1]
+        torch.distributed.all_gather_object(gathered, light)
+        merged = [e for part in gathered if part for e in part]
+        return sorted(merged, key=lambda e: (e.seed, e.index))
+
     def on_validation_epoch_end(self) -> None:
-        report: dict[str, Any] = {"step": int(self.global_step), "modes": {}}
+        report: dict[str, Any] = {"step": int(self.global_step), "modes": {}, "world_size": self._world()[1]}
         for mode in self._val_modes():
-            stats = self.val_metrics[mode].compute()
-            stats["per_task_type_success"] = per_task_type_success(self.val_episodes[mode])
-            stats["failure_patterns"] = failure_pattern_rates(self.val_episodes[mode])
-            stats["episodes"] = len(self.val_episodes[mode])
+            episodes = self._gather_episodes(self.val_episodes[mode])
+            self.val_episodes[mode] = episodes
+            stats = self.val_metrics[mode].compute()  # torchmetrics: already reduced over ranks
+            stats["per_task_type_success"] = per_task_type_success(episodes)
+            stats["failure_patterns"] = failure_pattern_rates(episodes)
+            stats["episodes"] = len(episodes)
             report["modes"][mode] = stats
             for k, v in stats.items():
                 if isinstance(v, float) and not math.isnan(v):
