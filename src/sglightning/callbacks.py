@@ -19,8 +19,12 @@ from sglightning.rollout import Episode, RolloutAborted
 
 
 def run_dir(trainer: Trainer) -> Path:
-    """The run directory: the logger's version folder, else ``default_root_dir``."""
-    path = trainer.log_dir if trainer.loggers else None
+    """The run directory: the first logger's version folder, else ``default_root_dir``.  Reads the logger directly
+    (``trainer.log_dir`` broadcasts from rank 0, which deadlocks in code that only rank 0 runs)."""
+    path = None
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        path = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
     return Path(path or trainer.default_root_dir)
 
 
@@ -106,13 +110,23 @@ class AdapterExport(Callback):
         self.dirname = dirname
 
     def export(self, trainer: Trainer, pl_module: LightningModule) -> Path | None:
-        if trainer.global_rank != 0 or pl_module.policy is None:
+        if pl_module.policy is None:
+            return None
+        state = None
+        trainable = [(n, p) for n, p in pl_module.policy.named_parameters() if p.requires_grad]
+        if any(hasattr(p, "full_tensor") for _, p in trainable):
+            # FSDP2: gather the (small) adapter tensors on every rank (a collective), rank 0 writes them
+            state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in trainable}
+        if trainer.global_rank != 0:
             return None
         target = run_dir(trainer) / self.dirname
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.dirname}-", dir=target.parent))
         try:
-            pl_module.policy.save_pretrained(tmp)
+            if state is None:
+                pl_module.policy.save_pretrained(tmp)
+            else:
+                pl_module.policy.save_pretrained(tmp, state_dict=state)
             (tmp / "sglightning.json").write_text(
                 json.dumps({"global_step": int(pl_module.global_step), "rollouts_done": pl_module.rollouts_done})
             )

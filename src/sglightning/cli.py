@@ -25,6 +25,7 @@ warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback  # noqa: E402
 
 from sglightning.checkpointing import CheckpointError, load_checkpoint_file  # noqa: E402
+from sglightning.callbacks import run_dir  # noqa: E402
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS  # noqa: E402
 from sglightning.errors import ConfigError  # noqa: E402
 from sglightning.module import SelfGuideModule  # noqa: E402
@@ -47,9 +48,9 @@ class VersionedSaveConfig(SaveConfigCallback):
     (pitfalls §6: benchmark version drift), so the file stays a valid ``--config`` and records what ran."""
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        if not self.save_to_log_dir or trainer.log_dir is None:
+        if not self.save_to_log_dir:
             return
-        path = Path(trainer.log_dir) / self.config_filename
+        path = run_dir(trainer) / self.config_filename  # rank 0 only: no trainer.log_dir (a broadcast)
         versions = pl_module.package_versions() if hasattr(pl_module, "package_versions") else {}
         if path.is_file() and versions:
             with path.open("a") as f:
@@ -104,8 +105,9 @@ class SGLightningCLI(LightningCLI):
         hyper-parameters, so there is nothing to merge into the config (the config file is the source of truth)."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if not path or path in ("last", "best", "hpc") or not Path(str(path)).exists():
-            return  # Lightning resolves the keywords; a missing file is reported when it is loaded
+        if not path or path in ("last", "best", "hpc") or not Path(str(path)).is_file():
+            return  # Lightning resolves the keywords; distributed checkpoints are folders; a missing file is reported
+            # when it is loaded
         try:
             load_checkpoint_file(path)
         except CheckpointError as err:
@@ -129,7 +131,7 @@ class SGLightningCLI(LightningCLI):
         report = getattr(self.model, "val_report", None)
         if report is None or self.trainer.global_rank != 0:
             return
-        out = Path(self.trainer.log_dir or self.trainer.default_root_dir)
+        out = run_dir(self.trainer)
         out.mkdir(parents=True, exist_ok=True)
         report = dict(report, config={
             "env": self.model.env_name(),

@@ -89,7 +89,20 @@ class EpisodeMetrics(torch.nn.Module):
                 metric.update(vals[name])
 
     def compute(self) -> dict[str, float]:
-        return {n: float(m.compute()) for n, m in zip(self.names, self.means) if m.update_called}
+        """Means over every rank's episodes.  Every metric is computed on every rank, updated or not (the sync is a
+        collective: a rank that played no episode, e.g. a validation padding batch, must still take part); metrics
+        with no episode anywhere (NaN) are left out."""
+        import math
+        import warnings
+
+        out = {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*compute.*before.*update.*")
+            for n, m in zip(self.names, self.means):
+                v = float(m.compute())
+                if not math.isnan(v):
+                    out[n] = v
+        return out
 
     def reset(self) -> None:
         for m in self.means:

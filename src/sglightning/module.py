@@ -138,6 +138,55 @@ class SelfGuideModule(LightningModule):
             return
         self.check_env()  # before the (slow) model load: a bad env config fails in a second
         self.policy, self.tokenizer = load_policy(self.model_cfg, self.device, self.adapter_path)
+        if self._fsdp2():
+            self._apply_fully_shard()
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # FSDP2 (Lightning's ModelParallelStrategy): fully_shard per decoder layer + the root
+    def _fsdp2(self) -> bool:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy)
+
+    def _apply_fully_shard(self) -> None:
+        """Shard every decoder layer, then the root (embeddings, final norm and LM head — tied or not — stay in the
+        root unit).  Frozen base weights and LoRA weights are both sharded (FSDP2 shards per parameter)."""
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        base = self.policy.get_base_model()
+        for layer in base.get_decoder().layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.policy, mesh=mesh)
+
+    def _fsdp_modules(self) -> list:
+        from torch.distributed.fsdp import FSDPModule
+
+        return [m for m in self.policy.modules() if isinstance(m, FSDPModule)]
+
+    def generation_weights(self):
+        """Context for rollouts: under FSDP2 all-gather every unit once and keep it unsharded for the whole rollout
+        (ranks decode different numbers of tokens, so per-forward all-gathers would deadlock); reshard after.  Cost:
+        one full copy of the model per rank while generating.  A no-op elsewhere."""
+        import contextlib
+
+        if not self._fsdp2():
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def unsharded():
+            mods = self._fsdp_modules()
+            for m in mods:  # collectives, in the same order on every rank
+                m.unshard()
+            self.policy.set_reshard_after_forward(False)
+            try:
+                yield
+            finally:
+                self.policy.set_reshard_after_forward(True)
+                for m in mods:
+                    m.reshard()
+
+        return unsharded()
 
     def check_env(self) -> None:
         """Build one environment and check the configured splits against it; ``ConfigError`` naming the key."""
@@ -256,7 +305,9 @@ class SelfGuideModule(LightningModule):
         seeds = [cfg.seed_offset + i for i in range(cfg.num_tasks)]
         chunks = [seeds[i : i + cfg.tasks_per_batch] for i in range(0, len(seeds), cfg.tasks_per_batch)]
         rank, world = self._world()
-        return DataLoader(_Items(chunks[rank::world]), batch_size=None, collate_fn=lambda x: x)
+        mine = chunks[rank::world]
+        mine += [[]] * (-(-len(chunks) // world) - len(mine))  # equal batch counts on every rank (FSDP2 collectives)
+        return DataLoader(_Items(mine), batch_size=None, collate_fn=lambda x: x)
 
     def task_seeds(self, step: int) -> list[int]:
         """This rank's training task seeds at step ``step``: ``world × groups_per_step`` distinct seeds drawn from a
@@ -280,9 +331,10 @@ class SelfGuideModule(LightningModule):
         gen = self.sampling_generator(step)
         if self.device.type != "cpu":
             gen = torch.Generator(device=self.device).manual_seed(int(gen.initial_seed()))
-        self.current_rollout = self.get_engine().run(
-            self.task_seeds(step), generator=gen, policy_version=self.global_step, should_stop=self._preempted
-        )
+        with self.generation_weights():
+            self.current_rollout = self.get_engine().run(
+                self.task_seeds(step), generator=gen, policy_version=self.global_step, should_stop=self._preempted
+            )
         return self.current_rollout
 
     def _preempted(self) -> bool:
@@ -310,11 +362,20 @@ class SelfGuideModule(LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(ids[:, i] | ids[:, :i]) at the positions of ``mask`` [B, L] (0 elsewhere), at the sampling
         temperature; the LM head runs only on the needed positions.  Returns (logp [B, L], entropy [B, L] or None)."""
+        if self._fsdp2():  # FSDP2 unshards through the root's forward: call the whole model (full logits)
+            logits_all = self.policy(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
+            sel = mask[:, 1:]
+            logits = logits_all[:, :-1][sel].float() / temperature  # [M, V]
+            return self._gather_logp(ids, sel, logits, entropy)
         base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
         hidden = base.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, L, H]
         sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
         h = hidden[:, :-1][sel]  # [M, H]
         logits = base.get_output_embeddings()(h).float() / temperature  # [M, V]
+        return self._gather_logp(ids, sel, logits, entropy)
+
+    @staticmethod
+    def _gather_logp(ids, sel, logits, entropy: bool):
         logp_sel = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:][sel][:, None]).squeeze(-1)  # [M]
         logp = torch.zeros(ids.shape, dtype=logp_sel.dtype, device=ids.device)  # [B, L]
         logp[:, 1:][sel] = logp_sel
@@ -453,6 +514,20 @@ class SelfGuideModule(LightningModule):
             merged[key] = sum(vals) if key in self.SUM_KEYS else sum(vals) / len(vals)
         return merged
 
+    def _dummy_microbatches(self, n: int, temperature: float, with_ref: bool) -> None:
+        """``n`` zero-weight forward/backward passes on a 2-token input (FSDP2: keeps the collectives in step)."""
+        if n <= 0:
+            return
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+        attn = torch.ones_like(ids)
+        m = torch.tensor([[False, True]], device=self.device)
+        for _ in range(n):
+            if with_ref:
+                with torch.no_grad(), self.policy.disable_adapter():
+                    self.token_logprobs(ids, attn, m, temperature)
+            logp, _ = self.token_logprobs(ids, attn, m, temperature)
+            self.manual_backward(logp.sum() * 0.0)
+
     def _update(self, data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None, opt, first_epoch: bool
                 ) -> dict[str, float]:
         c = self.grpo_cfg
@@ -470,11 +545,16 @@ class SelfGuideModule(LightningModule):
         weights: dict[str, float] = {}
         finite = True
         opt.zero_grad()
-        for start in range(0, S, c.micro_batch_size):
+        starts = [st for st in range(0, S, c.micro_batch_size) if mask[st : st + c.micro_batch_size].any()]
+        fsdp2 = self._fsdp2()
+        if fsdp2:
+            # FSDP2 all-gathers in every forward and reduce-scatters in every backward: every rank must run the same
+            # number of micro-batches, so ranks with fewer run zero-weight dummy ones
+            most = self._all_reduce(torch.tensor([len(starts)], device=self.device), op=torch.distributed.ReduceOp.MAX)
+            self._dummy_microbatches(int(most.item()) - len(starts), temp, c.kl_coef > 0)
+        for start in starts:
             sl = slice(start, start + c.micro_batch_size)
             ids, attn, m = data["ids"][sl], data["attn"][sl], mask[sl]
-            if not m.any():
-                continue
             ref = None
             if c.kl_coef > 0:
                 with torch.no_grad(), self.policy.disable_adapter():
@@ -488,7 +568,11 @@ class SelfGuideModule(LightningModule):
             w = (m.sum() / total_tokens) if c.loss_agg == "token_mean" else ((m.sum(1) > 0).sum() / total_seqs)
             if not torch.isfinite(loss):
                 finite = False
-                break
+                if not fsdp2:
+                    break
+                loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0  # keep the backward collective; the update is skipped
+            if fsdp2:
+                w = w * self._world()[1]  # FSDP2 averages gradients over ranks; the weights already are global shares
             with self._no_sync():
                 self.manual_backward(loss * w)
             n = float(m.sum())
@@ -515,12 +599,14 @@ class SelfGuideModule(LightningModule):
             flag = self._all_reduce(torch.tensor([1.0 if finite else 0.0], device=self.device),
                                     op=torch.distributed.ReduceOp.MIN)
             finite = bool(flag.item() == 1.0)
-            if finite:
+            if finite and not fsdp2:  # FSDP2 reduced the gradients in its backward
                 self._sync_grads(params)
         if finite:
             # one pass: the total gradient norm (checked below) and, when configured, the clipping
             max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
+                grad_norm = grad_norm.full_tensor()
             finite = bool(torch.isfinite(grad_norm))
         if not finite:
             self.skipped_updates += 1
@@ -573,16 +659,22 @@ class SelfGuideModule(LightningModule):
 
     def validation_step(self, seeds, batch_idx):
         for mode in self._val_modes():
-            rb = self.get_engine().run(
-                seeds,
-                group_size=self.eval_cfg.episodes_per_task,
-                temperature=self.eval_cfg.temperature,
-                guided=mode == "sg",
-                generator=self.sampling_generator(10_000_000 + int(seeds[0]), salt=1),  # by task, not batch index
-                split=self.eval_cfg.split,
-            )
+            with self.generation_weights():
+                rb = self._val_rollout(seeds, mode)
             self.val_metrics[mode].update(rb)
             self.val_episodes[mode].extend(rb.episodes)
+
+    def _val_rollout(self, seeds, mode: str) -> RolloutBatch:
+        if not seeds:  # a padding batch (ranks run equally many batches): nothing to play
+            return RolloutBatch(episodes=[], group_size=self.eval_cfg.episodes_per_task)
+        return self.get_engine().run(
+            seeds,
+            group_size=self.eval_cfg.episodes_per_task,
+            temperature=self.eval_cfg.temperature,
+            guided=mode == "sg",
+            generator=self.sampling_generator(10_000_000 + int(seeds[0]), salt=1),  # by task, not batch index
+            split=self.eval_cfg.split,
+        )
 
     def _gather_episodes(self, episodes: list) -> list:
         """All ranks' evaluation episodes (token samples stripped), each exactly once, in seed order."""
@@ -599,19 +691,19 @@ class SelfGuideModule(LightningModule):
         for mode in self._val_modes():
             episodes = self._gather_episodes(self.val_episodes[mode])
             self.val_episodes[mode] = episodes
-            stats = self.val_metrics[mode].compute()  # torchmetrics: already reduced over ranks
+            stats = self.val_metrics[mode].compute()  # torchmetrics: already reduced over ranks (logged once, rank 0)
             stats["per_task_type_success"] = per_task_type_success(episodes)
             stats["failure_patterns"] = failure_pattern_rates(episodes)
             stats["episodes"] = len(episodes)
             report["modes"][mode] = stats
             for k, v in stats.items():
                 if isinstance(v, float) and not math.isnan(v):
-                    self.log(f"val/{mode}/{k.split('/', 1)[-1]}", v, on_epoch=True, batch_size=1)
+                    self.log(f"val/{mode}/{k.split('/', 1)[-1]}", v, on_epoch=True, batch_size=1, sync_dist=self._distributed())
             for k, v in stats["failure_patterns"].items():
                 if k != "failed_episodes":
-                    self.log(f"val/{mode}/failure_{k}", float(v), on_epoch=True, batch_size=1)
+                    self.log(f"val/{mode}/failure_{k}", float(v), on_epoch=True, batch_size=1, sync_dist=self._distributed())
             for k, v in stats["per_task_type_success"].items():
-                self.log(f"val/{mode}/success_{k}", float(v), on_epoch=True, batch_size=1)
+                self.log(f"val/{mode}/success_{k}", float(v), on_epoch=True, batch_size=1, sync_dist=self._distributed())
         report["episodes"] = {mode: [episode_summary(e) for e in self.val_episodes[mode]] for mode in self._val_modes()}
         report["split"] = self.eval_cfg.split
         report["versions"] = self.package_versions()
@@ -620,8 +712,10 @@ class SelfGuideModule(LightningModule):
     # ------------------------------------------------------------------------------------------------------------------
     # checkpoints: adapters (trainable parameters) only, plus the counters
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        if not self._fsdp2():  # a distributed (sharded) checkpoint is loaded strictly by torch.distributed.checkpoint:
+            # it keeps the whole sharded model; elsewhere only the trainable (adapter) weights are kept
+            trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
         checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates}
         # the config lives in the run's config.yaml; kept out of the checkpoint so that `validate --ckpt_path` uses the
         # config it is given (LightningCLI would otherwise re-apply the training-time values over it)
