@@ -80,3 +80,24 @@ def test_cli_fit_under_ddp_writes_one_run_folder(tmp_path):
     assert "# package versions of this run" in (run / "config.yaml").read_text()
     assert not (tmp_path / "tiny" / "version_1").exists()  # rank 1 wrote nothing of its own
     assert "validation [self-guidance on] success" in res.stdout
+
+
+def test_cli_fsdp2_distributed_checkpoint_resumes(tmp_path):
+    """FSDP2 from the CLI: a sharded `last.ckpt/` folder, the adapter gathered and exported, `--ckpt_path last`
+    restores the sharded state and trains on."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    base = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
+            "--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy",
+            "--trainer.strategy.data_parallel_size=2", "--trainer.strategy.tensor_parallel_size=1",
+            "--trainer.devices=2", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
+            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    res = subprocess.run(base + ["--trainer.max_steps=2"], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    run = tmp_path / "tiny" / "version_0"
+    assert (run / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint shards
+    assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 2
+    res = subprocess.run(base + ["--trainer.max_steps=3", "--ckpt_path=last"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resuming from" in res.stderr and "Restored all states" in res.stdout + res.stderr
+    assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 3

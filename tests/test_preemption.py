@@ -162,3 +162,14 @@ def test_broken_checkpoint_gives_one_line_naming_the_file(tmp_path, kind, straig
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith("sglightning fit: error: checkpoint ") and str(bad) in last
     assert "Traceback" not in out.stderr
+
+
+def test_resume_extends_a_finished_run(tmp_path):
+    """A finished 2-step run resumed with max_steps 3 trains exactly one more step, in the same folder."""
+    assert subprocess.run(_fit_cmd(tmp_path, 2), env=_env(), capture_output=True, timeout=600).returncode == 0
+    out = subprocess.run(_fit_cmd(tmp_path, 3, "--ckpt_path=last"), env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "not resumable" not in out.stderr
+    state = load_checkpoint_file(tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt")
+    assert state["sglightning"]["rollouts_done"] == 3 and state["global_step"] == 3

@@ -32,7 +32,8 @@ from sglightning.module import SelfGuideModule  # noqa: E402
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "max_steps": 10,
-    "max_epochs": 1,  # one epoch = the whole run (the train dataloader yields one item per rollout)
+    "max_epochs": -1,  # the run ends at max_steps (the train dataloader yields one item per rollout; a resumed run
+    # that raised max_steps goes on into a next pass)
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
     "enable_model_summary": False,

@@ -54,6 +54,18 @@ class _Items(torch.utils.data.IterableDataset):
         return len(self.items)
 
 
+class _StepLoader(DataLoader):
+    """The train loader's items are only a step clock: what a step does comes from ``rollouts_done`` (restored from
+    the checkpoint), so resuming mid-epoch needs no loader state.  Declaring that (``state_dict``) tells Lightning the
+    loader is resumable."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+
 @dataclass
 class EvalConfig:
     """``validate`` (and validation during fit): a fixed, seeded set of evaluation episodes."""
@@ -296,7 +308,7 @@ class SelfGuideModule(LightningModule):
     def train_dataloader(self):
         # an iterable (not a map-style dataset), so Lightning adds no DistributedSampler: every rank walks all step
         # indices and collects its own share of groups at each step (task_seeds)
-        return DataLoader(_Items(list(range(self.total_steps()))), batch_size=None)
+        return _StepLoader(_Items(list(range(self.total_steps()))), batch_size=None)
 
     def val_dataloader(self):
         """This rank's share of the evaluation seeds (chunks ``rank::world``): every episode is played exactly once
