@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.envs.base import ResetResult, StepResult
+from sglightning.envs.jvm import JvmGoldPathEnv
 
 TASK_NAMES = (
     "boil", "change-the-state-of-matter-of", "chemistry-mix", "chemistry-mix-paint-secondary-color",
@@ -67,7 +68,7 @@ def _require_scienceworld():
     return _SW
 
 
-class ScienceWorldEnv(TextEnv):
+class ScienceWorldEnv(JvmGoldPathEnv):
     name = "scienceworld"
     splits = ("train", "dev", "test")
     action_help = ACTION_GRAMMAR
@@ -93,6 +94,7 @@ class ScienceWorldEnv(TextEnv):
         if env_step_limit < 1:
             raise ValueError(f"env.init_args.env_step_limit: must be >= 1, got {env_step_limit}")
         cls = _require_scienceworld()
+        super().__init__()
         self.task_names = names
         self.simplifications = simplifications
         self.gold_path = bool(gold_path)
@@ -100,10 +102,6 @@ class ScienceWorldEnv(TextEnv):
         self._variations: dict[tuple[str, str], list[int]] = {}
         self._loaded: tuple[str, int] | None = None
         self._score = 0
-        self._gold: list[str] = []
-        self._on_gold = False
-        self._n = 0
-        self._closed = False
 
     @classmethod
     def package_versions(cls) -> dict[str, str]:
@@ -143,9 +141,7 @@ class ScienceWorldEnv(TextEnv):
             self._load(task, variation)
         obs, _info = self._env.reset()
         self._score = int(round(100 * float(self._env.server.getScore())))  # some tasks start above 0
-        self._n = 0
-        self._gold = list(self._env.get_gold_action_sequence()) if self.gold_path else []
-        self._on_gold = bool(self._gold)
+        self._start_episode(list(self._env.get_gold_action_sequence()) if self.gold_path else [])
         desc = str(self._env.get_task_description()).strip()
         goal = desc.removeprefix("Your task is to ")
         rooms = "Rooms: " + ", ".join(ROOMS) + "."
@@ -160,9 +156,7 @@ class ScienceWorldEnv(TextEnv):
 
     def step(self, action: str) -> StepResult:
         action = " ".join(str(action).split())
-        if self._on_gold:
-            self._on_gold = self._n < len(self._gold) and action == self._gold[self._n]
-        self._n += 1
+        self._count_step(action)
         server = self._env.server
         obs = str(server.step(action))
         score = int(round(100 * float(server.getScore())))
@@ -180,20 +174,4 @@ class ScienceWorldEnv(TextEnv):
             invalid_action=invalid,
             info={"score_delta": delta, "raw_score": score},
         )
-
-    def process_id(self) -> int | None:
-        """PID of this env's JVM (fault injection, leak checks)."""
-        proc = getattr(getattr(self._env, "_gateway", None), "java_process", None)
-        return getattr(proc, "pid", None)
-
-    def expert_action(self) -> str | None:
-        if self._on_gold and self._n < len(self._gold):
-            return self._gold[self._n]
-        return None
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._env.close()
 

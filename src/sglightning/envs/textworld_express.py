@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.envs.base import ResetResult, StepResult
+from sglightning.envs.jvm import JvmGoldPathEnv
 
 GAMES = ("cookingworld", "twc", "coin", "mapreader", "arithmetic", "sorting", "simonsays", "peckingorder")
 DEFAULT_PARAMS = {
@@ -43,7 +44,7 @@ def _require_twx():
     return TextWorldExpressEnv
 
 
-class TextWorldExpressEnv(TextEnv):
+class TextWorldExpressEnv(JvmGoldPathEnv):
     name = "twx"
     action_help = "Answer with exactly one of the admissible actions."
     splits = ("train", "dev", "test")
@@ -61,6 +62,7 @@ class TextWorldExpressEnv(TextEnv):
         if env_step_limit < 1:
             raise ValueError(f"env.init_args.env_step_limit: must be >= 1, got {env_step_limit}")
         cls = _require_twx()
+        super().__init__()
         self.game = game
         self.game_params = DEFAULT_PARAMS.get(game, "") if game_params is None else game_params
         self._env = cls(envStepLimit=env_step_limit)
@@ -69,11 +71,7 @@ class TextWorldExpressEnv(TextEnv):
             "dev": list(self._env.getValidSeedsDev()),
             "test": list(self._env.getValidSeedsTest()),
         }
-        self._gold: list[str] = []
-        self._on_gold = False
-        self._n = 0
         self._valid: list[str] = []
-        self._closed = False
 
     @classmethod
     def package_versions(cls) -> dict[str, str]:
@@ -90,10 +88,10 @@ class TextWorldExpressEnv(TextEnv):
         obs, info = self._env.reset(
             seed=game_seed, gameFold=split, gameName=self.game, gameParams=self.game_params, generateGoldPath=True
         )
-        self._gold = list(self._env.getGoldActionSequence())
-        if self._gold and self._gold[0] == "look around":
-            self._gold = self._gold[1:]  # the engine's gold path starts with the look that reset already did
-        self._on_gold, self._n = True, 0
+        gold = list(self._env.getGoldActionSequence())
+        if gold and gold[0] == "look around":
+            gold = gold[1:]  # the engine's gold path starts with the look that reset already did
+        self._start_episode(gold)
         self._valid = sorted(info.get("validActions", []))
         task = str(info.get("taskDescription", "")).strip()
         goal = task.removeprefix("Your task is to ").rstrip(".") or task
@@ -108,9 +106,7 @@ class TextWorldExpressEnv(TextEnv):
     def step(self, action: str) -> StepResult:
         action = " ".join(str(action).split())
         invalid = action not in self._valid
-        if self._on_gold:
-            self._on_gold = self._n < len(self._gold) and action == self._gold[self._n]
-        self._n += 1
+        self._count_step(action)
         obs, _reward, done, info = self._env.step(action)
         invalid = invalid or _UNKNOWN in str(obs).lower()
         self._valid = sorted(info.get("validActions", []))
@@ -126,19 +122,3 @@ class TextWorldExpressEnv(TextEnv):
             invalid_action=invalid,
             info={"moves": info.get("numMoves")},
         )
-
-    def process_id(self) -> int | None:
-        """PID of this env's JVM (fault injection, leak checks)."""
-        proc = getattr(getattr(self._env, "_gateway", None), "java_process", None)
-        return getattr(proc, "pid", None)
-
-    def expert_action(self) -> str | None:
-        if self._on_gold and self._n < len(self._gold):
-            return self._gold[self._n]
-        return None
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._env.close()
