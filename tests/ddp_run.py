@@ -9,7 +9,6 @@ the merged validation report.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -17,11 +16,9 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, Trainer
 
-from sglightning.envs.household import HouseholdEnv
-from sglightning.guidance import GuidanceConfig
-from sglightning.models import ModelConfig
-from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
+from sglightning.module import EvalConfig, GRPOConfig
 from sglightning.rollout import RolloutConfig
+from test_trainer import tiny_module
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -50,14 +47,10 @@ class Record(Callback):
 
 def main(out: Path, strategy: str) -> None:
     torch.manual_seed(0)
-    module = SelfGuideModule(
-        model=ModelConfig(model_name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
-        env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+    module = tiny_module(  # the test suite's tiny setup, with longer episodes, one-sample micro-batches, 5 eval tasks
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3),
-        guidance=GuidanceConfig(action_decoding="admissible", max_guidance_tokens=4, max_action_tokens=4),
         grpo=GRPOConfig(kl_coef=0.01, micro_batch_size=1),
         evaluation=EvalConfig(num_tasks=5, tasks_per_batch=2),
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
     )
     if strategy == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from sglightning import grpo
 from sglightning.grpo import GRPOConfig
-from sglightning.envs.base import TextEnv
+from sglightning.envs.base import TextEnv, installed_versions
 from sglightning.errors import ConfigError
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
@@ -236,16 +236,10 @@ class SelfGuideModule(LightningModule):
 
     def package_versions(self) -> dict[str, str]:
         """sglightning + the training stack + the env's benchmark packages (pitfalls §6: record them everywhere)."""
-        import importlib.metadata as md
-
         import sglightning
 
         out = {"sglightning": sglightning.__version__}
-        for dist in ("torch", "lightning", "transformers", "peft"):
-            try:
-                out[dist] = md.version(dist)
-            except md.PackageNotFoundError:
-                pass
+        out.update(installed_versions(("torch", "lightning", "transformers", "peft")))
         target = self.env_target()
         if isinstance(target, type) and issubclass(target, TextEnv):
             out.update(target.package_versions())

@@ -68,7 +68,6 @@ import os
 import random
 import re
 import threading
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +197,7 @@ class ALFWorldEnv(TextEnv):
     """ALFWorld text games (real engine); see the module docstring for games, splits, task types and departures."""
 
     name = "alfworld"
+    packages = ("alfworld", "textworld")
     splits = ("train", "valid_seen", "valid_unseen")
     action_help = ("Answer with exactly one of the admissible actions, e.g. 'go to countertop 1', "
                    "'take apple 1 from countertop 1' or 'move apple 1 to fridge 1'.")
@@ -362,13 +362,3 @@ class ALFWorldEnv(TextEnv):
             if lib is not None:  # textworld's PddlEnv.close() is a no-op: free the planner's task memory ourselves
                 pddl.downward_lib = None
                 lib.cleanup()
-
-    @classmethod
-    def package_versions(cls) -> dict[str, str]:
-        versions = {}
-        for dist in ("alfworld", "textworld"):
-            try:
-                versions[dist] = metadata.version(dist)
-            except metadata.PackageNotFoundError:
-                pass
-        return versions

@@ -18,6 +18,8 @@ group seeding) so adapters stay thin.  Contract:
 from __future__ import annotations
 
 import abc
+import importlib.metadata
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +49,17 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
 
 
+def installed_versions(dists: Iterable[str]) -> dict[str, str]:
+    """``{distribution: version}`` for those of ``dists`` that are installed."""
+    out = {}
+    for dist in dists:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
 class TextEnv(abc.ABC):
     """Base class of all environments (subclass it and register with :func:`sglightning.envs.register_env`)."""
 
@@ -66,10 +79,13 @@ class TextEnv(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (processes, files). Safe to call twice."""
 
+    #: distributions this env runs on; their installed versions are recorded in the run's config and reports
+    packages: tuple[str, ...] = ()
+
     @classmethod
     def package_versions(cls) -> dict[str, str]:
-        """Versions of the benchmark packages this env runs on (recorded in the run's config and reports)."""
-        return {}
+        """Installed versions of :attr:`packages` (recorded in the run's config and reports)."""
+        return installed_versions(cls.packages)
 
     def expert_action(self) -> str | None:
         """The next action of an expert solver from the current state, or None when the env has none."""

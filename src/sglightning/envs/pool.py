@@ -25,6 +25,7 @@ tests check that no JVM outlives its pool.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -115,16 +116,18 @@ class _Worker:
         self.inbox.put(_STOP)
 
 
-def _accepts_split(env: TextEnv) -> bool:
+@functools.lru_cache(maxsize=None)
+def _accepts_split(env_type: type) -> bool:
+    """Whether ``env_type.reset`` takes ``split`` (asked once per class, not on every reset)."""
     try:
-        params = inspect.signature(env.reset).parameters
+        params = inspect.signature(env_type.reset).parameters
     except (TypeError, ValueError):
         return True
     return "split" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
 def _reset(env: TextEnv, seed: int, split: str) -> ResetResult:
-    if _accepts_split(env):
+    if _accepts_split(type(env)):
         res = env.reset(seed, split=split)
     elif split == "train":
         res = env.reset(seed)

@@ -25,8 +25,6 @@ Install: ``pip install "sglightning[scienceworld]"`` (the wheel ships its jar; n
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from sglightning.envs.base import ResetResult, StepResult
 from sglightning.envs.jvm import JvmGoldPathEnv
 
@@ -70,6 +68,7 @@ def _require_scienceworld():
 
 class ScienceWorldEnv(JvmGoldPathEnv):
     name = "scienceworld"
+    packages = ("scienceworld",)
     splits = ("train", "dev", "test")
     action_help = ACTION_GRAMMAR
 
@@ -102,13 +101,6 @@ class ScienceWorldEnv(JvmGoldPathEnv):
         self._variations: dict[tuple[str, str], list[int]] = {}
         self._loaded: tuple[str, int] | None = None
         self._score = 0
-
-    @classmethod
-    def package_versions(cls) -> dict[str, str]:
-        try:
-            return {"scienceworld": importlib.metadata.version("scienceworld")}
-        except importlib.metadata.PackageNotFoundError:
-            return {}
 
     def _split_variations(self, task: str, split: str) -> list[int]:
         key = (task, split)

@@ -20,8 +20,6 @@ Install: ``pip install "sglightning[twx]"`` (the wheel ships its jar; needs a Ja
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from sglightning.envs.base import ResetResult, StepResult
 from sglightning.envs.jvm import JvmGoldPathEnv
 
@@ -46,6 +44,7 @@ def _require_twx():
 
 class TextWorldExpressEnv(JvmGoldPathEnv):
     name = "twx"
+    packages = ("textworld-express",)
     action_help = "Answer with exactly one of the admissible actions."
     splits = ("train", "dev", "test")
 
@@ -72,13 +71,6 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
             "test": list(self._env.getValidSeedsTest()),
         }
         self._valid: list[str] = []
-
-    @classmethod
-    def package_versions(cls) -> dict[str, str]:
-        try:
-            return {"textworld-express": importlib.metadata.version("textworld-express")}
-        except importlib.metadata.PackageNotFoundError:
-            return {}
 
     def reset(self, seed: int, split: str = "train") -> ResetResult:
         if split not in self._seeds:

@@ -31,11 +31,10 @@ Interface used (``web_agent_site.envs.WebAgentTextEnv``, ``observation_mode="tex
 
 from __future__ import annotations
 
-import importlib.metadata
 import re
 from typing import Any
 
-from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.envs.base import ResetResult, StepResult, TextEnv, installed_versions
 
 SEP = " [SEP] "
 #: clickables of a product page that are navigation, not product options
@@ -141,12 +140,8 @@ class WebShopEnv(TextEnv):
 
     @classmethod
     def package_versions(cls) -> dict[str, str]:
-        for dist in ("web_agent_site", "webshop"):
-            try:
-                return {dist: importlib.metadata.version(dist)}
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return {}
+        # the engine is installed from the WebShop repository under one of these names: record the first found
+        return dict(list(installed_versions(("web_agent_site", "webshop")).items())[:1])
 
     def _num_goals(self) -> int | None:
         server = getattr(self._env, "server", None)
