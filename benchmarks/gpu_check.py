@@ -1,12 +1,14 @@
 """One short GRPO run on whatever accelerator is here, with a random-init model of a realistic size (no download):
 prints rollout tokens/s, update tokens/s, peak accelerator memory and the sampler/trainer log-prob gap.
 
-    python benchmarks/gpu_check.py                                  # 0.36 B Qwen2-shaped model, 1 GPU, 3 steps
+    python benchmarks/gpu_check.py                                  # 0.39 B Qwen2-shaped model, 1 GPU, 3 steps
     python benchmarks/gpu_check.py --strategy fsdp2 --devices 2     # FSDP2 (ModelParallelStrategy) on 2 GPUs
+    python benchmarks/gpu_check.py --strategy fsdp1                 # FSDP1 (FSDPStrategy, sharded checkpoints)
     python benchmarks/gpu_check.py --cpu-smoke                      # the same code path, tiny shapes, on CPU
 
 The model is Qwen2-0.5B-shaped (hidden 896, 24 layers, 14 heads, MLP 4864; embeddings tied) with the in-process test
-tokenizer (vocabulary 512 instead of 151 936, so ~0.36 B parameters), LoRA r16 on all linear layers, the household env.
+tokenizer (vocabulary 512 instead of 151 936, so ~0.39 B parameters), LoRA r16 on all linear layers, the household env.
+On a GPU the base is bf16 and the LoRA weights fp32 under ``precision="bf16-mixed"`` (the multi-GPU configs' setting).
 """
 
 from __future__ import annotations
@@ -19,16 +21,20 @@ import time
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--strategy", choices=["auto", "ddp", "fsdp2"], default="auto")
+    ap.add_argument("--strategy", choices=["auto", "ddp", "fsdp1", "fsdp2"], default="auto")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=8, help="groups per step (per rank)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-env-steps", type=int, default=6)
-    ap.add_argument("--precision", default=None, help="trainer precision (default: bf16-true on GPU, 32-true on CPU)")
+    ap.add_argument("--precision", default=None, help="trainer precision (default: bf16-mixed on GPU, 32-true on CPU)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks the script end to end")
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.strategy == "fsdp1" and args.cpu_smoke:
+        ap.error("--strategy fsdp1 needs a GPU (Lightning's FSDPStrategy refuses CPU); the FSDP1 code path is tested "
+                 "on CPU processes by tests/test_distributed.py")
+    return args
 
 
 def main(argv=None) -> dict:
@@ -61,12 +67,16 @@ def main(argv=None) -> dict:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
+    elif strategy == "fsdp1":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        strategy = FSDPStrategy(state_dict_type="sharded")
     import tempfile
 
     trainer = Trainer(
         default_root_dir=tempfile.mkdtemp(prefix="sgl-gpu-check-"),
         accelerator="gpu" if gpu else "cpu", devices=args.devices, strategy=strategy,
-        precision=args.precision or ("bf16-true" if gpu else "32-true"), max_steps=args.steps, logger=False,
+        precision=args.precision or ("bf16-mixed" if gpu else "32-true"), max_steps=args.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
     if gpu:
@@ -78,7 +88,7 @@ def main(argv=None) -> dict:
     out = {
         "device": torch.cuda.get_device_name(0) if gpu else "cpu",
         "strategy": args.strategy, "devices": args.devices, "steps": len(hist),
-        "params_M": sum(p.numel() for p in module.policy.parameters()) / 1e6,
+        "params_M": _count_params(shape) / 1e6,  # the whole model (under FSDP each rank holds a shard)
         "episodes_per_step": hist[-1]["rollout/episodes"],
         "rollout_tokens_per_s": sum(r["tokens/generated"] for r in rows) / sum(r["time/rollout_s"] for r in rows),
         "update_tokens_per_s": sum(r.get("tokens/total", 0.0) for r in rows) / sum(r["time/update_s"] for r in rows),
@@ -92,6 +102,15 @@ def main(argv=None) -> dict:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
     return out
+
+
+def _count_params(shape) -> int:
+    import torch
+
+    from sglightning.models import build_tiny_model
+
+    with torch.device("meta"):  # shapes only, no memory
+        return sum(p.numel() for p in build_tiny_model(shape, 512).parameters())
 
 
 if __name__ == "__main__":

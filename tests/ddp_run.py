@@ -1,9 +1,12 @@
-"""Run by tests/test_distributed.py as a script: the tiny config under DDP or FSDP2 on 2 CPU processes (gloo).
+"""Run by tests/test_distributed.py as a script: the tiny config under DDP, FSDP2 or FSDP1 on 2 CPU processes (gloo).
 
-    python tests/ddp_run.py OUT_DIR ddp|fsdp2
+    python tests/ddp_run.py OUT_DIR ddp|fsdp2|fsdp1 [bf16]
+
+``bf16``: the base model in bfloat16 (LoRA weights stay fp32) with ``precision="bf16-mixed"``, as the multi-GPU configs
+run it (mixed dtypes inside one sharded unit).
 
 Lightning re-launches this script for rank 1.  Each rank writes ``OUT_DIR/rank{r}.pt``: its trainable parameters after
-training, and per step its task seeds, its episodes' outcomes and the success rate it logged; rank 0 also writes
+training (rank 0 also exports the peft adapter to ``OUT_DIR/adapter``), and per step its task seeds, its episodes' outcomes and the success rate it logged; rank 0 also writes
 the merged validation report.
 """
 
@@ -16,15 +19,11 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, Trainer
 
+from sglightning.callbacks import AdapterExport
+from sglightning.models import ModelConfig
 from sglightning.module import EvalConfig, GRPOConfig
 from sglightning.rollout import RolloutConfig
 from test_trainer import tiny_module
-
-
-def _full(p: torch.Tensor) -> torch.Tensor:
-    """A parameter as a plain full tensor (FSDP2 shards are DTensors: gathered, a collective on every rank)."""
-    p = p.detach()
-    return (p.full_tensor() if hasattr(p, "full_tensor") else p).cpu().clone()
 
 
 class Record(Callback):
@@ -33,7 +32,7 @@ class Record(Callback):
         self.initial = {}
 
     def on_train_start(self, trainer, pl_module):
-        self.initial = {n: _full(p) for n, p in pl_module.policy.named_parameters() if p.requires_grad}
+        self.initial = pl_module.adapter_state_dict()  # full tensors (gathered under FSDP: every rank calls it)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         rb = pl_module.current_rollout
@@ -42,38 +41,48 @@ class Record(Callback):
             "won": [bool(e.won) for e in rb.episodes],
             "logged_success": pl_module.history[-1]["rollout/success_rate"],
             "logged_episodes": pl_module.history[-1]["rollout/episodes"],
+            "logprob_gap": pl_module.history[-1].get("policy/logprob_gap_sampler_trainer", float("nan")),
         })
 
 
-def main(out: Path, strategy: str) -> None:
+def main(out: Path, strategy: str, bf16: bool = False) -> None:
     torch.manual_seed(0)
+    model = ModelConfig(model_name_or_path="embedded:tiny", lora_r=4, lora_alpha=8,
+                        dtype="bfloat16" if bf16 else "float32")
     module = tiny_module(  # the test suite's tiny setup, with longer episodes, one-sample micro-batches, 5 eval tasks
+        model=model,
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3),
         grpo=GRPOConfig(kl_coef=0.01, micro_batch_size=1),
         evaluation=EvalConfig(num_tasks=5, tasks_per_batch=2),
     )
     if strategy == "fsdp2":
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from sglightning.strategies import FSDP2Strategy
 
-        strat = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        strat = FSDP2Strategy()
+    elif strategy == "fsdp1":
+        from cpu_fsdp import CPUFSDPStrategy
+
+        strat = CPUFSDPStrategy()
     else:
         strat = "ddp"
     rec = Record()
     trainer = Trainer(
         max_steps=3, accelerator="cpu", devices=2, strategy=strat, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[rec],
-        default_root_dir=out,
+        default_root_dir=out, precision="bf16-mixed" if bf16 else "32-true",
     )
     trainer.fit(module)
     trainer.limit_val_batches = 1.0
     trainer.validate(module)
     rank = trainer.global_rank
-    params = {n: _full(p) for n, p in module.policy.named_parameters() if p.requires_grad}
-    torch.save({"params": params, "initial": rec.initial, "steps": rec.steps, "rollouts_done": module.rollouts_done,
+    params = module.adapter_state_dict()
+    AdapterExport().export(trainer, module)  # rank 0 writes OUT_DIR/adapter (a gather under FSDP: every rank calls it)
+    base_dtypes = sorted({str(p.dtype) for p in module.peft_model.get_base_model().parameters() if not p.requires_grad})
+    torch.save({"params": params, "base_dtypes": base_dtypes, "initial": rec.initial, "steps": rec.steps, "rollouts_done": module.rollouts_done,
                 "global_step": trainer.global_step}, out / f"rank{rank}.pt")
     if rank == 0:
         (out / "val_report.json").write_text(json.dumps(module.val_report, default=str))
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp")
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp", bf16="bf16" in sys.argv[3:])

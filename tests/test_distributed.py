@@ -1,11 +1,13 @@
-"""Two CPU processes (gloo) under Lightning's DDP and under FSDP2 (ModelParallelStrategy + fully_shard): disjoint task
-seeds, identical adapters on both ranks after training, logged success = the mean over both ranks' episodes,
-validation played once across ranks and merged; FSDP2 (generation included) trains to the same adapters as DDP."""
+"""Two CPU processes (gloo) under Lightning's DDP, FSDP2 (ModelParallelStrategy + fully_shard) and FSDP1 (FSDPStrategy,
+through the CPU-allowed subclass in cpu_fsdp.py): disjoint task seeds, identical adapters on both ranks after training,
+logged success = the mean over both ranks' episodes, validation played once across ranks and merged; FSDP2 and FSDP1
+(generation included) train to the same adapters as DDP; a bf16 base with fp32 adapters trains under both FSDPs."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,22 +20,23 @@ HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
 
 
-def _run(out: Path, strategy: str) -> tuple[dict, dict, dict]:
+def _run(out: Path, strategy: str, *extra: str) -> tuple[dict, dict, dict]:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
-    res = subprocess.run([sys.executable, str(HERE / "ddp_run.py"), str(out), strategy], env=env,
+    res = subprocess.run([sys.executable, str(HERE / "ddp_run.py"), str(out), strategy, *extra], env=env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     r0 = torch.load(out / "rank0.pt", weights_only=False)
+    r0["exported"] = _adapter(out)
     r1 = torch.load(out / "rank1.pt", weights_only=False)
     return r0, r1, json.loads((out / "val_report.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return {s: _run(tmp_path_factory.mktemp(s), s) for s in ("ddp", "fsdp2")}
+    return {s: _run(tmp_path_factory.mktemp(s), s) for s in ("ddp", "fsdp2", "fsdp1")}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp1"])
 def test_two_cpu_processes(runs, strategy):
     r0, r1, report = runs[strategy]
     assert r0["rollouts_done"] == r1["rollouts_done"] == 3 and r0["global_step"] == r1["global_step"] == 3
@@ -42,6 +45,10 @@ def test_two_cpu_processes(runs, strategy):
     for name in r0["params"]:
         assert torch.equal(r0["params"][name], r1["params"][name]), name
     assert any(not torch.equal(r0["params"][n], r0["initial"][n]) for n in r0["params"])
+    # the exported peft adapter holds exactly those weights, under peft's saved names (no adapter or wrapper names)
+    assert r0["exported"].keys() == {n.replace(".default.", ".") for n in r0["params"]}
+    for name, p in r0["params"].items():
+        assert torch.equal(r0["exported"][name.replace(".default.", ".")], p), name
     for s0, s1 in zip(r0["steps"], r1["steps"], strict=True):
         assert len(s0["seeds"]) == len(s1["seeds"]) == 2 and not set(s0["seeds"]) & set(s1["seeds"])  # disjoint
         everyone = s0["won"] + s1["won"]
@@ -58,13 +65,30 @@ def test_two_cpu_processes(runs, strategy):
         assert report["modes"][mode]["rollout/success_rate"] == pytest.approx(sum(won) / len(won))
 
 
-def test_fsdp2_trains_to_the_same_adapters_as_ddp(runs):
-    """Same seeds, same sampling, full weights gathered for generation, gradients reduced by FSDP2 instead of our
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+def test_fsdp_trains_to_the_same_adapters_as_ddp(runs, strategy):
+    """Same seeds, same sampling, full weights gathered for generation, gradients reduced by FSDP instead of our
     all-reduce: the same update up to float summation order."""
-    ddp, fsdp = runs["ddp"][0], runs["fsdp2"][0]
+    ddp, fsdp = runs["ddp"][0], runs[strategy][0]
     assert [s["seeds"] for s in ddp["steps"]] == [s["seeds"] for s in fsdp["steps"]]
+    assert ddp["params"].keys() == fsdp["params"].keys()  # the exported names carry no FSDP wrapper prefixes
     for name, p in ddp["params"].items():
         assert torch.allclose(p, fsdp["params"][name], atol=1e-5), name
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+def test_fsdp_bf16_base_keeps_fp32_adapters(tmp_path, strategy):
+    """The multi-GPU configs' setting: base weights bf16, LoRA weights fp32 (master weights small steps survive),
+    trainer.precision bf16-mixed.  FSDP2 gathers the mixed-dtype units in bf16 (MixedPrecisionPolicy), FSDP1 keeps
+    LoRA weights in their own units; both train, agree across ranks, and sample ≈ what they train on."""
+    r0, r1, _ = _run(tmp_path, strategy, "bf16")
+    assert r0["base_dtypes"] == ["torch.bfloat16"]
+    assert {p.dtype for p in r0["params"].values()} == {torch.float32}
+    for name in r0["params"]:
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
+    assert any(not torch.equal(r0["params"][n], r0["initial"][n]) for n in r0["params"])
+    gaps = [s["logprob_gap"] for s in r0["steps"]]
+    assert all(0.0 <= g < 0.02 for g in gaps), gaps  # bf16 rounding, not a different policy
 
 
 def test_cli_fit_under_ddp_writes_one_run_folder(tmp_path):
@@ -82,13 +106,22 @@ def test_cli_fit_under_ddp_writes_one_run_folder(tmp_path):
     assert "validation [self-guidance on] success" in res.stdout
 
 
-def test_cli_fsdp2_distributed_checkpoint_resumes(tmp_path):
-    """FSDP2 from the CLI: a sharded `last.ckpt/` folder, the adapter gathered and exported, `--ckpt_path last`
-    restores the sharded state and trains on."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+# the shipped multi-GPU configs on 2 CPU processes (bf16 base, fp32 LoRA, bf16-mixed, gradient checkpointing, sharded
+# checkpoints); FSDP1 through the CPU-allowed subclass of FSDPStrategy (same init args)
+SHARDED_CLI = {
+    "fsdp2": ["--config", str(HERE.parent / "configs" / "multi_gpu_fsdp2.yaml")],
+    "fsdp1": ["--config", str(HERE.parent / "configs" / "multi_gpu_fsdp.yaml"),
+              "--trainer.strategy.class_path=cpu_fsdp.CPUFSDPStrategy"],
+}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
+    """FSDP from the CLI with the shipped multi-GPU config: a sharded `last.ckpt/` folder, the adapter gathered and
+    exported, `--ckpt_path last` restores the sharded state and trains on."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
     base = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
-            "--trainer.strategy=lightning.pytorch.strategies.ModelParallelStrategy",
-            "--trainer.strategy.data_parallel_size=2", "--trainer.strategy.tensor_parallel_size=1",
+            *SHARDED_CLI[strategy], "--trainer.accelerator=cpu",
             "--trainer.devices=2", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
             f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     res = subprocess.run(base + ["--trainer.max_steps=2"], env=env, capture_output=True, text=True, timeout=600)
@@ -96,8 +129,48 @@ def test_cli_fsdp2_distributed_checkpoint_resumes(tmp_path):
     run = tmp_path / "tiny" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint shards
     assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 2
+    first = _adapter(run)
     res = subprocess.run(base + ["--trainer.max_steps=3", "--ckpt_path=last"], env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resuming from" in res.stderr and "Restored all states" in res.stdout + res.stderr
     assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 3
+    second = _adapter(run)
+    # peft's own names, no FSDP wrapper prefixes; the third step changed the restored adapter
+    assert first and first.keys() == second.keys()
+    assert all(re.fullmatch(r"base_model\.model\.model\.layers\.\d+\.\w+\.\w+\.lora_[AB]\.weight", k)
+               for k in first), sorted(first)
+    assert any(not torch.equal(first[k], second[k]) for k in first)
+
+
+def _adapter(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "adapter" / "adapter_model.safetensors")
+
+
+def test_cli_rejects_tensor_parallel_mesh(tmp_path):
+    """Lightning's ModelParallelStrategy with its "auto" sizes on one node means tensor parallelism (dp 1 × tp 2),
+    which this trainer does not implement: one line naming trainer.strategy, exit 2 — not a silently replicated run."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
+           "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy", "--trainer.devices=2",
+           "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
+           f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert "trainer.strategy: tensor_parallel_size=2" in res.stderr and "FSDP2Strategy" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_cli_rejects_qlora_under_fsdp(tmp_path):
+    """4-bit base + FSDP fails deep inside bitsandbytes/FSDP (seen on CPU for both FSDP versions): refused up front,
+    before the model loads, with one line naming model.model.quantization."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
+           "--config", str(HERE.parent / "configs" / "multi_gpu_fsdp2.yaml"), "--trainer.accelerator=cpu",
+           "--trainer.devices=2", "--model.model.quantization=4bit", "--trainer.enable_progress_bar=false",
+           f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2
+    assert "model.model.quantization: 4bit under FSDP2Strategy" in res.stderr and "Traceback" not in res.stderr

@@ -21,8 +21,11 @@ def test_shell_script_syntax():
 def test_arguments():
     a = gpu_check.parse(["--strategy", "fsdp2", "--devices", "2", "--steps", "5"])
     assert (a.strategy, a.devices, a.steps, a.cpu_smoke) == ("fsdp2", 2, 5, False)
+    assert gpu_check.parse(["--strategy", "fsdp1"]).strategy == "fsdp1"
     with pytest.raises(SystemExit):
         gpu_check.parse(["--strategy", "deepspeed"])
+    with pytest.raises(SystemExit):  # FSDP1 cannot run the CPU smoke (Lightning refuses FSDPStrategy on CPU)
+        gpu_check.parse(["--strategy", "fsdp1", "--cpu-smoke"])
 
 
 def test_cpu_smoke_run_prints_the_numbers(tmp_path):
@@ -30,3 +33,4 @@ def test_cpu_smoke_run_prints_the_numbers(tmp_path):
     assert out["steps"] == 2 and out["rollout_tokens_per_s"] > 0 and out["update_tokens_per_s"] > 0
     assert out["logprob_gap_sampler_trainer"] < 1e-4  # sampler and trainer agree on the same weights
     assert (tmp_path / "n.json").is_file()
+    assert 0.05 < out["params_M"] < 50  # the whole tiny model, counted from its shapes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,20 @@ def test_training_changes_adapters_only(tmp_path):
     assert module.rollouts_done == 2 and len(module.history) == 2
     assert [h["rollout/policy_lag"] for h in module.history] == [0.0, 0.0]  # sampled with the current adapters
     assert all(math.isfinite(h["loss/total"]) for h in module.history if "loss/total" in h)
+
+
+@pytest.mark.parametrize("precision,warns", [("bf16-true", True), ("bf16-mixed", False), ("32-true", False)])
+def test_half_precision_adapters_warn(tmp_path, precision, warns):
+    """bf16-true casts the LoRA weights to bf16, where Adam steps of ~lr (1e-6 in the paper) round away: the fit says
+    so and names the setting; mixed precision keeps fp32 adapters and stays quiet."""
+    module = tiny_module()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_trainer(tmp_path, steps=0, precision=precision).fit(module)
+    hits = [str(w.message) for w in caught if "trainable (LoRA) weights are" in str(w.message)]
+    assert bool(hits) == warns, hits
+    if warns:
+        assert "torch.bfloat16" in hits[0] and "bf16-mixed" in hits[0]
 
 
 def test_trainer_logprobs_match_sampler_logprobs(tmp_path):

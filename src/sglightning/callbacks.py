@@ -112,21 +112,17 @@ class AdapterExport(Callback):
     def export(self, trainer: Trainer, pl_module: LightningModule) -> Path | None:
         if pl_module.policy is None:
             return None
-        state = None
-        trainable = [(n, p) for n, p in pl_module.policy.named_parameters() if p.requires_grad]
-        if any(hasattr(p, "full_tensor") for _, p in trainable):
-            # FSDP2: gather the (small) adapter tensors on every rank (a collective), rank 0 writes them
-            state = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in trainable}
+        # the adapter as full tensors (under FSDP a gather of the small adapter shards: a collective on every rank)
+        # names as in the module tree: peft finds the adapter's entries by walking that tree (FSDP1 wrappers included)
+        state = pl_module.adapter_state_dict(tree_names=True)
         if trainer.global_rank != 0:
             return None
         target = run_dir(trainer) / self.dirname
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.dirname}-", dir=target.parent))
         try:
-            if state is None:
-                pl_module.policy.save_pretrained(tmp)
-            else:
-                pl_module.policy.save_pretrained(tmp, state_dict=state)
+            pl_module.peft_model.save_pretrained(tmp, state_dict=state)
+            _strip_wrapper_names(tmp / "adapter_model.safetensors", pl_module.peft_model.active_adapter)
             (tmp / "sglightning.json").write_text(
                 json.dumps({"global_step": int(pl_module.global_step), "rollouts_done": pl_module.rollouts_done})
             )
@@ -145,6 +141,28 @@ class AdapterExport(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.export(trainer, pl_module)
+
+
+def _strip_wrapper_names(path: Path, adapter: str) -> None:
+    """Rewrite a saved adapter whose keys still carry FSDP1 / activation-checkpointing wrapper names under the plain
+    names ``PeftModel.from_pretrained`` expects.  peft finds the adapter's entries by walking the module tree, so it
+    must be given the tree's names; it then drops the adapter name only where it ends the module path, which a
+    wrapper (``lora_A.default._fsdp_wrapped_module.weight``) hides: both are undone here."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from sglightning.module import clean_name
+
+    if not path.is_file():
+        return
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+        if all(clean_name(k) == k for k in keys):
+            return
+        meta = f.metadata()
+        tensors = {(clean_name(k).replace(f".{adapter}.", ".") if clean_name(k) != k else k): f.get_tensor(k)
+                   for k in keys}
+    save_file(tensors, str(path), metadata=meta)
 
 
 def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:

@@ -9,10 +9,16 @@ One training step u (= one batch of the train dataloader):
      steps per rollout (default 1: on-policy, ρ = 1 at the first step).
 The reference policy is the same module with adapters disabled (never a second copy); its pass is skipped when
 ``grpo.kl_coef == 0``.  A loss or gradient that is not finite skips the update, warns and is counted.
+
+Distributed (README "Scale out"): rollouts are rank-local (disjoint task seeds per rank, whole groups per rank);
+under DDP one explicit all-reduce of the token-weighted gradients; under FSDP2 (ModelParallelStrategy) and FSDP1
+(FSDPStrategy) FSDP reduces them, every rank runs the same number of micro-batches, and rollouts run on weights
+gathered once per rollout (``generation_weights``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -39,6 +45,11 @@ from sglightning.metrics import EpisodeMetrics, batch_stats, per_task_type_succe
 from sglightning.models import ModelConfig, load_policy
 from sglightning.rollout import Rollout, RolloutBatch, RolloutConfig, Sample
 from sglightning.sampler import KIND_ACTION, KIND_GUIDANCE
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the wrapper prefixes FSDP1 and activation checkpointing insert."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 class _Items(torch.utils.data.IterableDataset):
@@ -149,27 +160,127 @@ class SelfGuideModule(LightningModule):
         if self.policy is not None:
             return
         self.check_env()  # before the (slow) model load: a bad env config fails in a second
+        if self.model_cfg.quantization and self._sharded():
+            raise ConfigError(
+                f"model.model.quantization: {self.model_cfg.quantization} under {type(self.trainer.strategy).__name__} "
+                f"(QLoRA under FSDP) is not supported: on this project's checks bitsandbytes' 4-bit weights fail "
+                f"under FSDP2 (in-place bias add on gathered weights during the update) and FSDP1 (integer storage "
+                f"cannot be flattened). Use DDP with 4-bit (a 4-bit 7B base fits one 24 GB GPU), or FSDP with "
+                f"quantization: null"
+            )
         self.policy, self.tokenizer = load_policy(self.model_cfg, self.device, self.adapter_path)
         if self._fsdp2():
             self._apply_fully_shard()
+        elif self._fsdp1():
+            self._wrap_fsdp1()
+
+    def on_fit_start(self) -> None:
+        self._warn_low_precision_adapters()  # after the precision plugin converted the model (bf16-true does)
+
+    def _warn_low_precision_adapters(self) -> None:
+        """Adam steps of ~lr on bf16/fp16 weights round away once |w| ≳ lr / 2⁻⁸ (bf16 keeps 8 significant bits):
+        with the paper's lr 1e-6 LoRA A (|w| ~ 1e-2) would never move.  LoRA weights are kept in fp32 (peft casts
+        them up); this warns when they are not."""
+        low = sorted({str(p.dtype) for p in self.policy.parameters() if p.requires_grad
+                      and p.dtype in (torch.bfloat16, torch.float16)})
+        if low:
+            warnings.warn(
+                f"the trainable (LoRA) weights are {', '.join(low)}: small optimiser steps are rounded away in half "
+                f"precision. Keep them fp32: model.model.dtype sets only the frozen base; use trainer.precision "
+                f"bf16-mixed, not bf16-true (which casts every weight to bf16)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------------------------------------------------------
-    # FSDP2 (Lightning's ModelParallelStrategy): fully_shard per decoder layer + the root
+    # sharded strategies: FSDP2 (Lightning's ModelParallelStrategy) and FSDP1 (Lightning's FSDPStrategy)
     def _fsdp2(self) -> bool:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return self._trainer is not None and isinstance(self.trainer.strategy, ModelParallelStrategy)
 
+    def _fsdp1(self) -> bool:
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return self._trainer is not None and isinstance(self.trainer.strategy, FSDPStrategy)
+
+    def _sharded(self) -> bool:
+        """FSDP1 or FSDP2: every forward/backward is a collective and FSDP reduces the gradients."""
+        return self._fsdp2() or self._fsdp1()
+
+    @property
+    def peft_model(self):
+        """The peft model itself (under FSDP1 ``self.policy`` is its ``FullyShardedDataParallel`` root wrapper)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return self.policy.module if isinstance(self.policy, FullyShardedDataParallel) else self.policy
+
+    def _decoder_layers(self) -> list[torch.nn.Module]:
+        return list(self.peft_model.get_base_model().get_decoder().layers)
+
     def _apply_fully_shard(self) -> None:
         """Shard every decoder layer, then the root (embeddings, final norm and LM head — tied or not — stay in the
-        root unit).  Frozen base weights and LoRA weights are both sharded (FSDP2 shards per parameter)."""
-        from torch.distributed.fsdp import fully_shard
+        root unit).  Frozen base weights and LoRA weights are both sharded (FSDP2 shards per parameter).  A bf16
+        base with fp32 LoRA weights is gathered in the base's dtype (``MixedPrecisionPolicy``, gradients reduced in
+        fp32), so the adapters keep fp32 master weights."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        names = self.device_mesh.mesh_dim_names or ()
+        tp = self.device_mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+        if tp > 1:
+            raise ConfigError(
+                f"trainer.strategy: tensor_parallel_size={tp}, but this trainer only shards with FSDP2 over the data-"
+                f"parallel dimension (no tensor-parallel plan); use sglightning.strategies.FSDP2Strategy, or "
+                f"ModelParallelStrategy with data_parallel_size=<all processes> and tensor_parallel_size=1"
+            )
         mesh = self.device_mesh["data_parallel"]
-        base = self.policy.get_base_model()
-        for layer in base.get_decoder().layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.policy, mesh=mesh)
+        dtypes = {p.dtype for p in self.policy.parameters()}
+        kwargs: dict[str, Any] = {"mesh": mesh}
+        if len(dtypes) > 1:
+            frozen = {p.dtype for p in self.policy.parameters() if not p.requires_grad and p.is_floating_point()}
+            compute = min(frozen, key=lambda d: torch.finfo(d).bits) if frozen else torch.float32
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        for layer in self._decoder_layers():
+            fully_shard(layer, **kwargs)
+        fully_shard(self.policy, **kwargs)
+
+    def _wrap_fsdp1(self) -> None:
+        """FSDP1 (``FullyShardedDataParallel``) units: every decoder layer, every leaf module with trainable weights
+        (the LoRA A/B linears: FSDP1 flattens a unit's parameters into one tensor, so frozen and trainable weights
+        sharing a unit would give the frozen ones a gradient buffer and would need one dtype), and the root (the
+        peft model: embeddings, final norm, LM head).  Done here rather than by Lightning's ``auto_wrap_policy``
+        because the decoder layer class comes from the loaded model; the strategy's other settings (sharding
+        strategy, mixed precision from ``trainer.precision``, CPU offload, its FSDP kwargs) are used as given.  Each
+        rank keeps its own chunk of every flat parameter, so no initial broadcast is needed (the base comes from the
+        same checkpoint; a chunk of any rank's adapter initialisation is a valid initialisation)."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import CustomPolicy
+
+        strategy = self.trainer.strategy
+        layer_types = tuple({type(layer) for layer in self._decoder_layers()})
+
+        def unit(module: torch.nn.Module) -> bool:
+            if isinstance(module, layer_types):
+                return True
+            own = list(module.parameters(recurse=False))
+            return not list(module.children()) and bool(own) and all(p.requires_grad for p in own)
+
+        kwargs = dict(strategy.kwargs)
+        user_policy = kwargs.pop("auto_wrap_policy", None)
+        strategy.kwargs.pop("auto_wrap_policy", None)  # applied here; Lightning would only warn it was ignored
+        kwargs.setdefault("use_orig_params", True)
+        mp = strategy.mixed_precision_config
+        if mp is not None:  # units cast their inputs: peft hands the LoRA units fp32 inputs (its weights' dtype)
+            mp = dataclasses.replace(mp, cast_forward_inputs=True)
+        self.policy = FullyShardedDataParallel(
+            self.policy,
+            auto_wrap_policy=user_policy or CustomPolicy(unit),
+            cpu_offload=strategy.cpu_offload,
+            mixed_precision=mp,
+            sharding_strategy=strategy.sharding_strategy,
+            device_id=strategy.root_device,
+            **kwargs,
+        )
 
     def _fsdp_modules(self) -> list:
         from torch.distributed.fsdp import FSDPModule
@@ -178,10 +289,11 @@ class SelfGuideModule(LightningModule):
 
     def generation_weights(self):
         """Context for rollouts: under FSDP2 all-gather every unit once and keep it unsharded for the whole rollout
-        (ranks decode different numbers of tokens, so per-forward all-gathers would deadlock); reshard after.  Cost:
-        one full copy of the model per rank while generating.  A no-op elsewhere."""
-        import contextlib
-
+        (ranks decode different numbers of tokens, so per-forward all-gathers would deadlock); reshard after.  Under
+        FSDP1 the same through ``summon_full_params`` (``_fsdp1_full_weights``).  Cost: one full copy of the model
+        per rank while generating.  A no-op elsewhere."""
+        if self._fsdp1():
+            return self._fsdp1_full_weights()
         if not self._fsdp2():
             return contextlib.nullcontext()
 
@@ -199,6 +311,25 @@ class SelfGuideModule(LightningModule):
                     m.reshard()
 
         return unsharded()
+
+    @contextlib.contextmanager
+    def _fsdp1_full_weights(self):
+        """FSDP1 rollouts: ``summon_full_params`` all-gathers every unit once (full precision, no write-back) and
+        points the original parameters at the full tensors.  A unit's own ``forward`` would still all-gather inside
+        that context (a collective per layer per decoded token, which deadlocks when ranks decode different
+        lengths), so for the duration every unit's ``forward`` is the wrapped module's own (an instance attribute,
+        removed after).  The rollout engine calls the peft model inside the root wrapper directly."""
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        units = [m for m in self.policy.modules() if isinstance(m, FullyShardedDataParallel) and m is not self.policy]
+        with FullyShardedDataParallel.summon_full_params(self.policy, writeback=False, recurse=True):
+            for u in units:
+                u.__dict__["forward"] = u.module.forward
+            try:
+                yield
+            finally:
+                for u in units:
+                    u.__dict__.pop("forward", None)
 
     def check_env(self) -> None:
         """Build one environment and check the configured splits against it; ``ConfigError`` naming the key."""
@@ -247,7 +378,7 @@ class SelfGuideModule(LightningModule):
 
     def get_engine(self) -> Rollout:
         if self.engine is None:
-            self.engine = Rollout(self.policy, self.tokenizer, self.env_factory, self.guidance_cfg, self.rollout_cfg)
+            self.engine = Rollout(self.peft_model, self.tokenizer, self.env_factory, self.guidance_cfg, self.rollout_cfg)
         return self.engine
 
     def teardown(self, stage: str) -> None:
@@ -312,7 +443,7 @@ class SelfGuideModule(LightningModule):
         chunks = [seeds[i : i + cfg.tasks_per_batch] for i in range(0, len(seeds), cfg.tasks_per_batch)]
         rank, world = self._world()
         mine = chunks[rank::world]
-        mine += [[]] * (-(-len(chunks) // world) - len(mine))  # equal batch counts on every rank (FSDP2 collectives)
+        mine += [[]] * (-(-len(chunks) // world) - len(mine))  # equal batch counts on every rank (FSDP collectives)
         return DataLoader(_Items(mine), batch_size=None, collate_fn=lambda x: x)
 
     def task_seeds(self, step: int) -> list[int]:
@@ -368,12 +499,12 @@ class SelfGuideModule(LightningModule):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(ids[:, i] | ids[:, :i]) at the positions of ``mask`` [B, L] (0 elsewhere), at the sampling
         temperature; the LM head runs only on the needed positions.  Returns (logp [B, L], entropy [B, L] or None)."""
-        if self._fsdp2():  # FSDP2 unshards through the root's forward: call the whole model (full logits)
+        if self._sharded():  # FSDP unshards through the root's forward: call the whole model (full logits)
             logits_all = self.policy(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
             sel = mask[:, 1:]
             logits = logits_all[:, :-1][sel].float() / temperature  # [M, V]
             return self._gather_logp(ids, sel, logits, entropy)
-        base = self.policy.get_base_model() if hasattr(self.policy, "get_base_model") else self.policy
+        base = self.peft_model.get_base_model() if hasattr(self.peft_model, "get_base_model") else self.peft_model
         hidden = base.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, L, H]
         sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
         h = hidden[:, :-1][sel]  # [M, H]
@@ -483,8 +614,6 @@ class SelfGuideModule(LightningModule):
     def _no_sync(self):
         """Backward without DDP's own gradient hooks: ranks run different numbers of micro-batches, so the gradients
         are summed once, explicitly, after the local backward passes (see ``_sync_grads``)."""
-        import contextlib
-
         model = self.trainer.strategy.model if self._trainer is not None else None
         return model.no_sync() if hasattr(model, "no_sync") and self._distributed() else contextlib.nullcontext()
 
@@ -521,7 +650,7 @@ class SelfGuideModule(LightningModule):
         return merged
 
     def _dummy_microbatches(self, n: int, temperature: float, with_ref: bool) -> None:
-        """``n`` zero-weight forward/backward passes on a 2-token input (FSDP2: keeps the collectives in step)."""
+        """``n`` zero-weight forward/backward passes on a 2-token input (FSDP: keeps the collectives in step)."""
         if n <= 0:
             return
         ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
@@ -552,9 +681,9 @@ class SelfGuideModule(LightningModule):
         finite = True
         opt.zero_grad()
         starts = [st for st in range(0, S, c.micro_batch_size) if mask[st : st + c.micro_batch_size].any()]
-        fsdp2 = self._fsdp2()
-        if fsdp2:
-            # FSDP2 all-gathers in every forward and reduce-scatters in every backward: every rank must run the same
+        sharded = self._sharded()
+        if sharded:
+            # FSDP all-gathers in every forward and reduce-scatters in every backward: every rank must run the same
             # number of micro-batches, so ranks with fewer run zero-weight dummy ones
             most = self._all_reduce(torch.tensor([len(starts)], device=self.device), op=torch.distributed.ReduceOp.MAX)
             self._dummy_microbatches(int(most.item()) - len(starts), temp, c.kl_coef > 0)
@@ -574,11 +703,11 @@ class SelfGuideModule(LightningModule):
             w = (m.sum() / total_tokens) if c.loss_agg == "token_mean" else ((m.sum(1) > 0).sum() / total_seqs)
             if not torch.isfinite(loss):
                 finite = False
-                if not fsdp2:
+                if not sharded:
                     break
                 loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0  # keep the backward collective; the update is skipped
-            if fsdp2:
-                w = w * self._world()[1]  # FSDP2 averages gradients over ranks; the weights already are global shares
+            if sharded:
+                w = w * self._world()[1]  # FSDP averages gradients over ranks; the weights already are global shares
             with self._no_sync():
                 self.manual_backward(loss * w)
             n = float(m.sum())
@@ -605,12 +734,15 @@ class SelfGuideModule(LightningModule):
             flag = self._all_reduce(torch.tensor([1.0 if finite else 0.0], device=self.device),
                                     op=torch.distributed.ReduceOp.MIN)
             finite = bool(flag.item() == 1.0)
-            if finite and not fsdp2:  # FSDP2 reduced the gradients in its backward
+            if finite and not sharded:  # FSDP reduced the gradients in its backward
                 self._sync_grads(params)
         if finite:
             # one pass: the total gradient norm (checked below) and, when configured, the clipping
             max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            if self._fsdp1():  # the norm over every rank's shards (a collective); clips in place
+                grad_norm = self.policy.clip_grad_norm_(max_norm)
+            else:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
             if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
                 grad_norm = grad_norm.full_tensor()
             finite = bool(torch.isfinite(grad_norm))
@@ -718,15 +850,33 @@ class SelfGuideModule(LightningModule):
     # ------------------------------------------------------------------------------------------------------------------
     # checkpoints: adapters (trainable parameters) only, plus the counters
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if not self._fsdp2():  # a distributed (sharded) checkpoint is loaded strictly by torch.distributed.checkpoint:
-            # it keeps the whole sharded model; elsewhere only the trainable (adapter) weights are kept
-            trainable = {n for n, p in self.named_parameters() if p.requires_grad}
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trainable}
+        if not self._distributed_checkpoint():  # torch.distributed.checkpoint loads strictly: a sharded checkpoint
+            # keeps the whole sharded model; elsewhere only the trainable (adapter) weights are kept
+            trainable = {clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if clean_name(k) in trainable}
         checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates}
         # the config lives in the run's config.yaml; kept out of the checkpoint so that `validate --ckpt_path` uses the
         # config it is given (LightningCLI would otherwise re-apply the training-time values over it)
         checkpoint.pop("hyper_parameters", None)
         checkpoint.pop("hparams_name", None)
+
+    def _distributed_checkpoint(self) -> bool:
+        """FSDP2 always, FSDP1 with ``state_dict_type: sharded``: one ``torch.distributed.checkpoint`` folder."""
+        return self._fsdp2() or (self._fsdp1() and getattr(self.trainer.strategy, "_state_dict_type", "") == "sharded")
+
+    def adapter_state_dict(self, tree_names: bool = False) -> dict[str, torch.Tensor]:
+        """The trainable (adapter) weights as full CPU tensors, on every rank, under the peft model's parameter names
+        (``tree_names``: as in the module tree, FSDP1 wrapper names included).  Under FSDP1/FSDP2 this gathers the
+        shards: a collective, call it on every rank."""
+        name = (lambda n: n) if tree_names else clean_name
+        if self._fsdp1():
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            with FullyShardedDataParallel.summon_full_params(self.policy, writeback=False, recurse=True):
+                return {name(n): p.detach().cpu().clone()
+                        for n, p in self.peft_model.named_parameters() if p.requires_grad}
+        return {name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for n, p in self.peft_model.named_parameters() if p.requires_grad}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("sglightning", {})
