@@ -130,6 +130,17 @@ def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     assert (run / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint shards
     assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 2
     first = _adapter(run)
+    stored = _stored_model_keys(run / "checkpoints" / "last.ckpt")
+    if strategy == "fsdp2":  # FSDP2Strategy: adapters only (the frozen base is reloaded from the model id)
+        assert stored and all("lora_" in k for k in stored), sorted(stored)[:3]
+    else:  # FSDP1 through Lightning's FSDPStrategy: the whole sharded model
+        assert any("lora_" not in k for k in stored)
+    # resuming a finished run restores exactly the trained adapter (re-exported at the end of the empty fit)
+    res = subprocess.run(base + ["--trainer.max_steps=2", "--ckpt_path=last"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    restored = _adapter(run)
+    assert restored.keys() == first.keys() and all(torch.equal(restored[k], first[k]) for k in first)
     res = subprocess.run(base + ["--trainer.max_steps=3", "--ckpt_path=last"], env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -141,6 +152,15 @@ def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     assert all(re.fullmatch(r"base_model\.model\.model\.layers\.\d+\.\w+\.\w+\.lora_[AB]\.weight", k)
                for k in first), sorted(first)
     assert any(not torch.equal(first[k], second[k]) for k in first)
+
+
+def _stored_model_keys(ckpt: Path) -> set[str]:
+    """The model entries of a torch.distributed.checkpoint folder (read from its metadata, no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    # ModelParallelStrategy stores the model under "state_dict.", FSDPStrategy under "model."
+    return {k.split(".", 1)[1] for k in keys if k.startswith(("state_dict.", "model."))}
 
 
 def _adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -174,3 +194,21 @@ def test_cli_rejects_qlora_under_fsdp(tmp_path):
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 2
     assert "model.model.quantization: 4bit under FSDP2Strategy" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_cli_validate_under_ddp_reports_every_episode_once(tmp_path):
+    """`sglightning validate` on 2 processes: 5 evaluation tasks split over the ranks (one rank gets a padding batch),
+    one report with all 5 episodes per mode, printed once, written once."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "sglightning.cli", "validate", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
+           "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.enable_progress_bar=false",
+           "--model.evaluation.num_tasks=5", "--model.evaluation.tasks_per_batch=2",
+           f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.count("| self-guidance | episodes |") == 1
+    reports = list(tmp_path.rglob("validation_report.json"))
+    assert len(reports) == 1
+    report = json.loads(reports[0].read_text())
+    for mode in ("sg", "nosg"):
+        assert sorted(e["seed"] for e in report["episodes"][mode]) == [1_000_000 + i for i in range(5)]
