@@ -130,6 +130,8 @@ def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     assert (run / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint shards
     assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 2
     first = _adapter(run)
+    if strategy == "fsdp2":  # saved through a partial folder swapped in whole: no leftovers
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
     stored = _stored_model_keys(run / "checkpoints" / "last.ckpt")
     if strategy == "fsdp2":  # FSDP2Strategy: adapters only (the frozen base is reloaded from the model id)
         assert stored and all("lora_" in k for k in stored), sorted(stored)[:3]
@@ -212,3 +214,19 @@ def test_cli_validate_under_ddp_reports_every_episode_once(tmp_path):
     report = json.loads(reports[0].read_text())
     for mode in ("sg", "nosg"):
         assert sorted(e["seed"] for e in report["episodes"][mode]) == [1_000_000 + i for i in range(5)]
+
+
+def test_checkpoint_swap_cut_in_half_is_undone(tmp_path):
+    """FSDP2Strategy swaps a finished save in with two renames (last.ckpt -> .last.ckpt.old, partial -> last.ckpt); a
+    kill between them leaves only .last.ckpt.old: `--ckpt_path last` puts it back and resumes from it, and ignores
+    a half-written .last.ckpt.partial."""
+    from sglightning.cli import find_last_checkpoint
+
+    ckpts = tmp_path / "runs" / "x" / "version_0" / "checkpoints"
+    (ckpts / ".last.ckpt.old").mkdir(parents=True)
+    (ckpts / ".last.ckpt.old" / "meta.pt").write_bytes(b"previous")
+    (ckpts / ".last.ckpt.partial").mkdir()
+    cfg = {"trainer": {"logger": {"init_args": {"save_dir": str(tmp_path / "runs"), "name": "x"}}}}
+    found = find_last_checkpoint(cfg)
+    assert found == ((ckpts / "last.ckpt").resolve(), "version_0")
+    assert (ckpts / "last.ckpt" / "meta.pt").read_bytes() == b"previous" and not (ckpts / ".last.ckpt.old").exists()

@@ -29,6 +29,7 @@ from sglightning.callbacks import run_dir  # noqa: E402
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS  # noqa: E402
 from sglightning.errors import ConfigError  # noqa: E402
 from sglightning.module import SelfGuideModule  # noqa: E402
+from sglightning.strategies import recover_swapped_checkpoints  # noqa: E402
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "max_steps": 10,
@@ -164,6 +165,8 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
     roots.append((Path(str(trainer.get("default_root_dir") or ".")), False))
     best: tuple[float, Path, str | None] | None = None
     for root, versioned in roots:
+        for folder in root.glob("version_*/checkpoints" if versioned else "**/checkpoints"):
+            recover_swapped_checkpoints(folder)  # a distributed save killed between its two renames
         pattern = "version_*/checkpoints/last*.ckpt" if versioned else "**/checkpoints/last*.ckpt"
         for path in root.glob(pattern):
             mtime = path.stat().st_mtime

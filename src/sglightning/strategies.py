@@ -11,11 +11,16 @@ distributed checkpoints.
   model (a 7B base: ~14 GB of bf16 per save) although the base is frozen and reloaded from ``model_name_or_path``;
   this strategy keeps only the trainable (adapter) weights plus the optimiser state and the loop metadata, and on
   load asks ``torch.distributed.checkpoint`` for exactly the model entries the checkpoint holds (so folders written
-  by ``ModelParallelStrategy`` with the whole model load too).
+  by ``ModelParallelStrategy`` with the whole model load too).  A save goes to ``.last.ckpt.partial/`` and is
+  swapped in by rank 0 once every rank has written its shard (``last.ckpt`` → ``.last.ckpt.old``, partial →
+  ``last.ckpt``, old removed): a process killed mid-save leaves the previous checkpoint whole, and
+  ``recover_swapped_checkpoints`` (run before ``--ckpt_path last`` is resolved) undoes a swap cut in half.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,6 +64,27 @@ class FSDP2Strategy(ModelParallelStrategy):
         keep = self._trainable_keys()
         return {k: v for k, v in state.items() if k in keep}
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(str(filepath)))
+        partial, old = _partial(path), _old(path)
+        if self.global_rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # a save that was cut off
+        self.barrier()
+        super().save_checkpoint(checkpoint, partial, storage_options)  # every rank writes its shard, rank 0 meta.pt
+        self.barrier()
+        if self.global_rank == 0:
+            if path.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+            elif path.exists():
+                path.unlink()
+            os.replace(partial, path)
+            shutil.rmtree(old, ignore_errors=True)
+        self.barrier()
+        return None
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if not (path.is_dir() and (path / _METADATA).is_file()):
@@ -87,3 +113,23 @@ class FSDP2Strategy(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / _METADATA, weights_only=weights_only)
+
+
+def _partial(path: Path) -> Path:
+    return path.with_name(f".{path.name}.partial")
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def recover_swapped_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """Undo a checkpoint-folder swap that a kill cut in half (``.X.old`` left, ``X`` gone): put ``X`` back.  Returns
+    the restored paths."""
+    restored = []
+    for old in Path(checkpoint_dir).glob(".*.old"):
+        target = old.with_name(old.name[1 : -len(".old")])
+        if old.is_dir() and not target.exists():
+            os.replace(old, target)
+            restored.append(target)
+    return restored
