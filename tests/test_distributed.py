@@ -91,13 +91,19 @@ def test_fsdp_bf16_base_keeps_fp32_adapters(tmp_path, strategy):
     assert all(0.0 <= g < 0.02 for g in gaps), gaps  # bf16 rounding, not a different policy
 
 
+def _cli(tmp_path: Path, *args: str, command: str = "fit", timeout: int = 600) -> subprocess.CompletedProcess:
+    """`sglightning COMMAND --config configs/tiny.yaml ARGS` on 2 processes, writing under tmp_path (tests/ on the
+    path for cpu_fsdp)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
+    cmd = [sys.executable, "-m", "sglightning.cli", command, "--config", str(HERE.parent / "configs" / "tiny.yaml"),
+           *args, "--trainer.devices=2", "--trainer.enable_progress_bar=false",
+           f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def test_cli_fit_under_ddp_writes_one_run_folder(tmp_path):
     """The CLI path under DDP: config, checkpoint, adapter and validation (one rank has only a padding batch)."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
-           "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_steps=2", "--trainer.enable_progress_bar=false",
-           f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    res = _cli(tmp_path, "--trainer.strategy=ddp", "--trainer.max_steps=2")
     assert res.returncode == 0, res.stderr[-4000:]
     run = tmp_path / "tiny" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "adapter" / "adapter_config.json").is_file()
@@ -119,12 +125,8 @@ SHARDED_CLI = {
 def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     """FSDP from the CLI with the shipped multi-GPU config: a sharded `last.ckpt/` folder, the adapter gathered and
     exported, `--ckpt_path last` restores the sharded state and trains on."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
-    base = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
-            *SHARDED_CLI[strategy], "--trainer.accelerator=cpu",
-            "--trainer.devices=2", "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0",
-            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
-    res = subprocess.run(base + ["--trainer.max_steps=2"], env=env, capture_output=True, text=True, timeout=600)
+    base = [*SHARDED_CLI[strategy], "--trainer.accelerator=cpu", "--trainer.limit_val_batches=0"]
+    res = _cli(tmp_path, *base, "--trainer.max_steps=2")
     assert res.returncode == 0, res.stderr[-4000:]
     run = tmp_path / "tiny" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint shards
@@ -138,13 +140,11 @@ def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     else:  # FSDP1 through Lightning's FSDPStrategy: the whole sharded model
         assert any("lora_" not in k for k in stored)
     # resuming a finished run restores exactly the trained adapter (re-exported at the end of the empty fit)
-    res = subprocess.run(base + ["--trainer.max_steps=2", "--ckpt_path=last"], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = _cli(tmp_path, *base, "--trainer.max_steps=2", "--ckpt_path=last")
     assert res.returncode == 0, res.stderr[-4000:]
     restored = _adapter(run)
     assert restored.keys() == first.keys() and all(torch.equal(restored[k], first[k]) for k in first)
-    res = subprocess.run(base + ["--trainer.max_steps=3", "--ckpt_path=last"], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = _cli(tmp_path, *base, "--trainer.max_steps=3", "--ckpt_path=last")
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resuming from" in res.stderr and "Restored all states" in res.stdout + res.stderr
     assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 3
@@ -174,12 +174,8 @@ def _adapter(folder: Path) -> dict[str, torch.Tensor]:
 def test_cli_rejects_tensor_parallel_mesh(tmp_path):
     """Lightning's ModelParallelStrategy with its "auto" sizes on one node means tensor parallelism (dp 1 × tp 2),
     which this trainer does not implement: one line naming trainer.strategy, exit 2 — not a silently replicated run."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
-           "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy", "--trainer.devices=2",
-           "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={tmp_path}",
-           f"--trainer.logger.init_args.save_dir={tmp_path}"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = _cli(tmp_path, "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy",
+               timeout=300)
     assert res.returncode == 2
     assert "trainer.strategy: tensor_parallel_size=2" in res.stderr and "FSDP2Strategy" in res.stderr
     assert "Traceback" not in res.stderr
@@ -188,12 +184,8 @@ def test_cli_rejects_tensor_parallel_mesh(tmp_path):
 def test_cli_rejects_qlora_under_fsdp(tmp_path):
     """4-bit base + FSDP fails deep inside bitsandbytes/FSDP (seen on CPU for both FSDP versions): refused up front,
     before the model loads, with one line naming model.model.quantization."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
-           "--config", str(HERE.parent / "configs" / "multi_gpu_fsdp2.yaml"), "--trainer.accelerator=cpu",
-           "--trainer.devices=2", "--model.model.quantization=4bit", "--trainer.enable_progress_bar=false",
-           f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = _cli(tmp_path, *SHARDED_CLI["fsdp2"], "--trainer.accelerator=cpu", "--model.model.quantization=4bit",
+               timeout=300)
     assert res.returncode == 2
     assert "model.model.quantization: 4bit under FSDP2Strategy" in res.stderr and "Traceback" not in res.stderr
 
@@ -201,12 +193,8 @@ def test_cli_rejects_qlora_under_fsdp(tmp_path):
 def test_cli_validate_under_ddp_reports_every_episode_once(tmp_path):
     """`sglightning validate` on 2 processes: 5 evaluation tasks split over the ranks (one rank gets a padding batch),
     one report with all 5 episodes per mode, printed once, written once."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "sglightning.cli", "validate", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
-           "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.enable_progress_bar=false",
-           "--model.evaluation.num_tasks=5", "--model.evaluation.tasks_per_batch=2",
-           f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = _cli(tmp_path, "--trainer.strategy=ddp", "--model.evaluation.num_tasks=5",
+               "--model.evaluation.tasks_per_batch=2", command="validate", timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     assert res.stdout.count("| self-guidance | episodes |") == 1
     reports = list(tmp_path.rglob("validation_report.json"))
