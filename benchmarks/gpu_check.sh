@@ -3,7 +3,7 @@
 # rollout tokens/s, update tokens/s, peak GPU memory and the sampler/trainer log-prob gap.  Needs only the repo and the
 # packages a PyTorch image carries plus this package's dependencies.
 #   bash benchmarks/gpu_check.sh                       # 1 GPU (DDP-free)
-#   STRATEGY=fsdp1 bash benchmarks/gpu_check.sh        # FSDP1 (FSDPStrategy) on 1 GPU
+#   STRATEGY=fsdp1 DEVICES=2 bash benchmarks/gpu_check.sh   # FSDP1 (FSDPStrategy) on 2 GPUs
 #   STRATEGY=fsdp2 DEVICES=2 bash benchmarks/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

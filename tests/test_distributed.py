@@ -91,12 +91,13 @@ def test_fsdp_bf16_base_keeps_fp32_adapters(tmp_path, strategy):
     assert all(0.0 <= g < 0.02 for g in gaps), gaps  # bf16 rounding, not a different policy
 
 
-def _cli(tmp_path: Path, *args: str, command: str = "fit", timeout: int = 600) -> subprocess.CompletedProcess:
+def _cli(tmp_path: Path, *args: str, command: str = "fit", timeout: int = 600, devices: int = 2
+         ) -> subprocess.CompletedProcess:
     """`sglightning COMMAND --config configs/tiny.yaml ARGS` on 2 processes, writing under tmp_path (tests/ on the
     path for cpu_fsdp)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
     cmd = [sys.executable, "-m", "sglightning.cli", command, "--config", str(HERE.parent / "configs" / "tiny.yaml"),
-           *args, "--trainer.devices=2", "--trainer.enable_progress_bar=false",
+           *args, f"--trainer.devices={devices}", "--trainer.enable_progress_bar=false",
            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -116,12 +117,14 @@ def test_cli_fit_under_ddp_writes_one_run_folder(tmp_path):
 # checkpoints); FSDP1 through the CPU-allowed subclass of FSDPStrategy (same init args)
 SHARDED_CLI = {
     "fsdp2": ["--config", str(HERE.parent / "configs" / "multi_gpu_fsdp2.yaml")],
-    "fsdp1": ["--config", str(HERE.parent / "configs" / "multi_gpu_fsdp.yaml"),
-              "--trainer.strategy.class_path=cpu_fsdp.CPUFSDPStrategy"],
+    "fsdp1": ["--config", str(HERE.parent / "configs" / "multi_gpu_fsdp.yaml")],
+    # the same config with Lightning's own FSDPStrategy (its whole-model sharded folders)
+    "fsdp1-lightning": ["--config", str(HERE.parent / "configs" / "multi_gpu_fsdp.yaml"),
+                        "--trainer.strategy.class_path=cpu_fsdp.CPUFSDPStrategy"],
 }
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "fsdp1-lightning"])
 def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     """FSDP from the CLI with the shipped multi-GPU config: a sharded `last.ckpt/` folder, the adapter gathered and
     exported, `--ckpt_path last` restores the sharded state and trains on."""
@@ -132,13 +135,12 @@ def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     assert (run / "checkpoints" / "last.ckpt").is_dir()  # torch.distributed.checkpoint shards
     assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 2
     first = _adapter(run)
-    if strategy == "fsdp2":  # saved through a partial folder swapped in whole: no leftovers
-        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
     stored = _stored_model_keys(run / "checkpoints" / "last.ckpt")
-    if strategy == "fsdp2":  # FSDP2Strategy: adapters only (the frozen base is reloaded from the model id)
-        assert stored and all("lora_" in k for k in stored), sorted(stored)[:3]
-    else:  # FSDP1 through Lightning's FSDPStrategy: the whole sharded model
+    if strategy == "fsdp1-lightning":  # Lightning's FSDPStrategy: the whole sharded model
         assert any("lora_" not in k for k in stored)
+    else:  # sglightning's strategies: adapters only (the frozen base is reloaded), swapped in whole (no leftovers)
+        assert stored and all("lora_" in k for k in stored), sorted(stored)[:3]
+        assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
     # resuming a finished run restores exactly the trained adapter (re-exported at the end of the empty fit)
     res = _cli(tmp_path, *base, "--trainer.max_steps=2", "--ckpt_path=last")
     assert res.returncode == 0, res.stderr[-4000:]
@@ -218,3 +220,11 @@ def test_checkpoint_swap_cut_in_half_is_undone(tmp_path):
     found = find_last_checkpoint(cfg)
     assert found == ((ckpts / "last.ckpt").resolve(), "version_0")
     assert (ckpts / "last.ckpt" / "meta.pt").read_bytes() == b"previous" and not (ckpts / ".last.ckpt.old").exists()
+
+
+def test_cli_rejects_unsharded_fsdp1_with_tied_embeddings(tmp_path):
+    """FSDP1 on one process switches to NO_SHARD, and torch's FSDP1 then fails on tied embeddings (the tiny model,
+    Qwen2-0.5B): one line naming trainer.strategy instead of an assertion deep inside FSDP."""
+    res = _cli(tmp_path, *SHARDED_CLI["fsdp1"], "--trainer.accelerator=cpu", devices=1, timeout=300)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "trainer.strategy: FSDPStrategy without sharding" in res.stderr and "Traceback" not in res.stderr

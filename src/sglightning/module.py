@@ -256,7 +256,18 @@ class SelfGuideModule(LightningModule):
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import CustomPolicy
 
+        from torch.distributed.fsdp import ShardingStrategy
+
         strategy = self.trainer.strategy
+        base = self.peft_model.get_base_model()
+        emb, out = base.get_input_embeddings(), base.get_output_embeddings()
+        tied = emb is not None and out is not None and emb.weight is out.weight
+        if tied and (self._world()[1] == 1 or strategy.sharding_strategy == ShardingStrategy.NO_SHARD):
+            raise ConfigError(
+                "trainer.strategy: FSDPStrategy without sharding (one process, or NO_SHARD) fails in torch's FSDP1 on "
+                "this model's tied input/output embeddings; use 2+ processes with FULL_SHARD, FSDP2 "
+                "(sglightning.strategies.FSDP2Strategy), or no strategy on one device"
+            )
         layer_types = tuple({type(layer) for layer in self._decoder_layers()})
 
         def unit(module: torch.nn.Module) -> bool:
@@ -312,17 +323,27 @@ class SelfGuideModule(LightningModule):
 
         return unsharded()
 
+    def _fsdp1_shards(self) -> bool:
+        """Whether FSDP1 actually shards: with one process (or ``NO_SHARD``) every rank holds whole weights, there
+        is nothing to gather, and ``summon_full_params`` trips over tied weights."""
+        from torch.distributed.fsdp import ShardingStrategy
+
+        return self.policy.sharding_strategy != ShardingStrategy.NO_SHARD
+
     @contextlib.contextmanager
     def _fsdp1_full_weights(self):
         """FSDP1 rollouts: ``summon_full_params`` all-gathers every unit once (full precision, no write-back) and
         points the original parameters at the full tensors.  A unit's own ``forward`` would still all-gather inside
         that context (a collective per layer per decoded token, which deadlocks when ranks decode different
         lengths), so for the duration every unit's ``forward`` is the wrapped module's own (an instance attribute,
-        removed after).  The rollout engine calls the peft model inside the root wrapper directly."""
+        removed after).  The rollout engine calls the peft model inside the root wrapper directly.  Without sharding
+        (one process, ``NO_SHARD``) the weights are whole already: only the forwards are bypassed."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         units = [m for m in self.policy.modules() if isinstance(m, FullyShardedDataParallel) and m is not self.policy]
-        with FullyShardedDataParallel.summon_full_params(self.policy, writeback=False, recurse=True):
+        gather = (FullyShardedDataParallel.summon_full_params(self.policy, writeback=False, recurse=True)
+                  if self._fsdp1_shards() else contextlib.nullcontext())
+        with gather:
             for u in units:
                 u.__dict__["forward"] = u.module.forward
             try:
@@ -869,7 +890,7 @@ class SelfGuideModule(LightningModule):
         (``tree_names``: as in the module tree, FSDP1 wrapper names included).  Under FSDP1/FSDP2 this gathers the
         shards: a collective, call it on every rank."""
         name = (lambda n: n) if tree_names else clean_name
-        if self._fsdp1():
+        if self._fsdp1() and self._fsdp1_shards():
             from torch.distributed.fsdp import FullyShardedDataParallel
 
             with FullyShardedDataParallel.summon_full_params(self.policy, writeback=False, recurse=True):

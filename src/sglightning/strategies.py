@@ -1,7 +1,7 @@
 """Lightning strategies as this trainer uses them.
 
 ``FSDP2Strategy``: Lightning's ``ModelParallelStrategy`` as pure FSDP2 over every process, with adapter-only
-distributed checkpoints.
+distributed checkpoints.  ``FSDP1Strategy``: Lightning's ``FSDPStrategy`` with the same checkpoints.
 
 * Sizes: Lightning's ``"auto"`` puts tensor parallelism inside a node and data parallelism across nodes (on one 8-GPU
   node: dp 1 × tp 8); this trainer shards with FSDP2 over the data-parallel mesh only
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
 #: the file Lightning writes next to the shards with everything that is not a model or optimiser tensor
 _METADATA = "meta.pt"
@@ -67,22 +67,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if not self._save_distributed_checkpoint:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = Path(self.broadcast(str(filepath)))
-        partial, old = _partial(path), _old(path)
-        if self.global_rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)  # a save that was cut off
-        self.barrier()
-        super().save_checkpoint(checkpoint, partial, storage_options)  # every rank writes its shard, rank 0 meta.pt
-        self.barrier()
-        if self.global_rank == 0:
-            if path.is_dir():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-            elif path.exists():
-                path.unlink()
-            os.replace(partial, path)
-            shutil.rmtree(old, ignore_errors=True)
-        self.barrier()
+        _save_swapped(self, filepath, lambda partial: super(FSDP2Strategy, self).save_checkpoint(
+            checkpoint, partial, storage_options))
         return None
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
@@ -97,12 +83,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        stored = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        model_state = {k: v for k, v in get_model_state_dict(self.model).items() if f"state_dict.{k}" in stored}
-        missing = self._trainable_keys() - model_state.keys()
-        if missing:
-            raise RuntimeError(f"{path}: the checkpoint has no entry for {len(missing)} trainable weights, e.g. "
-                               f"{sorted(missing)[0]}")
+        stored = _stored_keys(path, "state_dict.")
+        model_state = {k: v for k, v in get_model_state_dict(self.model).items() if k in stored}
+        _check_trainables(path, self._trainable_keys(), model_state.keys())
         state: dict[str, Any] = {"state_dict": model_state}
         dcp.load(state, checkpoint_id=path)  # into the (sharded) tensors of model_state, in place
         self.model.load_state_dict(state["state_dict"], strict=False)
@@ -113,6 +96,42 @@ class FSDP2Strategy(ModelParallelStrategy):
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
         return torch.load(path / _METADATA, weights_only=weights_only)
+
+
+def _save_swapped(strategy, filepath, write) -> None:
+    """``write(partial)`` on every rank (each writes its shard, rank 0 the metadata), then rank 0 swaps the finished
+    folder in: ``X`` → ``.X.old``, ``.X.partial`` → ``X``, ``.X.old`` removed.  Barriers around each phase."""
+    path = Path(strategy.broadcast(str(filepath)))
+    partial, old = _partial(path), _old(path)
+    if strategy.global_rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)  # a save that was cut off
+    strategy.barrier()
+    write(partial)
+    strategy.barrier()
+    if strategy.global_rank == 0:
+        if path.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        elif path.exists():
+            path.unlink()
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    strategy.barrier()
+
+
+def _stored_keys(path: Path, prefix: str) -> set[str]:
+    """The entries under ``prefix`` (``"state_dict."``, ``"model."``) of a distributed checkpoint folder."""
+    import torch.distributed.checkpoint as dcp
+
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k[len(prefix):] for k in keys if k.startswith(prefix)}
+
+
+def _check_trainables(path: Path, trainable: set[str], found: set[str]) -> None:
+    missing = trainable - found
+    if missing:
+        raise RuntimeError(f"{path}: the checkpoint has no entry for {len(missing)} trainable weights, e.g. "
+                           f"{sorted(missing)[0]}")
 
 
 def _partial(path: Path) -> Path:
@@ -133,3 +152,66 @@ def recover_swapped_checkpoints(checkpoint_dir: Path) -> list[Path]:
             os.replace(old, target)
             restored.append(target)
     return restored
+
+
+class FSDP1Strategy(FSDPStrategy):
+    """Lightning's ``FSDPStrategy`` (FSDP1) with this trainer's checkpoints: with ``state_dict_type: sharded`` the
+    ``last.ckpt/`` folder holds the adapter shards, their optimiser state and the loop metadata (the frozen base is
+    reloaded from ``model_name_or_path``), is swapped in whole (as ``FSDP2Strategy``'s), and loading asks for
+    exactly the model entries a folder holds (whole-model folders written by ``FSDPStrategy`` load too).  The FSDP
+    units are built by ``SelfGuideModule._wrap_fsdp1``.  Being a subclass, it also passes Lightning's GPU-only check
+    for ``FSDPStrategy``: torch's FSDP1 runs on CPU processes (gloo) as well, which is how CI runs it."""
+
+    def _trainable_keys(self) -> set[str]:
+        from sglightning.module import clean_name
+
+        return {clean_name(name) for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def _sharded_context(self):
+        from torch.distributed.fsdp import FullyShardedDataParallel, ShardedOptimStateDictConfig
+        from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
+
+        return FullyShardedDataParallel.state_dict_type(
+            self.model, StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=True), ShardedOptimStateDictConfig(offload_to_cpu=True),
+        )
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if self._state_dict_type != "sharded":
+            return state
+        keep = self._trainable_keys()
+        return {k: v for k, v in state.items() if k in keep}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if self._state_dict_type != "sharded":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        _save_swapped(self, filepath, lambda partial: super(FSDP1Strategy, self).save_checkpoint(
+            checkpoint, partial, storage_options))
+        return None
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not (path.is_dir() and (path / _METADATA).is_file()):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        stored = _stored_keys(path, "model.")
+        with self._sharded_context():
+            model_state = {k: v for k, v in self.model.state_dict().items() if k in stored}
+            _check_trainables(path, self._trainable_keys(), model_state.keys())
+            state = {"model": model_state}
+            dcp.load(state, checkpoint_id=path)
+            self.model.load_state_dict(state["model"], strict=False)
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+                reader = dcp.FileSystemReader(str(path))
+                for idx, optimizer in enumerate(self.optimizers):
+                    key = f"optimizer_{idx}"
+                    optim_state = load_sharded_optimizer_state_dict(
+                        model_state_dict=state["model"], optimizer_key=key, storage_reader=reader)
+                    optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(
+                        model=self.model, optim=optimizer, optim_state_dict=optim_state[key]))
+        return torch.load(path / _METADATA, weights_only=weights_only)
