@@ -54,14 +54,11 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes  # every process is one FSDP2 shard
         super().setup_environment()
 
-    def _trainable_keys(self) -> set[str]:
-        return {name for name, p in self.model.named_parameters() if p.requires_grad}
-
     def lightning_module_state_dict(self) -> dict[str, Any]:
         state = super().lightning_module_state_dict()
         if not self._save_distributed_checkpoint:
             return state
-        keep = self._trainable_keys()
+        keep = _trainable_keys(self.model)
         return {k: v for k, v in state.items() if k in keep}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -85,7 +82,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         stored = _stored_keys(path, "state_dict.")
         model_state = {k: v for k, v in get_model_state_dict(self.model).items() if k in stored}
-        _check_trainables(path, self._trainable_keys(), model_state.keys())
+        _check_trainables(path, _trainable_keys(self.model), model_state.keys())
         state: dict[str, Any] = {"state_dict": model_state}
         dcp.load(state, checkpoint_id=path)  # into the (sharded) tensors of model_state, in place
         self.model.load_state_dict(state["state_dict"], strict=False)
@@ -117,6 +114,13 @@ def _save_swapped(strategy, filepath, write) -> None:
         os.replace(partial, path)
         shutil.rmtree(old, ignore_errors=True)
     strategy.barrier()
+
+
+def _trainable_keys(model: torch.nn.Module) -> set[str]:
+    """State-dict names of the trainable (adapter) weights (FSDP1 wrapper names removed, as its state dicts do)."""
+    from sglightning.module import clean_name
+
+    return {clean_name(name) for name, p in model.named_parameters() if p.requires_grad}
 
 
 def _stored_keys(path: Path, prefix: str) -> set[str]:
@@ -162,11 +166,6 @@ class FSDP1Strategy(FSDPStrategy):
     units are built by ``SelfGuideModule._wrap_fsdp1``.  Being a subclass, it also passes Lightning's GPU-only check
     for ``FSDPStrategy``: torch's FSDP1 runs on CPU processes (gloo) as well, which is how CI runs it."""
 
-    def _trainable_keys(self) -> set[str]:
-        from sglightning.module import clean_name
-
-        return {clean_name(name) for name, p in self.model.named_parameters() if p.requires_grad}
-
     def _sharded_context(self):
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardedOptimStateDictConfig
         from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
@@ -180,7 +179,7 @@ class FSDP1Strategy(FSDPStrategy):
         state = super().lightning_module_state_dict()
         if self._state_dict_type != "sharded":
             return state
-        keep = self._trainable_keys()
+        keep = _trainable_keys(self.model)
         return {k: v for k, v in state.items() if k in keep}
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
@@ -202,7 +201,7 @@ class FSDP1Strategy(FSDPStrategy):
         stored = _stored_keys(path, "model.")
         with self._sharded_context():
             model_state = {k: v for k, v in self.model.state_dict().items() if k in stored}
-            _check_trainables(path, self._trainable_keys(), model_state.keys())
+            _check_trainables(path, _trainable_keys(self.model), model_state.keys())
             state = {"model": model_state}
             dcp.load(state, checkpoint_id=path)
             self.model.load_state_dict(state["model"], strict=False)
