@@ -33,7 +33,40 @@ from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 _METADATA = "meta.pt"
 
 
-class FSDP2Strategy(ModelParallelStrategy):
+class _AdapterCheckpoints:
+    """Adapter-only distributed checkpoints, swapped in whole (see the module docstring), for a sharded strategy:
+    ``_writes_shards`` says whether a save is a distributed folder, ``_load_shards`` reads the model and optimiser
+    entries of one in place."""
+
+    def _writes_shards(self) -> bool:
+        raise NotImplementedError
+
+    def _load_shards(self, path: Path) -> None:
+        raise NotImplementedError
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        if not self._writes_shards():
+            return state
+        keep = _trainable_keys(self.model)
+        return {k: v for k, v in state.items() if k in keep}
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if not self._writes_shards():
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        _save_swapped(self, filepath, lambda partial: super(_AdapterCheckpoints, self).save_checkpoint(
+            checkpoint, partial, storage_options))
+        return None
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not (path.is_dir() and (path / _METADATA).is_file()):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._load_shards(path)
+        return torch.load(path / _METADATA, weights_only=weights_only)
+
+
+class FSDP2Strategy(_AdapterCheckpoints, ModelParallelStrategy):
     """FSDP2 (``fully_shard``) over all ``num_nodes × devices`` processes; see the module docstring."""
 
     def __init__(
@@ -54,24 +87,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes  # every process is one FSDP2 shard
         super().setup_environment()
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if not self._save_distributed_checkpoint:
-            return state
-        keep = _trainable_keys(self.model)
-        return {k: v for k, v in state.items() if k in keep}
+    def _writes_shards(self) -> bool:
+        return self._save_distributed_checkpoint
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if not self._save_distributed_checkpoint:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        _save_swapped(self, filepath, lambda partial: super(FSDP2Strategy, self).save_checkpoint(
-            checkpoint, partial, storage_options))
-        return None
-
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
-        if not (path.is_dir() and (path / _METADATA).is_file()):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def _load_shards(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -92,7 +111,6 @@ class FSDP2Strategy(ModelParallelStrategy):
             dcp.load(optim_state, checkpoint_id=path)
             set_optimizer_state_dict(self.model, optimizer, optim_state_dict=optim_state[key],
                                      options=StateDictOptions(cpu_offload=True))
-        return torch.load(path / _METADATA, weights_only=weights_only)
 
 
 def _save_swapped(strategy, filepath, write) -> None:
@@ -158,7 +176,7 @@ def recover_swapped_checkpoints(checkpoint_dir: Path) -> list[Path]:
     return restored
 
 
-class FSDP1Strategy(FSDPStrategy):
+class FSDP1Strategy(_AdapterCheckpoints, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) with this trainer's checkpoints: with ``state_dict_type: sharded`` the
     ``last.ckpt/`` folder holds the adapter shards, their optimiser state and the loop metadata (the frozen base is
     reloaded from ``model_name_or_path``), is swapped in whole (as ``FSDP2Strategy``'s), and loading asks for
@@ -166,40 +184,22 @@ class FSDP1Strategy(FSDPStrategy):
     units are built by ``SelfGuideModule._wrap_fsdp1``.  Being a subclass, it also passes Lightning's GPU-only check
     for ``FSDPStrategy``: torch's FSDP1 runs on CPU processes (gloo) as well, which is how CI runs it."""
 
-    def _sharded_context(self):
+    def _writes_shards(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    def _load_shards(self, path: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from lightning.pytorch.trainer.states import TrainerFn
+        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
         from torch.distributed.fsdp import FullyShardedDataParallel, ShardedOptimStateDictConfig
         from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
 
-        return FullyShardedDataParallel.state_dict_type(
+        stored = _stored_keys(path, "model.")
+        sharded = FullyShardedDataParallel.state_dict_type(
             self.model, StateDictType.SHARDED_STATE_DICT,
             ShardedStateDictConfig(offload_to_cpu=True), ShardedOptimStateDictConfig(offload_to_cpu=True),
         )
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        state = super().lightning_module_state_dict()
-        if self._state_dict_type != "sharded":
-            return state
-        keep = _trainable_keys(self.model)
-        return {k: v for k, v in state.items() if k in keep}
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
-        if self._state_dict_type != "sharded":
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        _save_swapped(self, filepath, lambda partial: super(FSDP1Strategy, self).save_checkpoint(
-            checkpoint, partial, storage_options))
-        return None
-
-    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
-        if not (path.is_dir() and (path / _METADATA).is_file()):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from lightning.pytorch.trainer.states import TrainerFn
-
-        stored = _stored_keys(path, "model.")
-        with self._sharded_context():
+        with sharded:
             model_state = {k: v for k, v in self.model.state_dict().items() if k in stored}
             _check_trainables(path, _trainable_keys(self.model), model_state.keys())
             state = {"model": model_state}
@@ -213,4 +213,3 @@ class FSDP1Strategy(FSDPStrategy):
                         model_state_dict=state["model"], optimizer_key=key, storage_reader=reader)
                     optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(
                         model=self.model, optim=optimizer, optim_state_dict=optim_state[key]))
-        return torch.load(path / _METADATA, weights_only=weights_only)
