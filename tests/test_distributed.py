@@ -228,3 +228,40 @@ def test_cli_rejects_unsharded_fsdp1_with_tied_embeddings(tmp_path):
     res = _cli(tmp_path, *SHARDED_CLI["fsdp1"], "--trainer.accelerator=cpu", devices=1, timeout=300)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "trainer.strategy: FSDPStrategy without sharding" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_sigterm_under_ddp_saves_a_whole_step_and_resumes(tmp_path):
+    """Preemption on 2 processes: SIGTERM to the launching process reaches both ranks; the run saves after a whole
+    number of steps, exits 0, and the same command with `--ckpt_path last` finishes the run in the same folder."""
+    import signal
+    import time
+
+    from sglightning.checkpointing import load_checkpoint_file
+
+    args = ["--trainer.strategy=ddp", "--trainer.limit_val_batches=0", "--model.rollout.max_steps=4"]
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
+    cmd = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
+           *args, "--trainer.max_steps=30", "--trainer.devices=2", "--trainer.enable_progress_bar=false",
+           f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 300
+    while not ckpt.is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert ckpt.is_file(), "no checkpoint before the deadline"
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the ranks did not stop within 180 s of SIGTERM") from None
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM received" in err
+    state = load_checkpoint_file(ckpt)
+    done = state["sglightning"]["rollouts_done"]
+    assert 1 <= done < 30 and state["global_step"] == done
+    res = _cli(tmp_path, *args, f"--trainer.max_steps={done + 1}", "--ckpt_path=last")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert load_checkpoint_file(ckpt)["global_step"] == done + 1
+    assert not (tmp_path / "tiny" / "version_1").exists()
