@@ -91,14 +91,20 @@ def test_fsdp_bf16_base_keeps_fp32_adapters(tmp_path, strategy):
     assert all(0.0 <= g < 0.02 for g in gaps), gaps  # bf16 rounding, not a different policy
 
 
-def _cli(tmp_path: Path, *args: str, command: str = "fit", timeout: int = 600, devices: int = 2
-         ) -> subprocess.CompletedProcess:
-    """`sglightning COMMAND --config configs/tiny.yaml ARGS` on 2 processes, writing under tmp_path (tests/ on the
-    path for cpu_fsdp)."""
+def _cli_cmd(tmp_path: Path, *args: str, command: str = "fit", devices: int = 2) -> tuple[list[str], dict]:
+    """The command line and environment of `sglightning COMMAND --config configs/tiny.yaml ARGS` on 2 processes,
+    writing under tmp_path (tests/ on the path for cpu_fsdp)."""
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
     cmd = [sys.executable, "-m", "sglightning.cli", command, "--config", str(HERE.parent / "configs" / "tiny.yaml"),
            *args, f"--trainer.devices={devices}", "--trainer.enable_progress_bar=false",
            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    return cmd, env
+
+
+def _cli(tmp_path: Path, *args: str, command: str = "fit", timeout: int = 600, devices: int = 2
+         ) -> subprocess.CompletedProcess:
+    """Run ``_cli_cmd`` to the end."""
+    cmd, env = _cli_cmd(tmp_path, *args, command=command, devices=devices)
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -159,12 +165,11 @@ def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
 
 
 def _stored_model_keys(ckpt: Path) -> set[str]:
-    """The model entries of a torch.distributed.checkpoint folder (read from its metadata, no process group)."""
-    import torch.distributed.checkpoint as dcp
+    """The model entries of a torch.distributed.checkpoint folder (read from its metadata, no process group):
+    ModelParallelStrategy stores the model under "state_dict.", FSDPStrategy under "model."."""
+    from sglightning.strategies import _stored_keys
 
-    keys = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-    # ModelParallelStrategy stores the model under "state_dict.", FSDPStrategy under "model."
-    return {k.split(".", 1)[1] for k in keys if k.startswith(("state_dict.", "model."))}
+    return _stored_keys(ckpt, "state_dict.") | _stored_keys(ckpt, "model.")
 
 
 def _adapter(folder: Path) -> dict[str, torch.Tensor]:
@@ -239,10 +244,7 @@ def test_sigterm_under_ddp_saves_a_whole_step_and_resumes(tmp_path):
     from sglightning.checkpointing import load_checkpoint_file
 
     args = ["--trainer.strategy=ddp", "--trainer.limit_val_batches=0", "--model.rollout.max_steps=4"]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
-    cmd = [sys.executable, "-m", "sglightning.cli", "fit", "--config", str(HERE.parent / "configs" / "tiny.yaml"),
-           *args, "--trainer.max_steps=30", "--trainer.devices=2", "--trainer.enable_progress_bar=false",
-           f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    cmd, env = _cli_cmd(tmp_path, *args, "--trainer.max_steps=30")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     deadline = time.time() + 300

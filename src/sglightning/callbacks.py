@@ -112,6 +112,8 @@ class AdapterExport(Callback):
     def export(self, trainer: Trainer, pl_module: LightningModule) -> Path | None:
         if pl_module.policy is None:
             return None
+        if trainer.global_rank != 0 and not pl_module._sharded():
+            return None  # only rank 0 writes; under FSDP the others still take part in the gather below
         # the adapter as full tensors (under FSDP a gather of the small adapter shards: a collective on every rank)
         # names as in the module tree: peft finds the adapter's entries by walking that tree (FSDP1 wrappers included)
         state = pl_module.adapter_state_dict(tree_names=True)
@@ -160,8 +162,10 @@ def _strip_wrapper_names(path: Path, adapter: str) -> None:
         if all(clean_name(k) == k for k in keys):
             return
         meta = f.metadata()
-        tensors = {(clean_name(k).replace(f".{adapter}.", ".") if clean_name(k) != k else k): f.get_tensor(k)
-                   for k in keys}
+        tensors = {}
+        for k in keys:
+            plain = clean_name(k)
+            tensors[plain.replace(f".{adapter}.", ".") if plain != k else k] = f.get_tensor(k)
     save_file(tensors, str(path), metadata=meta)
 
 
