@@ -9,8 +9,8 @@ concurrently) vs one worker (the same envs stepped one after another), on the re
 No model is involved: each round every slot takes one action (a seeded random admissible action where the env lists
 them; a fixed mix of ScienceWorld commands otherwise), as a lock-step rollout round does.  Prints env steps/s and
 resets/s for both modes.  ``remote`` is the household env behind a fixed per-call latency (a stand-in for env servers
-such as WebShop's, where a step mostly waits).  ScienceWorld also compares our direct simulator step with the package's ``env.step``, which
-rebuilds the full valid-action list on every call.
+such as WebShop's, where a step mostly waits).  ScienceWorld also compares our direct simulator step with the
+package's ``env.step``, which rebuilds the full valid-action list on every call.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import time
 
 from sglightning.envs.pool import EnvPool
 
-SW_ACTIONS = ["look around", "inventory", "open door to kitchen", "go to kitchen", "look at table", "pick up thermometer",
-              "open cupboard", "go to hallway", "wait1", "read book", "focus on thermometer"]
+SW_ACTIONS = ["look around", "inventory", "open door to kitchen", "go to kitchen", "look at table",
+              "pick up thermometer", "open cupboard", "go to hallway", "wait1", "read book", "focus on thermometer"]
 
 
 class RemoteHousehold:
@@ -131,12 +131,14 @@ def main() -> None:
                 play(pool, args.slots, 2, args.seed + 1000, "train")  # warm-up (class loading, JIT)
                 r = play(pool, args.slots, args.rounds, args.seed, "train")
             results[mode] = r
-            print(f"{name:14s} {mode:10s} {r['steps']:6d} {r['steps_per_s']:9.1f} {r['resets_per_s']:9.1f} {r['errors']:6d}")
+            print(f"{name:14s} {mode:10s} {r['steps']:6d} {r['steps_per_s']:9.1f} {r['resets_per_s']:9.1f} "
+                  f"{r['errors']:6d}")
         speed = results["pool"]["steps_per_s"] / max(results["one worker"]["steps_per_s"], 1e-9)
         print(f"{name:14s} pool / one worker: steps ×{speed:.2f}, resets "
               f"×{results['pool']['resets_per_s'] / max(results['one worker']['resets_per_s'], 1e-9):.2f}")
         if name == "scienceworld":
-            print(f"{name:14s} package env.step (valid-action list every call): {official_scienceworld_step_rate():.1f} steps/s, one env")
+            print(f"{name:14s} package env.step (valid-action list every call): "
+                  f"{official_scienceworld_step_rate():.1f} steps/s, one env")
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def main() -> None:
     if len(v) >= 8:
         q = len(v) // 4
         early, late = sum(v[q : 2 * q]) / q, sum(v[-q:]) / q
-        print(f"mean RSS steps {q}-{2 * q}: {early:.1f} MB; last {q} steps: {late:.1f} MB; growth {late - early:+.1f} MB")
+        print(f"mean RSS steps {q}-{2 * q}: {early:.1f} MB; last {q} steps: {late:.1f} MB; "
+              f"growth {late - early:+.1f} MB")
     sys.exit(0)
 
 

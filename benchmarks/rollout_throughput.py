@@ -44,7 +44,8 @@ def naive(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, i
                 step = env.step(parse_action(text).action or "")
                 msgs = msgs + [
                     {"role": "assistant", "content": text},
-                    {"role": "user", "content": stream_next_user(step.observation, step.admissible_actions, env.action_help)},
+                    {"role": "user",
+                     "content": stream_next_user(step.observation, step.admissible_actions, env.action_help)},
                 ]
                 if step.done:
                     break
@@ -85,7 +86,8 @@ def main() -> None:
             torch.manual_seed(0)
             with torch.no_grad():
                 n_tok, n_ep, sec = fn(model, tok, env, seeds, args.group, args.steps, args.max_new)
-            print(f"{name:10} {label:28} {n_tok:7d} {n_ep:8d} {sec:8.1f} {n_tok / sec:8.1f} {n_ep / sec:10.3f}", flush=True)
+            print(f"{name:10} {label:28} {n_tok:7d} {n_ep:8d} {sec:8.1f} {n_tok / sec:8.1f} {n_ep / sec:10.3f}",
+                  flush=True)
 
 
 if __name__ == "__main__":

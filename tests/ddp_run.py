@@ -6,8 +6,8 @@
 run it (mixed dtypes inside one sharded unit).
 
 Lightning re-launches this script for rank 1.  Each rank writes ``OUT_DIR/rank{r}.pt``: its trainable parameters after
-training (rank 0 also exports the peft adapter to ``OUT_DIR/adapter``), and per step its task seeds, its episodes' outcomes and the success rate it logged; rank 0 also writes
-the merged validation report.
+training (rank 0 also exports the peft adapter to ``OUT_DIR/adapter``), and per step its task seeds, its episodes'
+outcomes and the success rate it logged; rank 0 also writes the merged validation report.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
+from test_trainer import tiny_module
 
 from sglightning.callbacks import AdapterExport
 from sglightning.models import ModelConfig
 from sglightning.module import EvalConfig, GRPOConfig
 from sglightning.rollout import RolloutConfig
-from test_trainer import tiny_module
 
 
 class Record(Callback):
@@ -35,7 +35,7 @@ class Record(Callback):
         self.initial = pl_module.adapter_state_dict()  # full tensors (gathered under FSDP: every rank calls it)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        rb = pl_module.current_rollout
+        rb = batch.rollout  # trainer callbacks run before the module's RolloutCallback clears it
         self.steps.append({
             "seeds": sorted({e.seed for e in rb.episodes}),
             "won": [bool(e.won) for e in rb.episodes],
@@ -78,8 +78,8 @@ def main(out: Path, strategy: str, bf16: bool = False) -> None:
     params = module.adapter_state_dict()
     AdapterExport().export(trainer, module)  # rank 0 writes OUT_DIR/adapter (a gather under FSDP: every rank calls it)
     base_dtypes = sorted({str(p.dtype) for p in module.peft_model.get_base_model().parameters() if not p.requires_grad})
-    torch.save({"params": params, "base_dtypes": base_dtypes, "initial": rec.initial, "steps": rec.steps, "rollouts_done": module.rollouts_done,
-                "global_step": trainer.global_step}, out / f"rank{rank}.pt")
+    torch.save({"params": params, "base_dtypes": base_dtypes, "initial": rec.initial, "steps": rec.steps,
+                "rollouts_done": module.rollouts_done, "global_step": trainer.global_step}, out / f"rank{rank}.pt")
     if rank == 0:
         (out / "val_report.json").write_text(json.dumps(module.val_report, default=str))
 

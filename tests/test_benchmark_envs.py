@@ -1,5 +1,6 @@
 """Real TextWorldExpress and ScienceWorld (JVM) episodes: gold paths, splits, invalid actions, rollouts through the
-worker pool, no leaked JVMs, a JVM killed mid-episode.  Needs Java 17 and the ``benchmarks`` extra (CI installs both)."""
+worker pool, no leaked JVMs, a JVM killed mid-episode.  Needs Java 17 and the ``benchmarks`` extra (CI installs
+both)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import time
 
 import pytest
+from fakes import ScriptedLM, scripted_reply
 
 from sglightning.envs import resolve_env_class
 from sglightning.envs.pool import EnvPool, live_java_processes
@@ -17,8 +19,6 @@ from sglightning.envs.textworld_express import TextWorldExpressEnv
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout, RolloutConfig
-
-from fakes import ScriptedLM, scripted_reply
 
 pytestmark = pytest.mark.jvm
 

@@ -1,10 +1,10 @@
-"""Failure patterns (the paper's Appendix B) on hand-written action sequences, and their rates in the validate report."""
+"""Failure patterns (the paper's Appendix B) on hand-written action sequences, and their rates in the validate
+report."""
 
 from __future__ import annotations
 
 import pytest
 
-from sglightning.cli import report_markdown
 from sglightning.diagnostics import (
     episode_patterns,
     failure_pattern_rates,
@@ -13,6 +13,7 @@ from sglightning.diagnostics import (
     redundant_exploration,
     wrong_object_focus,
 )
+from sglightning.report import report_markdown
 from sglightning.rollout import Episode, StepRecord
 
 
@@ -55,7 +56,8 @@ def test_wrong_object_focus():
     targets = ["apple", "fridge"]
     assert wrong_object_focus(["examine mug 1"] * 4, targets)
     assert not wrong_object_focus(["examine apple 1"] * 6, targets)  # the target itself
-    assert wrong_object_focus([f"take {o} 1 from desk 1" for o in ["mug", "pen", "book", "cd", "key", "cup", "box"]], targets)
+    assert wrong_object_focus(
+        [f"take {o} 1 from desk 1" for o in ["mug", "pen", "book", "cd", "key", "cup", "box"]], targets)
     assert not wrong_object_focus(["take apple 1 from desk 1"] * 9, targets)
     assert wrong_object_focus(["examine mug 1"] * 4, None) is None  # no targets known: not judged
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import functools
 
 import pytest
+from test_trainer import tiny_module, tiny_trainer
 
+from sglightning.callbacks import RolloutCallback
+from sglightning.data import task_seeds
 from sglightning.envs.faults import FaultyEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.envs.textworld_express import TextWorldExpressEnv
 from sglightning.rollout import RolloutConfig
-from test_trainer import tiny_module, tiny_trainer
 
 HOUSE = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
 EXPECTED = {
@@ -26,7 +28,8 @@ EXPECTED = {
 
 def _faulty_module(kind: str, inner=HOUSE, policy: str = "keep"):
     probe = tiny_module()
-    seed = probe.task_seeds(0)[0]  # the first group of the first training step
+    # the first group of the first training step
+    seed = task_seeds(probe.rollout_cfg.seed, 0, probe.rollout_cfg.groups_per_step, 0, 1, probe.eval_cfg.seed_offset)[0]
     env = functools.partial(FaultyEnv, env=inner, faults={seed: kind}, hang_s=30)
     rollout = RolloutConfig(groups_per_step=2, group_size=2, max_steps=2, env_step_timeout_s=1, failed_episodes=policy)
     return tiny_module(env=env, rollout=rollout)
@@ -36,14 +39,13 @@ def _faulty_module(kind: str, inner=HOUSE, policy: str = "keep"):
 def test_each_fault_fails_its_episodes_only_and_training_goes_on(tmp_path, kind):
     module = _faulty_module(kind)
     module.configure_model()
-    batch = module.collect_rollout()
+    collector = RolloutCallback()
+    batch = collector.collect(module)
     bad = [e for e in batch.episodes if e.group == 0]
     good = [e for e in batch.episodes if e.group == 1]
     assert all(e.error and EXPECTED[kind] in e.error and not e.won for e in bad), [e.error for e in bad]
     assert all(e.error is None for e in good)
-    module.current_rollout = None
-    module.engine.close()
-    module.engine = None
+    collector.engine.close()
     # the same faults inside fit: both steps run, the errors are logged, the run ends normally
     module = _faulty_module(kind)
     tiny_trainer(tmp_path, steps=2).fit(module)

@@ -202,7 +202,7 @@ def test_group_advantages_random_never_nan_and_matches_loop():
 
 def test_group_advantages_validation_and_empty():
     assert group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long)).shape == (0,)
-    with pytest.raises(ValueError, match=r"grpo\.advantage_scale"):
+    with pytest.raises(ValueError, match=r"grpo\.adv_scale"):
         group_advantages(torch.ones(2), torch.zeros(2, dtype=torch.long), scale="mad")
     with pytest.raises(ValueError):
         group_advantages(torch.tensor([1.0, float("nan")]), torch.zeros(2, dtype=torch.long))
@@ -433,3 +433,64 @@ def test_entropy_from_logits():
     assert torch.isfinite(x.grad).all()
     # bf16 input is computed in float32
     assert entropy_from_logits(torch.zeros(4, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------- the whole return
+def test_blend_includes_penalties_and_extra_terms_by_hand():
+    from sglightning.grpo import blend
+
+    env = torch.tensor([1.0, 0.0])
+    s = torch.tensor([0.3, -0.2])
+    pen = torch.tensor([0.1, 0.2])
+    extra = torch.tensor([0.5, 0.0])
+    # R = env − P + λ·S + E
+    torch.testing.assert_close(blend(env, s, 0.5, pen, extra), torch.tensor([1.0 - 0.1 + 0.15 + 0.5, 0.0 - 0.2 - 0.1]))
+    with pytest.raises(ValueError, match="penalties"):
+        blend(env, s, 0.5, torch.zeros(3))
+
+
+def test_microbatch_weights_make_one_global_token_mean():
+    """Micro-batch means weighted by microbatch_weight sum to the mean over all policy tokens (token_mean) or over all
+    sequences (seq_mean_token_mean)."""
+    from sglightning.grpo import microbatch_weight, policy_counts
+
+    torch.manual_seed(0)
+    vals = torch.randn(5, 6)
+    mask = torch.rand(5, 6) > 0.4
+    mask[2] = False  # a sequence without policy tokens
+    totals = policy_counts(mask)
+    for agg in ("token_mean", "seq_mean_token_mean"):
+        whole = grpo_loss_like(vals, mask, agg)
+        parts = sum(float(microbatch_weight(mask[a:b], totals, agg)) * grpo_loss_like(vals[a:b], mask[a:b], agg)
+                    for a, b in ((0, 2), (2, 3), (3, 5)))
+        assert parts == pytest.approx(whole, abs=1e-6)
+
+
+def grpo_loss_like(vals, mask, agg):
+    if agg == "token_mean":
+        return float(vals[mask].sum() / mask.sum().clamp(min=1))
+    per_seq = [(v[m].sum() / m.sum()) for v, m in zip(vals, mask) if m.any()]
+    return float(sum(per_seq) / max(len(per_seq), 1))
+
+
+def test_clip_checks_are_the_same_in_the_loss_and_the_config():
+    from sglightning.grpo import GRPOConfig
+
+    for low, high, key in ((0.0, 0.2, "clip_low"), (1.0, 0.2, "clip_low"), (0.2, 0.0, "clip_high")):
+        with pytest.raises(ValueError, match=key):
+            GRPOConfig(clip_low=low, clip_high=high)
+        with pytest.raises(ValueError, match=key):
+            grpo_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2, dtype=torch.bool),
+                      clip_low=low, clip_high=high)
+
+
+def test_grpo_estimator_is_the_episode_advantage_at_every_policy_token():
+    from sglightning.grpo import AdvantageInputs, grpo_advantages
+
+    returns, groups = torch.tensor([1.0, 0.0, 0.5, 0.5]), torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[False, True, True], [False, True, False], [False, True, True]])
+    x = AdvantageInputs(returns=returns, group_ids=groups, step_returns=[], sample_episode=torch.tensor([0, 1, 2]),
+                        token_step=torch.zeros(3, 3, dtype=torch.long), mask=mask, eps=0.0)
+    adv = group_advantages(returns, groups, eps=0.0)
+    expected = torch.where(mask, adv[torch.tensor([0, 1, 2])][:, None].expand(3, 3), torch.zeros(()))
+    torch.testing.assert_close(grpo_advantages(x), expected)

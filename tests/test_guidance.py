@@ -94,7 +94,8 @@ def test_parse_guidance_label_rule(text, label):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    reason=st.text(alphabet=st.characters(blacklist_characters="\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"), max_size=60),
+    reason=st.text(alphabet=st.characters(blacklist_characters="\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"),
+                   max_size=60),
     inline=st.sampled_from(LABELS),
     final=st.sampled_from(LABELS),
 )
@@ -184,7 +185,8 @@ def test_parse_guidance_one_megabyte_label_found():
         ("Action:\n\nexamine mug 1", "examine mug 1", "line"),
         ("I think.\nAction: look", "look", "line"),
         ("<action>take apple 1 from countertop 1</action>", "take apple 1 from countertop 1", "tag"),
-        ("<think>need apple</think><action>take apple 1 from countertop 1</action>", "take apple 1 from countertop 1", "tag"),
+        ("<think>need apple</think><action>take apple 1 from countertop 1</action>", "take apple 1 from countertop 1",
+         "tag"),
         ("<ACTION>\n  put mug 1 in/on shelf 2\n</ACTION>", "put mug 1 in/on shelf 2", "tag"),
         ("<action>go to sinkbasin 1", "go to sinkbasin 1", "tag"),  # unterminated tag: up to the end
         ('{"think": "...", "action": "open fridge 1"}', "open fridge 1", "json"),
@@ -201,7 +203,8 @@ def test_parse_action_formats(text, action, source):
 def test_parse_action_prefers_the_configured_format():
     text = '{"think": "write <action>x</action>? no", "action": "open fridge 1"}'
     assert parse_action(text).action == "x"  # the default order reads the tag first
-    assert (parse_action(text, prefer="json").action, parse_action(text, prefer="json").source) == ("open fridge 1", "json")
+    assert (parse_action(text, prefer="json").action, parse_action(text, prefer="json").source) == (
+        "open fridge 1", "json")
     assert parse_action('Action: a\n{"action": "b"}', prefer="line").action == "a"
     assert parse_action("nothing structured", prefer="json").source == "raw"
 
@@ -585,7 +588,8 @@ def test_stream_first_messages_guided_vs_unguided():
 
 
 def test_stream_next_user():
-    assert stream_next_user("You arrive.", ["look"], "help") == "Observation: You arrive.\nAdmissible actions: look\nhelp"
+    assert stream_next_user("You arrive.", ["look"], "help") == (
+        "Observation: You arrive.\nAdmissible actions: look\nhelp")
     assert stream_next_user("You arrive.", None, "help") == "Observation: You arrive.\nhelp"
 
 
@@ -640,7 +644,8 @@ def test_guidance_config_rejects_an_unknown_actor_format_naming_the_key():
         GuidanceConfig(rate_history_length=-1)
 
 
-_ACTION_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp"), blacklist_characters='"`*\'.'),
+_ACTION_TEXT = st.text(alphabet=st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp"),
+                                              blacklist_characters='"`*\'.'),
                        min_size=1, max_size=40).filter(lambda a: a.strip())
 
 

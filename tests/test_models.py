@@ -147,7 +147,8 @@ def test_tiny_policy_is_peft_with_chat_template(tiny):
     assert isinstance(model, PeftModel)
     assert tok.chat_template
     text = tok.apply_chat_template(
-        [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], tokenize=False,
+        add_generation_prompt=True
     )
     assert text == "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.pad_token_id is not None and tok.eos_token == "<|im_end|>"
@@ -233,7 +234,8 @@ def test_tiny_bfloat16():
 
 
 def test_lora_targets_rank_alpha_respected():
-    model, _ = load_policy(_tiny_cfg(lora_r=4, lora_alpha=8, lora_dropout=0.1, lora_target_modules=["q_proj", "v_proj"]))
+    model, _ = load_policy(_tiny_cfg(lora_r=4, lora_alpha=8, lora_dropout=0.1,
+                                     lora_target_modules=["q_proj", "v_proj"]))
     pc = model.peft_config["default"]
     assert pc.r == 4 and pc.lora_alpha == 8 and pc.lora_dropout == 0.1
     assert set(pc.target_modules) == {"q_proj", "v_proj"}
@@ -310,9 +312,9 @@ def test_local_folder_loads(tiny, tiny_folder):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="transformers 5: with a qwen2 config.json in the folder, AutoTokenizer returns Qwen2Tokenizer, which replaces "
-    "the tiny BPE's ByteLevel pre-tokenizer with Qwen2's digit-splitting regex, so ' 1' becomes ' ', '1' after a "
-    "save/reload (the in-process tokenizer keeps ' 1' as one token)",
+    reason="transformers 5: with a qwen2 config.json in the folder, AutoTokenizer returns Qwen2Tokenizer, "
+    "which replaces the tiny BPE's ByteLevel pre-tokenizer with Qwen2's digit-splitting regex, so ' 1' becomes "
+    "' ', '1' after a save/reload (the in-process tokenizer keeps ' 1' as one token)",
 )
 def test_local_folder_tokenizer_matches_in_process(tiny, tiny_folder):
     _, ref_tok = tiny

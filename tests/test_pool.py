@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+from fakes import ScriptedLM, scripted_reply
 
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.household import HouseholdEnv
@@ -15,8 +16,6 @@ from sglightning.envs.pool import EnvPool
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout, RolloutConfig
-
-from fakes import ScriptedLM, scripted_reply
 
 RELEASE = threading.Event()  # set at the end of the module so that hung fake envs end their threads
 
@@ -161,7 +160,8 @@ def test_a_hanging_step_times_out_and_fails_only_its_episode(tok):
 @pytest.mark.parametrize("kind", ["field", "type"])
 def test_garbage_step_results_fail_the_episode_with_a_reason(tok, kind):
     factory = functools.partial(GarbageStepEnv, kind=kind, difficulty=0, info_actions=False)
-    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(), RolloutConfig(group_size=2, max_steps=2))
+    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(),
+                RolloutConfig(group_size=2, max_steps=2))
     batch = r.run([1, 2])
     bad = [e for e in batch.episodes if e.seed == 1]
     expected = "malformed StepResult" if kind == "field" else "expected StepResult"

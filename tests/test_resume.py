@@ -1,11 +1,12 @@
-"""Resume: 4 steps straight == 2 steps, checkpoint, fresh process state, 2 more steps (same parameters, same metrics)."""
+"""Resume: 4 steps straight == 2 steps, checkpoint, fresh process state, 2 more steps (same parameters, same
+metrics)."""
 
 from __future__ import annotations
 
 import torch
+from test_trainer import tiny_module, tiny_trainer
 
 from sglightning.grpo import GRPOConfig
-from test_trainer import tiny_module, tiny_trainer
 
 KEYS = ("rollout/success_rate", "reward/internal_sum", "reward/lambda", "loss/policy", "loss/kl", "tokens/policy")
 

@@ -6,13 +6,6 @@ import functools
 
 import pytest
 import torch
-
-from sglightning.envs.household import HouseholdEnv
-from sglightning.guidance import GuidanceConfig, parse_action
-from sglightning.models import ModelConfig, build_tiny_tokenizer, load_policy
-from sglightning.rollout import Rollout, RolloutConfig
-from sglightning.sampler import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE
-
 from fakes import (
     QWEN3_STYLE_TEMPLATE,
     CrashingEnv,
@@ -22,6 +15,12 @@ from fakes import (
     first_admissible,
     scripted_reply,
 )
+
+from sglightning.envs.household import HouseholdEnv
+from sglightning.guidance import GuidanceConfig, parse_action
+from sglightning.models import ModelConfig, build_tiny_tokenizer, load_policy
+from sglightning.rollout import Rollout, RolloutConfig
+from sglightning.sampler import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE
 
 ENV = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
 
@@ -83,7 +82,8 @@ def test_scripted_policy_trajectories_match_direct_replay(tok, mode, decoding):
 def test_group_members_get_the_groups_seed(tok):
     RecordingEnv.log = []
     lm = ScriptedLM(tok, scripted_reply())
-    r = Rollout(lm, tok, functools.partial(RecordingEnv, difficulty=0), GuidanceConfig(), RolloutConfig(group_size=3, max_steps=1))
+    r = Rollout(lm, tok, functools.partial(RecordingEnv, difficulty=0), GuidanceConfig(),
+                RolloutConfig(group_size=3, max_steps=1))
     r.run([5, 9])
     assert sorted(RecordingEnv.log) == [5, 5, 5, 9, 9, 9]  # resets run concurrently: order is free
     # environments are reused across calls, not recreated per episode
@@ -255,7 +255,8 @@ def test_rate_prompt_keeps_the_whole_trajectory_until_the_context_limit_then_cut
         rate_samples = ep.samples[0::2]
         assert all(len([i for i, p in enumerate(s.policy) if not p]) <= limit for s in rate_samples)
         last_rate = tok.decode(rate_samples[-1].ids)
-        assert "Step 5 action" in last_rate and "Step 1 action" not in last_rate and "earlier steps not shown" in last_rate
+        assert ("Step 5 action" in last_rate and "Step 1 action" not in last_rate
+                and "earlier steps not shown" in last_rate)
         assert _episode_values(ep)["guidance/rate_history_truncated"] == ep.rate_truncations / 6
 
 
@@ -292,7 +293,8 @@ def test_unparsed_guidance_is_neutral_and_counted(tok):
     def reply(ctx):
         return f"I think things are fine.\nAction: {first_admissible(ctx)}"
 
-    r = Rollout(ScriptedLM(tok, reply), tok, ENV, GuidanceConfig(decoding="free"), RolloutConfig(group_size=2, max_steps=2))
+    r = Rollout(ScriptedLM(tok, reply), tok, ENV, GuidanceConfig(decoding="free"),
+                RolloutConfig(group_size=2, max_steps=2))
     batch = r.run([4])
     steps = [s for ep in batch.episodes for s in ep.steps]
     assert steps and all(s.label is None for s in steps)
@@ -303,7 +305,8 @@ def test_unparsed_guidance_is_neutral_and_counted(tok):
 def test_env_crash_fails_only_that_episode(tok):
     CrashingEnv.instances = 0
     factory = functools.partial(CrashingEnv, bad_seeds=(1,), crash_after=1, difficulty=0, info_actions=False)
-    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(), RolloutConfig(group_size=2, max_steps=4))
+    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(),
+                RolloutConfig(group_size=2, max_steps=4))
     batch = r.run([1, 2])
     bad = [e for e in batch.episodes if e.seed == 1]
     good = [e for e in batch.episodes if e.seed == 2]
@@ -319,7 +322,8 @@ def test_env_crash_fails_only_that_episode(tok):
 @pytest.mark.parametrize("where", ["reset", "garbage"])
 def test_env_failing_at_reset_is_isolated(tok, where):
     factory = functools.partial(CrashingEnv, bad_seeds=(1,), where=where, difficulty=0)
-    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(), RolloutConfig(group_size=2, max_steps=2))
+    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(),
+                RolloutConfig(group_size=2, max_steps=2))
     batch = r.run([1, 2])
     assert all(e.error and e.steps == [] and e.samples == [] for e in batch.episodes if e.seed == 1)
     assert all(e.error is None and e.steps for e in batch.episodes if e.seed == 2)
@@ -327,7 +331,8 @@ def test_env_failing_at_reset_is_isolated(tok, where):
 
 def test_free_form_env_without_admissible_list(tok):
     reply = scripted_reply(action=lambda ctx: "finish")
-    r = Rollout(ScriptedLM(tok, reply), tok, FreeFormEnv, GuidanceConfig(action_decoding="admissible"), RolloutConfig(group_size=2, max_steps=3))
+    r = Rollout(ScriptedLM(tok, reply), tok, FreeFormEnv, GuidanceConfig(action_decoding="admissible"),
+                RolloutConfig(group_size=2, max_steps=3))
     batch = r.run([0])
     assert all(e.won and len(e.steps) == 1 and e.steps[0].action == "finish" for e in batch.episodes)
 
@@ -354,7 +359,7 @@ def _recompute(model, ids: list[int], temperature: float) -> torch.Tensor:
 
 
 def _restricted_reference(rows: torch.Tensor, ids: list[int], restrictions: list) -> torch.Tensor:
-    """log q(ids[i+1]) by hand: log π renormalised over the recorded allowed set (or all but the banned set)."""
+    """Log q(ids[i+1]) by hand: log π renormalised over the recorded allowed set (or all but the banned set)."""
     out = []
     for i, r in enumerate(restrictions[1:]):
         lp = rows[i]
@@ -443,3 +448,25 @@ def test_batching_does_not_change_greedy_results(tiny):
         assert a.seed == b.seed
         assert a.samples[0].ids == b.samples[0].ids
         assert a.samples[0].logprobs == pytest.approx(b.samples[0].logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["single_stream", "two_call"])
+def test_every_token_carries_its_episode_step(tok, mode):
+    """Step t's prompt/observation, guidance and action tokens carry t (what step-level advantage estimators use)."""
+    lm = ScriptedLM(tok, scripted_reply("positive"))
+    r = Rollout(lm, tok, ENV, GuidanceConfig(prompt_mode=mode, decoding="free"),
+                RolloutConfig(group_size=2, max_steps=3))
+    batch = r.run([1])
+    for ep in batch.episodes:
+        n = len(ep.steps)
+        if mode == "single_stream":
+            (s,) = ep.samples
+            # an episode cut by max_steps also holds the observation that would have opened step n
+            assert s.steps == sorted(s.steps) and set(range(n)) <= set(s.steps) <= set(range(n + 1))
+            for t in range(n):  # the policy tokens of step t spell that step's action
+                written = tok.decode([i for i, p, st in zip(s.ids, s.policy, s.steps) if p and st == t])
+                assert ep.steps[t].action in written
+        else:
+            assert len(ep.samples) == 2 * n  # a rate and an actor call per step
+            for k, s in enumerate(ep.samples):
+                assert set(s.steps) == {k // 2}

@@ -28,13 +28,14 @@ def _sample_with(restrictions: dict[int, Restriction], ids: list[int]) -> Sample
         s.logprobs.append(0.0)
         s.full_logprobs.append(0.0)
         s.kinds.append(KIND_ACTION)
+        s.steps.append(0)
         s.restrictions.append(restrictions.get(k))
     s.check()
     return s
 
 
 def test_restricted_logprob_and_gradient_equal_a_hand_computed_restricted_softmax():
-    """log q(y) = l_y/T − log Σ_{a∈A} e^{l_a/T};  ∂ log q / ∂ l = (onehot_y − q_A) / T on A, 0 outside A."""
+    """Log q(y) = l_y/T − log Σ_{a∈A} e^{l_a/T};  ∂ log q / ∂ l = (onehot_y − q_A) / T on A, 0 outside A."""
     torch.manual_seed(0)
     T = 0.7
     ids = [0, 3, 5, 9, 2]
@@ -114,7 +115,7 @@ def test_forced_choice_tokens_are_context_not_policy():
     no log-prob and no place in the token-mean denominator, and is counted."""
     module = _module()
     module.configure_model()
-    batch = module.get_engine().run([1, 2], generator=torch.Generator().manual_seed(0))
+    batch = module.make_engine().run([1, 2], generator=torch.Generator().manual_seed(0))
     forced = sum(s.forced for s in batch.samples)
     assert forced > 0
     policy_action = sum(1 for s in batch.samples for p, k in zip(s.policy, s.kinds) if p and k == KIND_ACTION)
@@ -139,7 +140,7 @@ def test_choice_with_a_single_option_has_no_policy_token(tiny_lm):
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from sglightning.models import build_tiny_model, build_tiny_tokenizer, TinyModelConfig
+    from sglightning.models import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     return build_tiny_model(TinyModelConfig(), len(tok)).eval(), tok
@@ -150,7 +151,8 @@ def test_training_logs_the_unrestricted_logprob_and_the_restricted_mass(tmp_path
 
     module = _module()
     Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path).fit(module)
+            enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
+            default_root_dir=tmp_path).fit(module)
     (h,) = module.history
     assert h["policy/logprob_gap_sampler_trainer"] < 1e-4  # the trainer scored the restricted q the sampler drew from
     assert h["policy/restricted_log_mass"] < 0.0  # the allowed sets held less than all of the model's mass

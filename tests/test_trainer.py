@@ -88,7 +88,7 @@ def test_trainer_logprobs_match_sampler_logprobs(tmp_path):
     module = tiny_module(rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3, temperature=0.8))
     module.configure_model()
     module._trainer = None
-    batch = module.get_engine().run([1, 2], generator=torch.Generator().manual_seed(0))
+    batch = module.make_engine().run([1, 2], generator=torch.Generator().manual_seed(0))
     data = module.collate(batch.samples)
     module.policy.train()  # the trainer scores in train mode (LoRA dropout 0)
     with torch.no_grad():
@@ -250,7 +250,8 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.env=sglightning.envs.webshop.WebShopEnv"], "web_agent_site"),  # the extra is not installed
         (["--model.env=sglightning.envs.textworld_express.TextWorldExpressEnv", "--model.env.init_args.game=chess"],
          "env.init_args.game: 'chess' is not one of"),
-        (["--model.env=sglightning.envs.scienceworld.ScienceWorldEnv", "--model.env.init_args.task_names=[boil-the-sea]"],
+        (["--model.env=sglightning.envs.scienceworld.ScienceWorldEnv",
+          "--model.env.init_args.task_names=[boil-the-sea]"],
          "env.init_args.task_names: unknown task"),
     ],
 )
@@ -312,9 +313,10 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
     from sglightning.callbacks import format_summary, trajectory_markdown
     from sglightning.rollout import Episode, StepRecord
 
-    ep = Episode(index=0, group=0, seed=7, task="put a mug on shelf", task_type="pick_and_place", won=True, env_return=1.0)
-    ep.steps = [StepRecord(observation="You arrive.", label="positive", reason="found it", action="take mug 1 from shelf 1",
-                           internal_reward=0.1)]
+    ep = Episode(index=0, group=0, seed=7, task="put a mug on shelf", task_type="pick_and_place", won=True,
+                 env_return=1.0)
+    ep.steps = [StepRecord(observation="You arrive.", label="positive", reason="found it",
+                           action="take mug 1 from shelf 1", internal_reward=0.1)]
     md = trajectory_markdown(ep)
     assert "put a mug on shelf" in md and "**positive**" in md and "take mug 1 from shelf 1" in md and "success" in md
     summary = format_summary(cli.trainer, cli.model)
@@ -389,4 +391,5 @@ def test_paper_configs_are_one_per_table_row_and_differ_only_where_the_rows_do(b
     assert m["rollout"]["max_steps"] == {"alfworld": 50, "scienceworld": 30, "webshop": 15}[bench]
     assert m["model"]["chat_template_kwargs"] == {"enable_thinking": False}
     for arm in rows:
-        assert f"sglightning fit --config configs/paper/{bench}_{arm}.yaml" in (PAPER / f"{bench}_{arm}.yaml").read_text()
+        assert (f"sglightning fit --config configs/paper/{bench}_{arm}.yaml"
+                in (PAPER / f"{bench}_{arm}.yaml").read_text())

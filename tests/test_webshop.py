@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from fakes import ScriptedLM, scripted_reply
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,8 +21,6 @@ from sglightning.envs.webshop import (
 from sglightning.guidance import GuidanceConfig, parse_action
 from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout, RolloutConfig
-
-from fakes import ScriptedLM, scripted_reply
 
 INSTR = "i need a red cotton t-shirt in size large, and price lower than 30.00 dollars"
 START = f"WebShop [SEP] Instruction: [SEP] {INSTR} [SEP] Search"

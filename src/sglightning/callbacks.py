@@ -1,4 +1,5 @@
-"""Callbacks: collect rollouts before each update, show a trajectory per step, export adapters, print a summary."""
+"""Callbacks: collect the rollouts each step trains on (and validation plays), show a trajectory per step, export
+adapters, save on preemption, print a summary."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from sglightning.rollout import Episode, RolloutAborted
+from sglightning.data import sampling_generator, task_seeds
+from sglightning.distributed import clean_name
+from sglightning.rollout import Episode, Rollout, RolloutAborted, RolloutBatch
 
 
 def run_dir(trainer: Trainer) -> Path:
@@ -37,7 +40,8 @@ def trajectory_markdown(ep: Episode) -> str:
     lines = [
         f"**task** ({ep.task_type}, seed {ep.seed}, group {ep.group}): {ep.task}",
         f"**result**: {'success' if ep.won else 'failure'}, env return {ep.env_return:g}, "
-        f"{len(ep.steps)} steps" + (f", error: {ep.error}" if ep.error else "") + (", truncated" if ep.truncated else ""),
+        f"{len(ep.steps)} steps" + (f", error: {ep.error}" if ep.error else "")
+        + (", truncated" if ep.truncated else ""),
         "",
     ]
     for t, s in enumerate(ep.steps, start=1):
@@ -53,21 +57,41 @@ def trajectory_markdown(ep: Episode) -> str:
 
 
 class RolloutCallback(Callback):
-    """Plays this step's groups before the update; logs one trajectory as text; prints a summary at the end."""
+    """Collects the group samples with self-guidance: owns the rollout engine (the decoder on the policy and one env
+    worker per episode slot), chooses each step's task seeds, plays the episodes on the current adapters and puts
+    them on the batch — ``batch.rollout`` before ``training_step``, ``batch.rollouts[mode]`` before
+    ``validation_step``.  Also logs one trajectory per step as text and prints the end-of-fit summary."""
 
     def __init__(self, text_every_n_steps: int = 1):
         self.text_every_n_steps = text_every_n_steps
+        self.engine: Rollout | None = None
+
+    def engine_for(self, pl_module: LightningModule) -> Rollout:
+        if self.engine is None:
+            self.engine = pl_module.make_engine()
+        return self.engine
+
+    def collect(self, pl_module: LightningModule, trainer: Trainer | None = None) -> RolloutBatch:
+        """Play this step's groups (step = the module's ``rollouts_done``) on this rank's task seeds."""
+        cfg = pl_module.rollout_cfg
+        step = pl_module.rollouts_done
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        seeds = task_seeds(cfg.seed, step, cfg.groups_per_step, rank, world, pl_module.eval_cfg.seed_offset)
+        gen = sampling_generator(cfg.seed, step, rank, device=pl_module.device)
+        stop = (lambda: bool(getattr(trainer, "received_sigterm", False))) if trainer is not None else None
+        with pl_module.generation_weights():
+            return self.engine_for(pl_module).run(
+                seeds, generator=gen, policy_version=pl_module.global_step, should_stop=stop)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         try:
-            pl_module.collect_rollout()
+            batch.rollout = self.collect(pl_module, trainer)
         except RolloutAborted:
             # SIGTERM during the rollout: abandon this step (nothing was updated yet); PreemptionCheckpoint saves
             raise SIGTERMException() from None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        rb = pl_module.current_rollout
-        pl_module.current_rollout = None  # free the buffers: nothing of a step outlives it
+        rb, batch.rollout = batch.rollout, None  # free the buffers: nothing of a step outlives it
         if rb is None or not rb.episodes or (pl_module.rollouts_done - 1) % self.text_every_n_steps:
             return
         # show a successful episode when there is one (more informative), else the first
@@ -75,6 +99,27 @@ class RolloutCallback(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("rollout/trajectory", trajectory_markdown(ep), pl_module.global_step)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0
+                                  ) -> None:
+        """Play the batch's evaluation tasks in every configured guidance mode, on the same seeds."""
+        cfg = pl_module.eval_cfg
+        for mode in cfg.modes:
+            if not batch.seeds:  # a padding batch (ranks run equally many batches): nothing to play
+                batch.rollouts[mode] = RolloutBatch(episodes=[], group_size=cfg.episodes_per_task)
+                continue
+            # seeded by task, not by batch index; one generator per rank
+            gen = sampling_generator(pl_module.rollout_cfg.seed, 10_000_000 + int(batch.seeds[0]), trainer.global_rank,
+                                     salt=1)
+            with pl_module.generation_weights():
+                batch.rollouts[mode] = self.engine_for(pl_module).run(
+                    batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature, guided=mode == "sg",
+                    generator=gen, split=cfg.split)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.engine is not None:
+            self.engine.close()  # every env worker (JVMs included)
+            self.engine = None
 
     @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -90,12 +135,14 @@ class PreemptionCheckpoint(Callback):
         if not isinstance(exception, SIGTERMException):
             return
         cb = trainer.checkpoint_callback
-        folder = Path(cb.dirpath) if cb is not None and getattr(cb, "dirpath", None) else run_dir(trainer) / "checkpoints"
+        has_dir = cb is not None and getattr(cb, "dirpath", None)
+        folder = Path(cb.dirpath) if has_dir else run_dir(trainer) / "checkpoints"
         path = folder / "last.ckpt"
         trainer.save_checkpoint(path)
         if trainer.is_global_zero:
             print(
-                f"sglightning: SIGTERM received; stopped after {pl_module.rollouts_done} completed steps, saved {path}. "
+                f"sglightning: SIGTERM received; stopped after {pl_module.rollouts_done} completed steps, "
+                f"saved {path}. "
                 "Resume with the same command plus --ckpt_path last",
                 file=sys.stderr,
                 flush=True,
@@ -153,8 +200,6 @@ def _strip_wrapper_names(path: Path, adapter: str) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from sglightning.module import clean_name
-
     if not path.is_file():
         return
     with safe_open(str(path), framework="pt") as f:
@@ -182,7 +227,8 @@ def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
     lines = [
         "",
         f"sglightning fit: {len(hist)} GRPO steps, {int(sum(r.get('rollout/episodes', 0) for r in hist))} episodes",
-        f"  success rate      all {mean('rollout/success_rate'):.3f} | first half {mean('rollout/success_rate', hist[:half]):.3f}"
+        f"  success rate      all {mean('rollout/success_rate'):.3f}"
+        f" | first half {mean('rollout/success_rate', hist[:half]):.3f}"
         f" | second half {mean('rollout/success_rate', hist[half:]):.3f}",
         f"  mean env return   {mean('rollout/env_return'):.3f}   internal sum {mean('reward/internal_sum'):+.3f}",
         "  labels            "

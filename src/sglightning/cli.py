@@ -24,11 +24,11 @@ warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).
 
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback  # noqa: E402
 
-from sglightning.checkpointing import CheckpointError, load_checkpoint_file  # noqa: E402
 from sglightning.callbacks import run_dir  # noqa: E402
-from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS  # noqa: E402
+from sglightning.checkpointing import CheckpointError, load_checkpoint_file  # noqa: E402
 from sglightning.errors import ConfigError  # noqa: E402
 from sglightning.module import SelfGuideModule  # noqa: E402
+from sglightning.report import report_markdown  # noqa: E402
 from sglightning.strategies import recover_swapped_checkpoints  # noqa: E402
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -143,9 +143,8 @@ class SGLightningCLI(LightningCLI):
             "episodes_per_mode": self.model.eval_cfg.num_tasks * self.model.eval_cfg.episodes_per_task,
             "temperature": self.model.eval_cfg.temperature,
             "max_steps": self.model.rollout_cfg.max_steps,
-            "guidance": {"prompt_mode": self.model.guidance_cfg.prompt_mode, "decoding": self.model.guidance_cfg.decoding,
-                         "action_decoding": self.model.guidance_cfg.action_decoding,
-                         "actor_format": self.model.guidance_cfg.actor_format},
+            "guidance": {k: getattr(self.model.guidance_cfg, k)
+                         for k in ("prompt_mode", "decoding", "action_decoding", "actor_format")},
         })
         text = report_markdown(report)
         (out / "validation_report.json").write_text(json.dumps(report, indent=2, default=str))
@@ -160,7 +159,8 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
     trainer = cfg.get("trainer") or {}
     logger = trainer.get("logger")
     roots: list[tuple[Path, bool]] = []
-    init = logger.get("init_args") if logger is not None and not isinstance(logger, (bool, list)) and hasattr(logger, "get") else None
+    mapping = logger is not None and not isinstance(logger, (bool, list)) and hasattr(logger, "get")
+    init = logger.get("init_args") if mapping else None
     if init is not None and init.get("save_dir") is not None:
         roots.append((Path(str(init.get("save_dir"))) / str(init.get("name") or "lightning_logs"), True))
     roots.append((Path(str(trainer.get("default_root_dir") or ".")), False))
@@ -176,55 +176,6 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
         if best is not None:
             break
     return None if best is None else (best[1], best[2])
-
-
-def report_markdown(report: dict[str, Any]) -> str:
-    cols = [
-        ("success", "rollout/success_rate"),
-        ("score", "rollout/score"),
-        ("gained", "rollout/score_gained"),
-        ("steps", "rollout/episode_length"),
-        ("invalid", "rollout/invalid_action_rate"),
-        ("format err", "rollout/format_error_rate"),
-        ("unparsed", "guidance/label_unparsed"),
-        ("pos", "guidance/label_positive"),
-        ("neu", "guidance/label_neutral"),
-        ("neg", "guidance/label_negative"),
-    ]
-    cfg = report.get("config", {})
-    split = report.get("split")
-    lines = [
-        f"### validation — {cfg.get('model', '')} on {cfg.get('env', '')}" + (f" ({split} split)" if split else ""),
-        "",
-        "| self-guidance | episodes | " + " | ".join(c for c, _ in cols) + " |",
-        "|---|---|" + "---|" * len(cols),
-    ]
-    modes = report["modes"]
-    name = {"sg": "on", "nosg": "off"}
-    for mode, stats in modes.items():
-        vals = " | ".join(f"{stats.get(k, float('nan')):.3f}" for _, k in cols)
-        lines.append(f"| {name.get(mode, mode)} | {stats.get('episodes', 0)} | {vals} |")
-    types = sorted({t for st in modes.values() for t in (st.get("per_task_type_success") or {})})
-    if len(types) > 1:
-        lines += ["", "Success per task type:", "", "| self-guidance | " + " | ".join(types) + " |",
-                  "|---|" + "---|" * len(types)]
-        for mode, stats in modes.items():
-            per = stats.get("per_task_type_success") or {}
-            lines.append(f"| {name.get(mode, mode)} | " + " | ".join(
-                f"{per[t]:.2f}" if t in per else "–" for t in types) + " |")
-    patterns = [p for p in (*PATTERNS, *WEBSHOP_PATTERNS) if any(p in (st.get("failure_patterns") or {}) for st in modes.values())]
-    if patterns:
-        lines += ["", "Failure patterns (share of failed episodes; definitions in sglightning.diagnostics):", "",
-                  "| self-guidance | failed | " + " | ".join(p.replace("_", " ") for p in patterns) + " |",
-                  "|---|---|" + "---|" * len(patterns)]
-        for mode, stats in modes.items():
-            fp = stats.get("failure_patterns") or {}
-            lines.append(f"| {name.get(mode, mode)} | {fp.get('failed_episodes', 0)} | " + " | ".join(
-                f"{fp[p]:.2f}" if p in fp else "–" for p in patterns) + " |")
-    versions = report.get("versions") or {}
-    if versions:
-        lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
-    return "\n".join(lines) + "\n"
 
 
 def cli_main(args: list[str] | None = None) -> SGLightningCLI:

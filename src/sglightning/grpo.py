@@ -10,7 +10,8 @@ Blended return (paper eq. 5-6)::
     r_t      = g(z_t) in {+0.1, 0, -0.1}                     (label -> reward, done in guidance.py)
     S_i      = \sum_t r_{i,t}                                  (normalise="sum", the paper)
              = (1/T_i) \sum_t r_{i,t}   (0 if T_i = 0)         (normalise="mean", our option)
-    R_i      = R_env,i + \lambda(u) * S_i
+    P_i      = c * (invalid actions of episode i)              (rollout.invalid_action_penalty c; verl-agent: 0.1)
+    R_i      = R_env,i - P_i + \lambda(u) * S_i
 
 Group-relative advantage (paper eq. 8)::
 
@@ -25,6 +26,10 @@ Clipped surrogate with KL (paper eq. 9), per policy token k::
     l_k      = -min(rho_k * A_k, clip(rho_k, 1 - eps_low, 1 + eps_high) * A_k) + beta * KL_k
     loss     = \sum_k m_k l_k / \sum_k m_k                        (loss_agg="token_mean", DAPO / paper)
              = mean_{s: n_s > 0} (\sum_k m_{s,k} l_{s,k} / n_s)    (loss_agg="seq_mean_token_mean")
+
+where m_k marks the policy tokens and k runs over the whole step's batch — every micro-batch on every rank: a
+micro-batch's own mean is weighted by its share of the global count (:func:`microbatch_weight`), so accumulated
+micro-batch gradients (summed over ranks) equal the gradient of the one global mean.
 
 Trust schedule (paper eq. 10), u = training step, breakpoints b0 <= b1 <= b2 <= b3::
 
@@ -55,6 +60,7 @@ Departures from the paper (and why)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
 
@@ -70,6 +76,15 @@ __all__ = [
     "degenerate_groups",
     "broadcast_advantages",
     "token_advantages",
+    "blend",
+    "AdvantageInputs",
+    "ADVANTAGE_ESTIMATORS",
+    "register_advantage",
+    "resolve_advantage",
+    "grpo_advantages",
+    "check_clip",
+    "policy_counts",
+    "microbatch_weight",
     "kl_penalty",
     "masked_mean",
     "grpo_loss",
@@ -205,6 +220,22 @@ def internal_returns(
     return torch.stack(out) if out else torch.zeros(0, dtype=dtype, device=device)  # [N]
 
 
+def blend(env_returns: Tensor, internal: Tensor, lam: float, penalties: Tensor | None = None,
+          extra: Tensor | None = None) -> Tensor:
+    """R_i = R_env,i − P_i + λ·S_i (+ E_i) from per-episode tensors ``[N]``: env returns, internal returns S_i from
+    :func:`internal_returns`, invalid-action penalties P_i ≥ 0 and, optionally, the sum E_i of any extra reward terms
+    (:mod:`sglightning.rewards`).  No autograd."""
+    env = env_returns.detach()
+    dtype = env.dtype if env.is_floating_point() else torch.float32
+    out = env.to(dtype) + float(lam) * internal.detach().to(dtype=dtype, device=env.device)
+    for name, term, sign in (("penalties", penalties, -1.0), ("extra rewards", extra, 1.0)):
+        if term is not None:
+            if term.shape != env.shape:
+                raise ValueError(f"{term.shape[0]} {name} for {env.shape[0]} env returns")
+            out = out + sign * term.detach().to(dtype=dtype, device=env.device)
+    return out
+
+
 def blend_returns(
     env_returns: Tensor,
     internal_rewards: list[Tensor] | Tensor,
@@ -225,7 +256,7 @@ def blend_returns(
     s = internal_returns(internal_rewards, normalise, step_mask, dtype=dtype, device=env.device)  # [N]
     if s.shape != env.shape:
         raise ValueError(f"{s.shape[0]} episodes of internal rewards for {env.shape[0]} env returns")
-    return env + float(lam) * s
+    return blend(env, s, lam)
 
 
 # --------------------------------------------------------------------------------------------- advantages
@@ -262,7 +293,7 @@ def group_advantages(returns: Tensor, group_ids: Tensor, eps: float = 1e-6, scal
     Returns ``[N]`` in the returns' float dtype (float32 for integer returns); never requires grad.
     """
     if scale not in SCALE_CHOICES:
-        raise ValueError(f"grpo.advantage_scale: must be one of {SCALE_CHOICES}, got {scale!r}")
+        raise ValueError(f"grpo.adv_scale: must be one of {SCALE_CHOICES}, got {scale!r}")
     out_dtype = returns.dtype if returns.is_floating_point() else torch.float32
     if returns.numel() == 0:
         return torch.zeros_like(returns, dtype=out_dtype)
@@ -300,7 +331,90 @@ def token_advantages(adv_per_sample: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.to(a.device).bool(), a, torch.zeros((), dtype=a.dtype, device=a.device))  # [S, L]
 
 
+# --------------------------------------------------------------------------------------------- advantage estimators
+@dataclass
+class AdvantageInputs:
+    """Everything an advantage estimator may use.  N episodes, S samples, L tokens per sample."""
+
+    returns: Tensor  # [N] blended returns R_i
+    group_ids: Tensor  # [N] the task group of each episode
+    step_returns: list[Tensor]  # N × [T_i]: each step's share of R_i (env reward − penalty + λ·r_t, and extra terms
+    #                             at the last step); sums to R_i
+    sample_episode: Tensor  # [S] which episode (row of ``returns``) each sample belongs to
+    token_step: Tensor  # [S, L] the episode step of each token
+    mask: Tensor  # [S, L] policy tokens
+    eps: float = 1e-6
+    scale: str = "std"
+
+
+#: name -> estimator: ``AdvantageInputs -> [S, L]`` token advantages (0 where ``mask`` is false)
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[AdvantageInputs], Tensor]] = {}
+
+
+def register_advantage(name: str):
+    """Decorator: make an estimator selectable as ``grpo.advantage: <name>``."""
+
+    def add(fn: Callable[[AdvantageInputs], Tensor]) -> Callable[[AdvantageInputs], Tensor]:
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+
+    return add
+
+
+def resolve_advantage(name: str) -> Callable[[AdvantageInputs], Tensor]:
+    """A registered estimator, or ``package.module:function`` (imported); ``ValueError`` naming ``grpo.advantage``."""
+    if name in ADVANTAGE_ESTIMATORS:
+        return ADVANTAGE_ESTIMATORS[name]
+    if ":" in name:
+        import importlib
+
+        module, _, attr = name.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"grpo.advantage: cannot import {name!r}: {err}") from None
+        if callable(fn):
+            return fn
+    raise ValueError(f"grpo.advantage: {name!r} is not one of {', '.join(ADVANTAGE_ESTIMATORS)} "
+                     f"and not an importable 'package.module:function'")
+
+
+@register_advantage("grpo")
+def grpo_advantages(x: AdvantageInputs) -> Tensor:
+    """The paper's: one group-relative advantage per episode (:func:`group_advantages`) at every policy token of it."""
+    adv = group_advantages(x.returns, x.group_ids, eps=x.eps, scale=x.scale)  # [N]
+    return token_advantages(broadcast_advantages(adv, x.sample_episode), x.mask)  # [S, L]
+
+
 # --------------------------------------------------------------------------------------------- loss
+def check_clip(clip_low: float, clip_high: float) -> None:
+    """The clip band [1 − clip_low, 1 + clip_high] needs 0 < clip_low < 1 and clip_high > 0."""
+    if not 0.0 < clip_low < 1.0:
+        raise ValueError(f"grpo.clip_low: must be in (0, 1), got {clip_low}")
+    if not clip_high > 0.0:
+        raise ValueError(f"grpo.clip_high: must be > 0, got {clip_high}")
+
+
+def policy_counts(mask: Tensor | None) -> Tensor:
+    """``[2]`` float64: (policy tokens, sequences with at least one policy token) of a ``[S, L]`` mask (zeros for
+    None: a rank without samples still takes part in the sum over ranks)."""
+    if mask is None:
+        return torch.zeros(2, dtype=torch.float64)
+    m = mask.bool()
+    return torch.tensor([float(m.sum()), float((m.sum(1) > 0).sum())], dtype=torch.float64, device=mask.device)
+
+
+def microbatch_weight(mask: Tensor, totals: Tensor, loss_agg: str = "token_mean") -> Tensor:
+    """The share of the step's global loss that one micro-batch's own mean carries: its policy tokens over all
+    micro-batches' and ranks' (``token_mean``), or its sequences over all (``seq_mean_token_mean``).  ``totals``:
+    :func:`policy_counts` summed over micro-batches and ranks.  Σ weight · (micro-batch mean) = the global mean."""
+    if loss_agg not in LOSS_AGGS:
+        raise ValueError(f"grpo.loss_agg: must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    mine = policy_counts(mask).to(totals.device)
+    k = 0 if loss_agg == "token_mean" else 1
+    return (mine[k] / totals[k].clamp(min=1)).to(torch.float32)
+
+
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:
     """Per-token KL estimate of KL(pi_theta || pi_ref) from sampled-token log-probs (elementwise).
 
@@ -354,8 +468,7 @@ def grpo_loss(
         raise ValueError(f"grpo.kl_kind: must be one of {KL_KINDS}, got {kl_kind!r}")
     if loss_agg not in LOSS_AGGS:
         raise ValueError(f"grpo.loss_agg: must be one of {LOSS_AGGS}, got {loss_agg!r}")
-    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
-        raise ValueError(f"grpo.clip: need 0 <= clip_low < 1 and clip_high >= 0, got ({clip_low}, {clip_high})")
+    check_clip(clip_low, clip_high)
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(
             f"logp, old_logp, mask must all be [S, L]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
@@ -445,6 +558,9 @@ class GRPOConfig:
     kl_kind: str = "low_var_kl"
     #: token_mean (DAPO / paper) or seq_mean_token_mean
     loss_agg: str = "token_mean"
+    #: the advantage estimator: ``grpo`` (one group-relative advantage per episode, the paper), another registered
+    #: name (``grpo.register_advantage``) or ``package.module:function`` taking ``AdvantageInputs``
+    advantage: str = "grpo"
     #: std (GRPO) or none (mean-centred only)
     adv_scale: str = "std"
     adv_eps: float = 1e-6
@@ -464,18 +580,14 @@ class GRPOConfig:
     max_consecutive_skips: int = 5
 
     def __post_init__(self) -> None:
-        if self.clip_low <= 0 or self.clip_high <= 0:
-            raise ValueError(f"grpo.clip_low/clip_high: must be > 0, got {self.clip_low}, {self.clip_high}")
+        check_clip(self.clip_low, self.clip_high)
         if self.kl_coef < 0:
             raise ValueError(f"grpo.kl_coef: must be >= 0, got {self.kl_coef}")
-        if self.kl_kind not in ("k1", "k2", "k3", "low_var_kl"):
-            raise ValueError(f"grpo.kl_kind: {self.kl_kind!r} is not one of k1, k2, k3, low_var_kl")
-        if self.loss_agg not in ("token_mean", "seq_mean_token_mean"):
-            raise ValueError(f"grpo.loss_agg: {self.loss_agg!r} is not one of token_mean, seq_mean_token_mean")
-        if self.adv_scale not in ("std", "none"):
-            raise ValueError(f"grpo.adv_scale: {self.adv_scale!r} is not one of std, none")
-        if self.internal_reward_norm not in ("sum", "mean"):
-            raise ValueError(f"grpo.internal_reward_norm: {self.internal_reward_norm!r} is not one of sum, mean")
+        for key, allowed in (("kl_kind", KL_KINDS), ("loss_agg", LOSS_AGGS), ("adv_scale", SCALE_CHOICES),
+                             ("internal_reward_norm", NORMALISE_CHOICES)):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"grpo.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        resolve_advantage(self.advantage)
         self.trust_breakpoints = validate_breakpoints(self.trust_breakpoints, key="grpo.trust_breakpoints")
         if self.trust_constant is not None and not 0.0 <= self.trust_constant <= 1.0:
             raise ValueError(f"grpo.trust_constant: must be in [0, 1], got {self.trust_constant}")

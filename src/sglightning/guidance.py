@@ -155,7 +155,8 @@ class GuidanceConfig:
 
     def reward(self, label: str | None) -> float:
         """r_t = g(z_t) (paper eq. 5); an unparsed label counts as neutral."""
-        return {"positive": self.reward_positive, "negative": self.reward_negative}.get(label or "", self.reward_neutral)
+        rewards = {"positive": self.reward_positive, "negative": self.reward_negative}
+        return rewards.get(label or "", self.reward_neutral)
 
 
 def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -37,7 +37,8 @@ EMBEDDED_TINY = "embedded:tiny"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
@@ -268,8 +269,8 @@ def load_base_model(cfg: ModelConfig, vocab_size: int, device: torch.device | st
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
     if cfg.quantization == "4bit":
         try:
-            from transformers import BitsAndBytesConfig
             import bitsandbytes  # noqa: F401
+            from transformers import BitsAndBytesConfig
         except ImportError as err:
             raise ConfigError(
                 "model.quantization: 4bit needs bitsandbytes: pip install 'sglightning[quant]' (or set it to null)"
@@ -320,3 +321,21 @@ def load_policy(cfg: ModelConfig, device: torch.device | str = "cpu", adapter_pa
     else:
         model = add_lora(base, cfg)
     return model, tok
+
+
+def warn_low_precision_adapters(policy: torch.nn.Module) -> None:
+    """Adam steps of ~lr on bf16/fp16 weights round away once |w| ≳ lr / 2⁻⁸ (bf16 keeps 8 significant bits): with
+    the paper's lr 1e-6 LoRA A (|w| ~ 1e-2) would never move.  LoRA weights are kept in fp32 (peft casts them up);
+    this warns when they are not (e.g. after ``trainer.precision: bf16-true``)."""
+    import warnings
+
+    low = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad
+                  and p.dtype in (torch.bfloat16, torch.float16)})
+    if low:
+        warnings.warn(
+            f"the trainable (LoRA) weights are {', '.join(low)}: small optimiser steps are rounded away in half "
+            f"precision. Keep them fp32: model.model.dtype sets only the frozen base; use trainer.precision "
+            f"bf16-mixed, not bf16-true (which casts every weight to bf16)",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -3,10 +3,11 @@
 ``Rollout.run(seeds)`` plays ``len(seeds) × group_size`` episodes at once: every live episode advances one
 environment step per round, and each round's model calls are batched across all live episodes.  For each episode we
 keep the exact token ids that were fed and sampled (never re-tokenised), which of them the policy wrote, the sampler's
-log-probabilities, and which are guidance vs action tokens — the trainer scores these ids directly (re-applying a chat template to
-the finished conversation would not give back the ids that were generated turn by turn).
+log-probabilities, and which are guidance vs action tokens — the trainer scores these ids directly (re-applying a
+chat template to the finished conversation would not give back the ids that were generated turn by turn).
 
-Per step t (the method is written out in ``docs/method.md``):  z_t = guide(task, trajectory ≤ t)  →  a_t = act(…, z_t)  →  o_{t+1}, r^env_t = env.step(a_t)
+Per step t (the method is written out in ``docs/method.md``):
+z_t = guide(task, trajectory ≤ t)  →  a_t = act(…, z_t)  →  o_{t+1}, r^env_t = env.step(a_t)
 and the internal reward r_t = g(z_t) ∈ {+0.1, 0, −0.1} (configurable).
 
 Departures from the paper (and why):
@@ -36,6 +37,7 @@ Departures from the paper (and why):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -64,6 +66,7 @@ from sglightning.sampler import (
     KIND_CONTEXT,
     KIND_GUIDANCE,
     Choice,
+    DecoderFactory,
     DecodeSession,
     Force,
     Free,
@@ -132,7 +135,8 @@ class RolloutConfig:
         if self.failed_episodes not in ("keep", "drop_group"):
             raise ValueError(f"rollout.failed_episodes: {self.failed_episodes!r} is not one of keep, drop_group")
         if self.env_max_concurrency < 0:
-            raise ValueError(f"rollout.env_max_concurrency: must be >= 0 (0 = CPU cores), got {self.env_max_concurrency}")
+            raise ValueError(
+                f"rollout.env_max_concurrency: must be >= 0 (0 = CPU cores), got {self.env_max_concurrency}")
         for key in ("env_step_timeout_s", "env_reset_timeout_s"):
             v = getattr(self, key)
             if v is not None and v <= 0:
@@ -154,10 +158,14 @@ class Sample:
     kinds: list[int] = field(default_factory=list)  # KIND_CONTEXT / KIND_GUIDANCE / KIND_ACTION
     restrictions: list[Restriction | None] = field(default_factory=list)  # the set a policy token was drawn from
     full_logprobs: list[float] = field(default_factory=list)  # unrestricted log π (diagnostic; 0.0 where not policy)
+    #: the episode step (0-based env step) each token belongs to: the prompt and guidance/action of step t, and the
+    #: observation that opens step t, all carry t — what a step-level advantage estimator needs
+    steps: list[int] = field(default_factory=list)
     forced: int = 0  # choice tokens with a single allowed continuation (context, not policy)
 
-    def extend_context(self, ids: Sequence[int]) -> None:
+    def extend_context(self, ids: Sequence[int], step: int = 0) -> None:
         n = len(ids)
+        self.steps += [step] * n
         self.ids += list(ids)
         self.policy += [False] * n
         self.logprobs += [0.0] * n
@@ -165,7 +173,8 @@ class Sample:
         self.restrictions += [None] * n
         self.full_logprobs += [0.0] * n
 
-    def extend_piece(self, piece: Piece) -> None:
+    def extend_piece(self, piece: Piece, step: int = 0) -> None:
+        self.steps += [step] * len(piece.ids)
         self.ids += piece.ids
         self.policy += piece.policy
         self.logprobs += piece.logprobs
@@ -176,9 +185,11 @@ class Sample:
 
     def check(self) -> None:
         n = len(self.ids)
-        lengths = (len(self.policy), len(self.logprobs), len(self.kinds), len(self.restrictions), len(self.full_logprobs))
+        lengths = tuple(len(x) for x in (self.policy, self.logprobs, self.kinds, self.restrictions,
+                                          self.full_logprobs, self.steps))
         if any(k != n for k in lengths):
-            raise AssertionError(f"sample of episode {self.episode}: mask/logprob/kind lengths {lengths} differ from ids ({n})")
+            raise AssertionError(
+                f"sample of episode {self.episode}: mask/logprob/kind lengths {lengths} differ from ids ({n})")
         if n and self.policy[0]:
             raise AssertionError("the first token of a sample cannot be a policy token (nothing predicts it)")
 
@@ -229,6 +240,10 @@ class Episode:
     def internal_rewards(self) -> list[float]:
         return [s.internal_reward for s in self.steps]
 
+    def without_samples(self) -> Episode:
+        """A copy without the token samples (what crosses ranks and goes into reports)."""
+        return dataclasses.replace(self, samples=[])
+
     @property
     def score_gained(self) -> float | None:
         """The score earned during the episode (final minus the score at reset; None without a score)."""
@@ -266,10 +281,12 @@ class ChatFormat:
     def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tok = tokenizer
         self.kwargs = dict(template_kwargs or {})
-        if "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or "") and "enable_thinking" not in self.kwargs:
+        template = str(getattr(tokenizer, "chat_template", "") or "")
+        if "enable_thinking" in template and "enable_thinking" not in self.kwargs:
             self.kwargs["enable_thinking"] = False
         base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-        t2 = self._render(base + [{"role": "assistant", "content": self._A}, {"role": "user", "content": self._U}], True)
+        turn = [{"role": "assistant", "content": self._A}, {"role": "user", "content": self._U}]
+        t2 = self._render(base + turn, True)
         a = t2.find(self._A)
         u = t2.find(self._U, a + len(self._A)) if a >= 0 else -1
         if u < 0:
@@ -308,8 +325,12 @@ class Rollout:
         guidance: GuidanceConfig,
         config: RolloutConfig,
         chat_template_kwargs: dict | None = None,
+        decoder: DecoderFactory = DecodeSession,
     ):
+        """``decoder`` builds the generation engine of one batch of rows (default: :class:`DecodeSession`, batched
+        HF forwards with a persistent KV cache); any :class:`~sglightning.sampler.Decoder` works."""
         self.model = model
+        self.decoder = decoder
         self.tok = tokenizer
         self.env_factory = env_factory
         self.guidance = guidance
@@ -373,7 +394,8 @@ class Rollout:
         t0 = time.perf_counter()
         was_training = self.model.training
         self.model.eval()
-        episodes = [Episode(index=k * g + j, group=k, seed=int(s), guided=guided) for k, s in enumerate(seeds) for j in range(g)]
+        episodes = [Episode(index=k * g + j, group=k, seed=int(s), guided=guided)
+                    for k, s in enumerate(seeds) for j in range(g)]
         self._env_seconds = 0.0
         te = time.perf_counter()
         outcomes = self.pool.reset_many([(ep.index, ep.seed, split) for ep in episodes])
@@ -433,7 +455,8 @@ class Rollout:
         ]
 
     def _action_program(self, ep: Episode, force_prefix: bool) -> list:
-        """The actor's answer in ``guidance.actor_format``; ``force_prefix`` writes the format's opener for the model."""
+        """The actor's answer in ``guidance.actor_format``; ``force_prefix`` writes the format's opener for the
+        model."""
         fmt = self.guidance.format
         admissible = self.guidance.action_decoding == "admissible" and bool(ep.admissible)
         if admissible and fmt.closer:
@@ -473,7 +496,7 @@ class Rollout:
         if not live:
             return
         env_help = {ep.index: ep.action_help for ep in live}
-        session = DecodeSession(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
+        session = self.decoder(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
         blocks = []
         for ep in live:
             s = Sample(ep.index)
@@ -483,7 +506,7 @@ class Rollout:
             ep.samples.append(s)
             blocks.append(s.ids)
         session.feed(blocks)
-        for _ in range(self.cfg.max_steps):
+        for t in range(self.cfg.max_steps):
             self._check_stop()
             programs = []
             for ep in live:
@@ -499,7 +522,7 @@ class Rollout:
             results = session.run(programs)
             for ep, pieces in zip(live, results):
                 for p in pieces:
-                    ep.samples[0].extend_piece(p)
+                    ep.samples[0].extend_piece(p, t)
                     stats["tokens"] += sum(p.policy)
                 if guided and not constrained:
                     _split_free_turn(ep.samples[0], pieces, self.tok, self.guidance.format.markers)
@@ -509,14 +532,14 @@ class Rollout:
             for row, ep in enumerate(live):
                 if ep.done:
                     continue
-                if session.next_pos[row] > self.cfg.max_context_tokens:
+                if session.length(row) > self.cfg.max_context_tokens:
                     ep.truncated, ep.done = True, True
                     continue
                 last = ep.samples[0].ids[-1]
                 ids = self.chat.next_turn_ids(
                     stream_next_user(ep.observation, ep.admissible, env_help[ep.index]), turn_closed=last in self.eot
                 )
-                ep.samples[0].extend_context(ids)
+                ep.samples[0].extend_context(ids, t + 1)  # the observation that opens step t + 1
                 keep.append(row)
                 blocks.append(ids)
             stats["forward"] = session.forward_calls
@@ -537,27 +560,29 @@ class Rollout:
         fmt = self.guidance.actor_format
         views: dict[int, list[StepView]] = {ep.index: [] for ep in episodes}
         live = [ep for ep in episodes if not ep.done]
-        for _ in range(self.cfg.max_steps):
+        for t in range(self.cfg.max_steps):
             if not live:
                 break
             self._check_stop()
             guid: dict[int, list[Piece]] = {}
             if guided:
                 prompts = [self._rate_prompt(ep, views[ep.index]) for ep in live]
-                results = self._call(prompts, [self._guidance_program(constrained) for _ in live], temperature, generator, greedy, stats)
+                programs = [self._guidance_program(constrained) for _ in live]
+                results = self._call(prompts, programs, temperature, generator, greedy, stats)
                 for ep, prompt, pieces in zip(live, prompts, results):
-                    ep.samples.append(_sample_of(ep.index, prompt, pieces))
+                    ep.samples.append(_sample_of(ep.index, prompt, pieces, t))
                     guid[ep.index] = pieces
             prompts, programs = [], []
             for ep in live:
                 g = _guidance_from_pieces(guid[ep.index], self.tok) if guided else None
-                prompts.append(self.chat.prompt_ids(actor_messages(ep.task, ep.observation, ep.admissible, ep.action_help,
-                                                                   views[ep.index], hist, g, fmt)))
+                messages = actor_messages(ep.task, ep.observation, ep.admissible, ep.action_help,
+                                          views[ep.index], hist, g, fmt)
+                prompts.append(self.chat.prompt_ids(messages))
                 free_actor = self.guidance.action_decoding == "free"
                 programs.append(self._action_program(ep, force_prefix=not free_actor or constrained))
             results = self._call(prompts, programs, temperature, generator, greedy, stats)
             for ep, prompt, pieces in zip(live, prompts, results):
-                ep.samples.append(_sample_of(ep.index, prompt, pieces))
+                ep.samples.append(_sample_of(ep.index, prompt, pieces, t))
             self._apply_turns(live, [guid.get(ep.index, []) + pieces for ep, pieces in zip(live, results)], guided)
             for ep in live:
                 rec = ep.steps[-1]
@@ -596,7 +621,7 @@ class Rollout:
             raise RolloutAborted("rollout abandoned: stop requested")
 
     def _call(self, prompts, programs, temperature, generator, greedy, stats) -> list[list[Piece]]:
-        session = DecodeSession(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
+        session = self.decoder(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
         session.feed(prompts)
         out = session.run(programs)
         stats["forward"] += session.forward_calls
@@ -675,11 +700,11 @@ def _clean_admissible(actions) -> list[str] | None:
     return list(dict.fromkeys(str(a) for a in actions if str(a).strip()))
 
 
-def _sample_of(episode: int, prompt: list[int], pieces: list[Piece]) -> Sample:
+def _sample_of(episode: int, prompt: list[int], pieces: list[Piece], step: int) -> Sample:
     s = Sample(episode)
-    s.extend_context(prompt)
+    s.extend_context(prompt, step)
     for p in pieces:
-        s.extend_piece(p)
+        s.extend_piece(p, step)
     return s
 
 

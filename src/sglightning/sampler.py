@@ -26,6 +26,7 @@ involved no choice: it is recorded as context (no policy token, no log-prob), li
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -73,7 +74,7 @@ class Restriction:
 
 
 def log_mass(logp: torch.Tensor, restriction: Restriction) -> torch.Tensor:
-    """log Σ_{a∈A} π(a) for a row of log-probabilities ``logp`` [V] (or rows [R, V] sharing one restriction)."""
+    """Log Σ_{a∈A} π(a) for a row of log-probabilities ``logp`` [V] (or rows [R, V] sharing one restriction)."""
     sel = logp[..., list(restriction.ids)]  # [..., K]
     lse = torch.logsumexp(sel, dim=-1)  # [...]
     if not restriction.exclude:
@@ -159,8 +160,41 @@ class _RowState:
         self.done = self.seg >= len(self.program)
 
 
-class DecodeSession:
-    """A batch of rows sharing one KV cache.  ``feed`` appends context; ``run`` executes segment programs."""
+class Decoder(abc.ABC):
+    """What :class:`~sglightning.rollout.Rollout` needs from a generation engine: a batch of rows (one per live
+    episode) that context can be appended to and segment programs run on.  A new backend (e.g. a vLLM server with
+    adapter sync) subclasses this in one file and is named in the config (``model.decoder``); it is called as
+    ``decoder(model, pad_id, temperature, generator, top_k, greedy)`` once per batch of rows and must record, for
+    every token, what :class:`Piece` records (the id, the policy flag, the log-prob of the distribution it was drawn
+    from and that distribution's restriction)."""
+
+    #: forward passes so far (logged)
+    forward_calls: int = 0
+
+    @abc.abstractmethod
+    def feed(self, blocks: Sequence[Sequence[int]]) -> None:
+        """Append ``blocks[i]`` (token ids, maybe empty) to row i."""
+
+    @abc.abstractmethod
+    def select(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep``, in that order."""
+
+    @abc.abstractmethod
+    def run(self, programs: Sequence[list[Segment]]) -> list[list[Piece]]:
+        """Run one program per row; return each row's pieces."""
+
+    @abc.abstractmethod
+    def length(self, row: int) -> int:
+        """Tokens in row ``row`` so far (context included)."""
+
+
+#: ``decoder(model, pad_id, temperature, generator, top_k, greedy)`` -> a :class:`Decoder` for one batch of rows
+DecoderFactory = Callable[[torch.nn.Module, int, float, "torch.Generator | None", int, bool], Decoder]
+
+
+class DecodeSession(Decoder):
+    """A batch of rows sharing one KV cache.  ``feed`` appends context; ``run`` executes segment programs.  The
+    default :class:`Decoder`: batched forwards of the (peft) model itself."""
 
     def __init__(
         self,
@@ -233,6 +267,9 @@ class DecodeSession:
         self.attn = attn
         self.next_pos = self.next_pos + lens.to(self.device)
 
+    def length(self, row: int) -> int:
+        return 0 if self.next_pos is None else int(self.next_pos[row])
+
     def select(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order), dropping the others from the cache."""
         idx = torch.as_tensor(list(keep), dtype=torch.long, device=self.device)
@@ -244,7 +281,8 @@ class DecodeSession:
             self.last_logits = self.last_logits[idx]
 
     # ------------------------------------------------------------------------------------------------------------------
-    def _sample(self, logp_row: torch.Tensor, restriction: Restriction | None) -> tuple[int, float, float, Restriction | None]:
+    def _sample(self, logp_row: torch.Tensor, restriction: Restriction | None
+                ) -> tuple[int, float, float, Restriction | None]:
         """Sample one token from ``logp_row`` [V] (already temperature-scaled), within ``restriction`` and top-k.
 
         Returns (token, log q of the distribution it was drawn from, unrestricted log π, the restriction that
@@ -361,7 +399,8 @@ def _cached(tokenizer, key: str, build):
 
 def token_texts(tokenizer) -> list[str]:
     """The text of every vocabulary token, decoded alone (cached on the tokenizer object)."""
-    return _cached(tokenizer, "_sglightning_token_texts", lambda: [tokenizer.decode([i]) for i in range(len(tokenizer))])
+    return _cached(tokenizer, "_sglightning_token_texts",
+                   lambda: [tokenizer.decode([i]) for i in range(len(tokenizer))])
 
 
 def newline_token_ids(tokenizer) -> frozenset[int]:
@@ -371,11 +410,11 @@ def newline_token_ids(tokenizer) -> frozenset[int]:
 
 
 def closing_tokens(tokenizer, closer: str, forbid_newline: bool = False) -> tuple[dict[int, str], frozenset[int]]:
-    """How a free segment (a thought) can end with ``closer`` (e.g. ``", "action": "`` or ``</think><action>``).
+    r"""How a free segment (a thought) can end with ``closer`` (e.g. ``", "action": "`` or ``</think><action>``).
 
     Returns ``(stops, banned)``: ``stops`` maps each token whose text, from its first ``closer[0]`` on, is a prefix
     of ``closer`` to the rest of ``closer`` still to be written (a token ``",`` leaves `` "action": "``); ``banned``
-    holds every other token containing ``closer[0]`` (or an escaped one: ``\\"``), so that the thought can only end
+    holds every other token containing ``closer[0]`` (or an escaped one: ``\"``), so that the thought can only end
     by starting ``closer``, and, with ``forbid_newline``, the tokens containing a newline (JSON strings hold none).
     Cached on the tokenizer per (closer, forbid_newline)."""
 

@@ -35,7 +35,8 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
     """Right-pad samples into ``[S, L]`` tensors.
 
     Keys: ``ids``, ``attn`` (1 = real token), ``mask`` (policy tokens), ``old_logp`` (sampler log q), ``full_logp``
-    (sampler's unrestricted log π, diagnostic), ``kinds``, ``episode`` [S], and the restrictions: ``restrict_index``
+    (sampler's unrestricted log π, diagnostic), ``kinds``, ``steps`` (the episode step of each token), ``episode`` [S],
+    and the restrictions: ``restrict_index``
     [S, L] (row of the restriction table, −1 = unrestricted), ``restrict_ids`` [U, K] / ``restrict_valid`` [U, K]
     (each distinct restriction's token ids, padded) and ``restrict_exclude`` [U].
     """
@@ -47,6 +48,7 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
     old = torch.zeros(S, L, dtype=torch.float32)  # [S, L]
     full = torch.zeros(S, L, dtype=torch.float32)  # [S, L]
     kinds = torch.zeros(S, L, dtype=torch.long)  # [S, L]
+    steps = torch.zeros(S, L, dtype=torch.long)  # [S, L] episode step of each token
     rindex = torch.full((S, L), -1, dtype=torch.long)  # [S, L]
     table: dict[Restriction, int] = {}
     seen: dict[int, int] = {}  # id(restriction) -> table row: the tokens of one segment share one object
@@ -58,6 +60,7 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
         old[i, :n] = torch.tensor(s.logprobs)
         full[i, :n] = torch.tensor(s.full_logprobs)
         kinds[i, :n] = torch.tensor(s.kinds)
+        steps[i, :n] = torch.tensor(s.steps)
         for k, r in enumerate(s.restrictions):
             if r is not None:
                 u = seen.get(id(r))
@@ -74,7 +77,7 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
         rexcl[u] = r.exclude
     episode = torch.tensor([s.episode for s in samples], dtype=torch.long)  # [S]
     return {
-        "ids": ids, "attn": attn, "mask": mask, "old_logp": old, "full_logp": full, "kinds": kinds,
+        "ids": ids, "attn": attn, "mask": mask, "old_logp": old, "full_logp": full, "kinds": kinds, "steps": steps,
         "episode": episode, "restrict_index": rindex, "restrict_ids": rids, "restrict_valid": rvalid,
         "restrict_exclude": rexcl,
     }
@@ -88,7 +91,7 @@ def restrictions_of(data: dict[str, Tensor], rows: slice | None = None) -> dict[
 
 
 def restricted_log_mass(logp_sel: Tensor, valid: Tensor, exclude: Tensor) -> Tensor:
-    """log Z(A) per row from the log-probs of A's listed tokens.
+    """Log Z(A) per row from the log-probs of A's listed tokens.
 
     ``logp_sel`` [R, K]: log π of each row's listed ids (garbage where not ``valid``); ``valid`` [R, K];
     ``exclude`` [R]: A = the listed ids (False) or everything but them (True).  Returns [R]."""
@@ -116,7 +119,8 @@ def logprobs_from_logits(
             u = ridx[rows]  # [R]
             table_ids = restrict["ids"].to(ids.device)[u]  # [R, K]
             listed = logp_all[rows[:, None], table_ids]  # [R, K] log π of the listed ids
-            log_z = restricted_log_mass(listed, restrict["valid"].to(ids.device)[u], restrict["exclude"].to(ids.device)[u])
+            valid, exclude = restrict["valid"].to(ids.device)[u], restrict["exclude"].to(ids.device)[u]  # [R, K], [R]
+            log_z = restricted_log_mass(listed, valid, exclude)  # [R]
             logp_sel = logp_sel.index_add(0, rows, -log_z)  # [M] log q(y) = log π(y) − log Z(A)
     logp = torch.zeros(ids.shape, dtype=logp_sel.dtype, device=ids.device)  # [B, L]
     logp[:, 1:][sel] = logp_sel
@@ -125,3 +129,25 @@ def logprobs_from_logits(
         ent = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # [B, L]
         ent[:, 1:][sel] = entropy_from_logits(logits.detach())
     return logp, ent
+
+
+def token_logprobs(
+    policy: torch.nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float, *,
+    whole_model: bool = False, entropy: bool = False, restrict: dict[str, Tensor] | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log q(ids[:, i] | ids[:, :i]) at the positions of ``mask`` [B, L] (0 elsewhere), at the sampling temperature,
+    renormalised over each token's sampling restriction (``restrict``, from :func:`restrictions_of`).
+
+    The LM head runs only on the needed positions (the decoder's hidden states are selected first), except with
+    ``whole_model`` (FSDP: the root's forward is what gathers the weights, so the whole model is called and full logits
+    are computed).  Returns (logp [B, L], unrestricted entropy [B, L] or None)."""
+    sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
+    if whole_model:
+        logits_all = policy(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
+        logits = logits_all[:, :-1][sel].float() / temperature  # [M, V]
+        return logprobs_from_logits(ids, sel, logits, restrict, entropy)
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    hidden = base.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, L, H]
+    h = hidden[:, :-1][sel]  # [M, H]
+    logits = base.get_output_embeddings()(h).float() / temperature  # [M, V]
+    return logprobs_from_logits(ids, sel, logits, restrict, entropy)

@@ -136,7 +136,7 @@ def _save_swapped(strategy, filepath, write) -> None:
 
 def _trainable_keys(model: torch.nn.Module) -> set[str]:
     """State-dict names of the trainable (adapter) weights (FSDP1 wrapper names removed, as its state dicts do)."""
-    from sglightning.module import clean_name
+    from sglightning.distributed import clean_name
 
     return {clean_name(name) for name, p in model.named_parameters() if p.requires_grad}
 
@@ -191,8 +191,12 @@ class FSDP1Strategy(_AdapterCheckpoints, FSDPStrategy):
         import torch.distributed.checkpoint as dcp
         from lightning.pytorch.trainer.states import TrainerFn
         from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
-        from torch.distributed.fsdp import FullyShardedDataParallel, ShardedOptimStateDictConfig
-        from torch.distributed.fsdp import ShardedStateDictConfig, StateDictType
+        from torch.distributed.fsdp import (
+            FullyShardedDataParallel,
+            ShardedOptimStateDictConfig,
+            ShardedStateDictConfig,
+            StateDictType,
+        )
 
         stored = _stored_keys(path, "model.")
         sharded = FullyShardedDataParallel.state_dict_type(

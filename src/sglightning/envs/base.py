@@ -4,11 +4,11 @@ An environment is a plain Python object; the rollout owns episode bookkeeping (s
 group seeding) so adapters stay thin.  Contract:
 
 * ``reset(seed, split)`` starts the task identified by ``(split, seed)``.  The *rollout* chooses the seed and passes the
-  same value to every member of a GRPO group (the group's shared baseline needs one task): an environment must never draw its own task inside
-  ``reset``.  ``split`` is ``"train"`` for training rollouts and the evaluation split (``evaluation.split``, e.g.
-  ``"dev"``, ``"valid_seen"``, ``"test"``) for validation; an env maps any integer seed into that split's task set
-  (e.g. ``seed % len(variations)``) and raises ``ValueError`` for a split it does not have.  Envs whose ``reset``
-  takes no ``split`` argument still work for training (seed only).
+  same value to every member of a GRPO group (the group's shared baseline needs one task): an environment must never
+  draw its own task inside ``reset``.  ``split`` is ``"train"`` for training rollouts and the evaluation split
+  (``evaluation.split``, e.g. ``"dev"``, ``"valid_seen"``, ``"test"``) for validation; an env maps any integer seed
+  into that split's task set (e.g. ``seed % len(variations)``) and raises ``ValueError`` for a split it does not have.
+  Envs whose ``reset`` takes no ``split`` argument still work for training (seed only).
 * ``step(action)`` takes the raw action text (already extracted from the model's output).  An action the environment
   cannot execute is not an error: it returns the environment's usual "nothing happens" observation with
   ``invalid_action=True``.

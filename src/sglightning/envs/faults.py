@@ -46,12 +46,11 @@ class FaultyEnv(TextEnv):
         fault_step: int = 1,
         hang_s: float = 3600.0,
     ):
-        """
-        Args:
-            env: the wrapped environment (class or factory).
-            faults: task seed -> fault kind (one of reset_raise, step_raise, hang, garbage, bad_field, die).
-            fault_step: the step (1-based) at which step faults fire.
-            hang_s: how long a ``hang`` sleeps.
+        """Args:
+        env: the wrapped environment (class or factory).
+        faults: task seed -> fault kind (one of reset_raise, step_raise, hang, garbage, bad_field, die).
+        fault_step: the step (1-based) at which step faults fire.
+        hang_s: how long a ``hang`` sleeps.
         """
         faults = {int(k): str(v) for k, v in (faults or {}).items()}
         bad = sorted({v for v in faults.values() if v not in KINDS})

@@ -112,10 +112,12 @@ class HouseholdEnv(TextEnv):
         if task_types is not None:
             if isinstance(task_types, str) or not task_types:
                 allowed = ", ".join(TASK_TYPES)
-                raise ValueError(f"env.init_args.task_types: must be a non-empty list of: {allowed} (got {task_types!r})")
+                raise ValueError(
+                    f"env.init_args.task_types: must be a non-empty list of: {allowed} (got {task_types!r})")
             unknown = [t for t in task_types if t not in TASK_TYPES]
             if unknown:
-                raise ValueError(f"env.init_args.task_types: unknown task type(s) {unknown}; allowed: {', '.join(TASK_TYPES)}")
+                raise ValueError(
+                    f"env.init_args.task_types: unknown task type(s) {unknown}; allowed: {', '.join(TASK_TYPES)}")
         self.difficulty, self.max_steps, self.info_actions = difficulty, max_steps, bool(info_actions)
         self.reveal_contents = bool(reveal_contents)
         self.task_types = tuple(t for t in TASK_TYPES if t in task_types) if task_types else _LEVELS[difficulty][5]
@@ -270,7 +272,8 @@ class HouseholdEnv(TextEnv):
         if self._at is None:
             text = f"You are in the middle of a room. Looking quickly around you, you see {_listing(self._receps)}."
             if self.reveal_contents:
-                text += "".join(f" {self._describe(r)}" for r in self._receps if self._contents[r] and r not in self._closed)
+                shown = [r for r in self._receps if self._contents[r] and r not in self._closed]
+                text += "".join(f" {self._describe(r)}" for r in shown)
             return text
         return f"You are facing the {self._at}. {self._describe(self._at)}"
 

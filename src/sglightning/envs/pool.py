@@ -2,8 +2,9 @@
 
 One *slot* per concurrently played episode.  A slot is one environment instance (for ScienceWorld and
 TextWorldExpress: one JVM) plus one daemon thread that makes every call on it; both live across steps, episodes and
-rollout batches (never one env per sample: creating one per episode dominates rollout time).  A round of the lock-step rollout hands every live episode's
-action to its slot at once and waits for all of them, so the wall time of a round is the slowest step, not the sum.
+rollout batches (never one env per sample: creating one per episode dominates rollout time).  A round of the lock-step
+rollout hands every live episode's action to its slot at once and waits for all of them, so the wall time of a round
+is the slowest step, not the sum.
 
 Why threads (and not processes): the expensive envs are JVMs behind py4j sockets — a step blocks on socket I/O with
 the GIL released, so threads step JVMs truly in parallel, without pickling envs or re-importing the trainer in child
@@ -116,7 +117,7 @@ class _Worker:
         self.inbox.put(_STOP)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _accepts_split(env_type: type) -> bool:
     """Whether ``env_type.reset`` takes ``split`` (asked once per class, not on every reset)."""
     try:
@@ -221,7 +222,8 @@ class EnvPool:
     # ------------------------------------------------------------------------------------------------------------------
     def reset_many(self, calls: Sequence[tuple[int, int, str]]) -> list[CallOutcome]:
         """``calls``: (slot, seed, split) → one outcome per call, in order."""
-        return self._run([(slot, lambda env, s=seed, sp=split: _reset(env, s, sp)) for slot, seed, split in calls], "reset")
+        return self._run(
+            [(slot, lambda env, s=seed, sp=split: _reset(env, s, sp)) for slot, seed, split in calls], "reset")
 
     def step_many(self, calls: Sequence[tuple[int, str]]) -> list[CallOutcome]:
         """``calls``: (slot, action) → one outcome per call, in order."""
@@ -296,7 +298,8 @@ class EnvPool:
             return
         w.stop()
         if w.env is not None:
-            t = threading.Thread(target=_close_quietly, args=(w.env,), daemon=True, name=f"sglightning-env-close-{slot}")
+            t = threading.Thread(target=_close_quietly, args=(w.env,), daemon=True,
+                                 name=f"sglightning-env-close-{slot}")
             t.start()
             self._closers.append(t)
         # the old thread ends after its current call returns (or never, for a hung pure-Python env)

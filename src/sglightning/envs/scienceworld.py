@@ -81,12 +81,11 @@ class ScienceWorldEnv(JvmGoldPathEnv):
         gold_path: bool = False,
         env_step_limit: int = 100_000,
     ):
-        """
-        Args:
-            task_names: tasks to sample from (default: all 30, in :data:`TASK_NAMES` order).
-            simplifications: ScienceWorld's simplification string, e.g. ``"easy"`` or ``"openDoors,teleportAction"``.
-            gold_path: generate the gold action sequence at each load (enables ``expert_action``; slower loads).
-            env_step_limit: the simulator's own move limit (keep it above ``rollout.max_steps``).
+        """Args:
+        task_names: tasks to sample from (default: all 30, in :data:`TASK_NAMES` order).
+        simplifications: ScienceWorld's simplification string, e.g. ``"easy"`` or ``"openDoors,teleportAction"``.
+        gold_path: generate the gold action sequence at each load (enables ``expert_action``; slower loads).
+        env_step_limit: the simulator's own move limit (keep it above ``rollout.max_steps``).
         """
         names = tuple(task_names) if task_names else TASK_NAMES
         unknown = [t for t in names if t not in TASK_NAMES]
@@ -144,7 +143,8 @@ class ScienceWorldEnv(JvmGoldPathEnv):
             task=goal,
             admissible_actions=None,
             task_type=task,
-            info={"task_id": f"{task}/{split}/{variation}", "variation": variation, "gold_path_length": len(self._gold)},
+            info={"task_id": f"{task}/{split}/{variation}", "variation": variation,
+                  "gold_path_length": len(self._gold)},
             action_help=f"{ACTION_GRAMMAR}\n{rooms}",
             score=float(max(0, self._score)),
         )

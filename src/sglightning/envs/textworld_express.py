@@ -49,12 +49,11 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
     splits = ("train", "dev", "test")
 
     def __init__(self, game: str = "twc", game_params: str | None = None, env_step_limit: int = 1000):
-        """
-        Args:
-            game: one of cookingworld, twc, coin, mapreader, arithmetic, sorting, simonsays, peckingorder.
-            game_params: the engine's parameter string (default: a small setting for twc and coin, the engine's
-                defaults otherwise).
-            env_step_limit: the engine's own limit (keep it above ``rollout.max_steps``).
+        """Args:
+        game: one of cookingworld, twc, coin, mapreader, arithmetic, sorting, simonsays, peckingorder.
+        game_params: the engine's parameter string (default: a small setting for twc and coin, the engine's
+            defaults otherwise).
+        env_step_limit: the engine's own limit (keep it above ``rollout.max_steps``).
         """
         if game not in GAMES:
             raise ValueError(f"env.init_args.game: {game!r} is not one of {', '.join(GAMES)}")
@@ -92,7 +91,8 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
             task=goal,
             admissible_actions=list(self._valid),
             task_type=self.game,
-            info={"task_id": f"{self.game}/{split}/{game_seed}", "game_seed": game_seed, "gold_path_length": len(self._gold)},
+            info={"task_id": f"{self.game}/{split}/{game_seed}", "game_seed": game_seed,
+                  "gold_path_length": len(self._gold)},
         )
 
     def step(self, action: str) -> StepResult:

@@ -42,7 +42,8 @@ SEP = " [SEP] "
 NAVIGATION = frozenset({"back to search", "< prev", "next >", "description", "features", "reviews", "attributes",
                         "buy now"})
 SPLITS = {"test": (0, 500), "dev": (500, 1500), "train": (1500, None)}
-ACTION_HELP = "Actions: search[<your query>] on a page with a search bar, or click[<button>] with one of the buttons listed."
+ACTION_HELP = ("Actions: search[<your query>] on a page with a search bar, or click[<button>] with one of the buttons "
+               "listed.")
 _ACTION = re.compile(r"^\s*(search|click)\s*\[(.*)\]\s*$", re.IGNORECASE | re.DOTALL)
 
 
@@ -52,7 +53,8 @@ def _require_web_agent_site():
     except ImportError as err:
         raise ValueError(
             f"env: WebShop's engine (the `web_agent_site` package) is not installed ({err}). It is not on PyPI "
-            "(PyPI's `webshop` is an empty shell): on a networked machine clone https://github.com/princeton-nlp/WebShop, "
+            "(PyPI's `webshop` is an empty shell): on a networked machine clone "
+            "https://github.com/princeton-nlp/WebShop, "
             "run its setup.sh (product data + search index), then `pip install -e .` in that folder so that "
             "`import web_agent_site` works."
         ) from err
@@ -117,12 +119,11 @@ class WebShopEnv(TextEnv):
         file_path: str | None = None,
         engine: Any = None,
     ):
-        """
-        Args:
-            num_products: products loaded by the engine (``None``: all; WebShop's small set is 1000).
-            human_goals: the human-written instructions (the paper's setting) rather than synthetic ones.
-            file_path: the product file (``None``: the engine's default).
-            engine: a class with ``web_agent_site``'s ``WebAgentTextEnv`` interface (tests); default: the real one.
+        """Args:
+        num_products: products loaded by the engine (``None``: all; WebShop's small set is 1000).
+        human_goals: the human-written instructions (the paper's setting) rather than synthetic ones.
+        file_path: the product file (``None``: the engine's default).
+        engine: a class with ``web_agent_site``'s ``WebAgentTextEnv`` interface (tests); default: the real one.
         """
         cls = engine if engine is not None else _require_web_agent_site()
         kwargs: dict[str, Any] = {"observation_mode": "text", "human_goals": human_goals}

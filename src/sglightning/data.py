@@ -1,0 +1,138 @@
+"""What the Trainer iterates, and where each step's tasks come from (no model in here).
+
+Data flows one way, visibly: the train loader yields one :class:`StepBatch` per GRPO step;
+:class:`~sglightning.callbacks.RolloutCallback` plays that step's episodes and puts them on the batch
+(``batch.rollout``) in ``on_train_batch_start``; ``training_step`` consumes them.  Validation likewise: the val loader
+yields this rank's :class:`EvalBatch` es of evaluation seeds, the callback fills ``batch.rollouts`` (one
+:class:`~sglightning.rollout.RolloutBatch` per self-guidance mode) and ``validation_step`` consumes them.
+
+Task seeds and sampling generators are pure functions of (``rollout.seed``, step, rank): a resumed run replays exactly
+the steps it would have played.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from sglightning.rollout import RolloutBatch
+
+
+@dataclass
+class EvalConfig:
+    """``validate`` (and validation during fit): a fixed, seeded set of evaluation episodes."""
+
+    num_tasks: int = 16
+    #: episodes per task
+    episodes_per_task: int = 1
+    #: tasks per validation batch (all their episodes are played in lock-step)
+    tasks_per_batch: int = 16
+    temperature: float = 0.4
+    #: on, off or both (side by side on the same episodes)
+    self_guidance: str = "both"
+    #: evaluation task seeds are ``seed_offset + i`` (disjoint from training seeds, which are < seed_offset)
+    seed_offset: int = 1_000_000
+    #: the env split evaluated (e.g. dev/test; ALFWorld: valid_seen/valid_unseen)
+    split: str = "dev"
+
+    def __post_init__(self) -> None:
+        if self.self_guidance not in ("on", "off", "both"):
+            raise ValueError(f"evaluation.self_guidance: {self.self_guidance!r} is not one of on, off, both")
+        for key in ("num_tasks", "episodes_per_task", "tasks_per_batch"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"evaluation.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.temperature <= 0:
+            raise ValueError(f"evaluation.temperature: must be > 0, got {self.temperature}")
+
+    @property
+    def modes(self) -> list[str]:
+        """The self-guidance modes played: ``sg`` (on) and/or ``nosg`` (off)."""
+        return {"on": ["sg"], "off": ["nosg"], "both": ["sg", "nosg"]}[self.self_guidance]
+
+
+class StepBatch:
+    """One GRPO step: its index in the loader's pass, and the rollout the callback collects for it."""
+
+    __slots__ = ("index", "rollout")
+
+    def __init__(self, index: int):
+        self.index = index
+        self.rollout: RolloutBatch | None = None
+
+
+class EvalBatch:
+    """Evaluation task seeds, and the rollouts the callback plays on them per mode (``sg`` / ``nosg``)."""
+
+    __slots__ = ("seeds", "rollouts")
+
+    def __init__(self, seeds: list[int]):
+        self.seeds = list(seeds)
+        self.rollouts: dict[str, RolloutBatch] = {}
+
+
+class _Batches(IterableDataset):
+    """A fixed list as an iterable dataset (Lightning leaves iterables alone under DDP: no sampler, no padding);
+    each pass makes fresh batch objects."""
+
+    def __init__(self, items: list, make):
+        self.items, self.make = items, make
+
+    def __iter__(self):
+        return (self.make(x) for x in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+class _StepLoader(DataLoader):
+    """The train loader's items are only a step clock: what a step plays comes from the module's ``rollouts_done``
+    (restored from the checkpoint), so resuming mid-epoch needs no loader state.  Declaring that (``state_dict``)
+    tells Lightning the loader is resumable."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
+
+def _identity(x):
+    return x
+
+
+def train_loader(total_steps: int) -> DataLoader:
+    """One :class:`StepBatch` per step.  An iterable (not a map-style dataset), so Lightning adds no
+    DistributedSampler: every rank walks all steps and collects its own share of groups at each."""
+    return _StepLoader(_Batches(list(range(total_steps)), StepBatch), batch_size=None, collate_fn=_identity)
+
+
+def val_loader(num_tasks: int, seed_offset: int, tasks_per_batch: int, rank: int, world: int) -> DataLoader:
+    """This rank's share of the evaluation seeds (``seed_offset + i``; chunks ``rank::world``): every episode is
+    played exactly once across ranks, with no DistributedSampler padding; ranks get equally many batches (empty ones
+    pad), since under FSDP every rollout is a collective."""
+    seeds = [seed_offset + i for i in range(num_tasks)]
+    chunks = [seeds[i : i + tasks_per_batch] for i in range(0, len(seeds), tasks_per_batch)]
+    mine = chunks[rank::world]
+    mine += [[]] * (-(-len(chunks) // world) - len(mine))
+    return DataLoader(_Batches(mine, EvalBatch), batch_size=None, collate_fn=_identity)
+
+
+def task_seeds(seed: int, step: int, groups_per_step: int, rank: int, world: int, seed_offset: int) -> list[int]:
+    """This rank's training task seeds at ``step``: ``world × groups_per_step`` distinct seeds below ``seed_offset``
+    (the evaluation seeds start there) drawn from a pure function of (seed, step) — disjoint across ranks,
+    reproducible on resume — sliced by rank."""
+    rng = random.Random(seed * 1_000_003 + step)
+    seeds = rng.sample(range(seed_offset), world * groups_per_step)
+    return seeds[rank * groups_per_step : (rank + 1) * groups_per_step]
+
+
+def sampling_generator(seed: int, step: int, rank: int, salt: int = 0, device: torch.device | None = None
+                       ) -> torch.Generator:
+    """The sampling generator of (seed, step, rank, salt); on ``device`` when it is not the CPU."""
+    value = seed * 7_919 + step * 104_729 + salt + rank * 15_485_863
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.Generator(device=device).manual_seed(value)
+    return torch.Generator(device="cpu").manual_seed(value)

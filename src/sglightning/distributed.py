@@ -1,0 +1,281 @@
+"""Distributed plumbing for the update and the rollouts, as functions of explicit arguments (no LightningModule).
+
+* **Which strategy** — :func:`sharding_of`: ``"fsdp2"`` (Lightning's ``ModelParallelStrategy``, so
+  ``sglightning.strategies.FSDP2Strategy``), ``"fsdp1"`` (``FSDPStrategy``, so ``FSDP1Strategy``) or ``None`` (one
+  device, DDP).
+* **Sharding the policy** — :func:`apply_fully_shard` (FSDP2: every decoder layer, then the root) and
+  :func:`wrap_fsdp1` (FSDP1 units: decoder layers, LoRA linears, root).
+* **Rollouts on whole weights** — :func:`generation_weights`: ranks decode different numbers of tokens, so the
+  per-forward all-gathers of FSDP would deadlock; the weights are gathered once per rollout instead.
+* **The update across ranks** — :func:`all_reduce`, :func:`no_sync`, :func:`sync_grads` (DDP: one explicit all-reduce
+  of the token-weighted gradients, since ranks run different numbers of micro-batches), :func:`dummy_microbatches`
+  (FSDP: every rank runs as many forward/backward passes), :func:`reduce_logs` (counts summed, the rest averaged).
+* **The adapter as full tensors** — :func:`adapter_state_dict` (gathered under FSDP: a collective).
+
+Rule: every collective here runs on every rank in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from sglightning.errors import ConfigError
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the wrapper prefixes FSDP1 and activation checkpointing insert."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def sharding_of(strategy: Any) -> str | None:
+    """``"fsdp2"``, ``"fsdp1"`` or ``None`` for a Lightning strategy (None: no strategy / not sharded)."""
+    if strategy is None:
+        return None
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    if isinstance(strategy, ModelParallelStrategy):
+        return "fsdp2"
+    if isinstance(strategy, FSDPStrategy):
+        return "fsdp1"
+    return None
+
+
+def is_distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
+    """Sum (or ``op``) over ranks, in place; a no-op outside distributed runs."""
+    if is_distributed():
+        torch.distributed.all_reduce(x, op=op or torch.distributed.ReduceOp.SUM)
+    return x
+
+
+def no_sync(wrapped_model: Any):
+    """Backward without DDP's own gradient hooks (``wrapped_model``: the strategy's model): ranks run different
+    numbers of micro-batches, so the gradients are summed once, explicitly, after the local passes
+    (:func:`sync_grads`)."""
+    if hasattr(wrapped_model, "no_sync") and is_distributed():
+        return wrapped_model.no_sync()
+    return contextlib.nullcontext()
+
+
+def sync_grads(params: list[torch.nn.Parameter]) -> None:
+    """Σ over ranks of every trainable gradient (each rank's loss is already weighted by its share of the global
+    token count, so the sum is the gradient of the global token-mean loss).  One flat all-reduce."""
+    if not is_distributed():
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    all_reduce(flat)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset : offset + n].view_as(g).clone()
+        offset += n
+
+
+def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int) -> dict[str, float]:
+    """Merge the ranks' step logs (one ``all_gather_object``): keys in ``sum_keys`` summed, the rest averaged over the
+    ranks that have them (episode means come from torchmetrics and are global already).  No key is dropped."""
+    if not is_distributed():
+        return logs
+    sums = set(sum_keys)
+    gathered: list[dict[str, float] | None] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, logs)
+    merged: dict[str, float] = {}
+    for key in sorted({k for g in gathered if g for k in g}):
+        vals = [float(g[key]) for g in gathered if g and key in g]
+        merged[key] = sum(vals) if key in sums else sum(vals) / len(vals)
+    return merged
+
+
+def gather_objects(items: list, world_size: int) -> list:
+    """Every rank's list, concatenated in rank order (one ``all_gather_object``); the list itself outside."""
+    if not is_distributed():
+        return items
+    gathered: list[list | None] = [None] * world_size
+    torch.distributed.all_gather_object(gathered, items)
+    return [x for part in gathered if part for x in part]
+
+
+def dummy_microbatches(n: int, score: Callable, backward: Callable, device, with_ref: bool,
+                       disable_adapter: Callable) -> None:
+    """``n`` zero-weight forward/backward passes on a 2-token input (FSDP: keeps every rank's collectives in step).
+    ``score(ids, attn, mask)`` returns (logp, _); ``backward(loss)``; ``disable_adapter()`` is the reference context."""
+    if n <= 0:
+        return
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    attn = torch.ones_like(ids)
+    m = torch.tensor([[False, True]], device=device)
+    for _ in range(n):
+        if with_ref:
+            with torch.no_grad(), disable_adapter():
+                score(ids, attn, m)
+        logp, _ = score(ids, attn, m)
+        backward(logp.sum() * 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------------- sharding
+def unwrap(policy: torch.nn.Module) -> torch.nn.Module:
+    """The peft model itself (under FSDP1 the policy is its ``FullyShardedDataParallel`` root wrapper)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return policy.module if isinstance(policy, FullyShardedDataParallel) else policy
+
+
+def decoder_layers(peft_model: torch.nn.Module) -> list[torch.nn.Module]:
+    return list(peft_model.get_base_model().get_decoder().layers)
+
+
+def apply_fully_shard(policy: torch.nn.Module, device_mesh) -> None:
+    """FSDP2: shard every decoder layer, then the root (embeddings, final norm and LM head — tied or not — stay in the
+    root unit).  Frozen base weights and LoRA weights are both sharded (FSDP2 shards per parameter).  A bf16 base with
+    fp32 LoRA weights is gathered in the base's dtype (``MixedPrecisionPolicy``, gradients reduced in fp32), so the
+    adapters keep fp32 master weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    names = device_mesh.mesh_dim_names or ()
+    tp = device_mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
+    if tp > 1:
+        raise ConfigError(
+            f"trainer.strategy: tensor_parallel_size={tp}, but this trainer only shards with FSDP2 over the data-"
+            f"parallel dimension (no tensor-parallel plan); use sglightning.strategies.FSDP2Strategy, or "
+            f"ModelParallelStrategy with data_parallel_size=<all processes> and tensor_parallel_size=1"
+        )
+    kwargs: dict[str, Any] = {"mesh": device_mesh["data_parallel"]}
+    if len({p.dtype for p in policy.parameters()}) > 1:
+        frozen = {p.dtype for p in policy.parameters() if not p.requires_grad and p.is_floating_point()}
+        compute = min(frozen, key=lambda d: torch.finfo(d).bits) if frozen else torch.float32
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    for layer in decoder_layers(policy):
+        fully_shard(layer, **kwargs)
+    fully_shard(policy, **kwargs)
+
+
+def wrap_fsdp1(policy: torch.nn.Module, strategy: Any, world_size: int) -> torch.nn.Module:
+    """FSDP1 (``FullyShardedDataParallel``) units: every decoder layer, every leaf module with trainable weights (the
+    LoRA A/B linears: FSDP1 flattens a unit's parameters into one tensor, so frozen and trainable weights sharing a
+    unit would give the frozen ones a gradient buffer and would need one dtype), and the root (the peft model:
+    embeddings, final norm, LM head).  Built here rather than by Lightning's ``auto_wrap_policy`` because the decoder
+    layer class comes from the loaded model; the strategy's other settings (sharding strategy, mixed precision from
+    ``trainer.precision``, CPU offload, its FSDP kwargs) are used as given.  Each rank keeps its own chunk of every
+    flat parameter, so no initial broadcast is needed (the base comes from the same checkpoint; a chunk of any rank's
+    adapter initialisation is a valid initialisation).  Returns the root wrapper."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import CustomPolicy
+
+    base = policy.get_base_model()
+    emb, out = base.get_input_embeddings(), base.get_output_embeddings()
+    tied = emb is not None and out is not None and emb.weight is out.weight
+    if tied and (world_size == 1 or strategy.sharding_strategy == ShardingStrategy.NO_SHARD):
+        raise ConfigError(
+            "trainer.strategy: FSDPStrategy without sharding (one process, or NO_SHARD) fails in torch's FSDP1 on "
+            "this model's tied input/output embeddings; use 2+ processes with FULL_SHARD, FSDP2 "
+            "(sglightning.strategies.FSDP2Strategy), or no strategy on one device"
+        )
+    layer_types = tuple({type(layer) for layer in decoder_layers(policy)})
+
+    def unit(module: torch.nn.Module) -> bool:
+        if isinstance(module, layer_types):
+            return True
+        own = list(module.parameters(recurse=False))
+        return not list(module.children()) and bool(own) and all(p.requires_grad for p in own)
+
+    kwargs = dict(strategy.kwargs)
+    user_policy = kwargs.pop("auto_wrap_policy", None)
+    strategy.kwargs.pop("auto_wrap_policy", None)  # applied here; Lightning would only warn it was ignored
+    kwargs.setdefault("use_orig_params", True)
+    mp = strategy.mixed_precision_config
+    if mp is not None:  # units cast their inputs: peft hands the LoRA units fp32 inputs (its weights' dtype)
+        mp = dataclasses.replace(mp, cast_forward_inputs=True)
+    return FullyShardedDataParallel(
+        policy,
+        auto_wrap_policy=user_policy or CustomPolicy(unit),
+        cpu_offload=strategy.cpu_offload,
+        mixed_precision=mp,
+        sharding_strategy=strategy.sharding_strategy,
+        device_id=strategy.root_device,
+        **kwargs,
+    )
+
+
+def fsdp1_shards(policy: torch.nn.Module) -> bool:
+    """Whether FSDP1 actually shards: with one process (or ``NO_SHARD``) every rank holds whole weights, there is
+    nothing to gather, and ``summon_full_params`` trips over tied weights."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return policy.sharding_strategy != ShardingStrategy.NO_SHARD
+
+
+def generation_weights(policy: torch.nn.Module, sharding: str | None):
+    """Context for rollouts.  FSDP2: all-gather every unit once and keep it unsharded for the whole rollout (ranks
+    decode different numbers of tokens, so per-forward all-gathers would deadlock); reshard after.  FSDP1: the same
+    through ``summon_full_params`` (:func:`_fsdp1_full_weights`).  Cost: one full copy of the model per rank while
+    generating.  A no-op elsewhere."""
+    if sharding == "fsdp1":
+        return _fsdp1_full_weights(policy)
+    if sharding != "fsdp2":
+        return contextlib.nullcontext()
+    return _fsdp2_unsharded(policy)
+
+
+@contextlib.contextmanager
+def _fsdp2_unsharded(policy: torch.nn.Module):
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    for m in mods:  # collectives, in the same order on every rank
+        m.unshard()
+    policy.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        policy.set_reshard_after_forward(True)
+        for m in mods:
+            m.reshard()
+
+
+@contextlib.contextmanager
+def _fsdp1_full_weights(policy: torch.nn.Module):
+    """FSDP1 rollouts: ``summon_full_params`` all-gathers every unit once (full precision, no write-back) and points
+    the original parameters at the full tensors.  A unit's own ``forward`` would still all-gather inside that context
+    (a collective per layer per decoded token, which deadlocks when ranks decode different lengths), so for the
+    duration every unit's ``forward`` is the wrapped module's own (an instance attribute, removed after).  The rollout
+    engine calls the peft model inside the root wrapper directly.  Without sharding (one process, ``NO_SHARD``) the
+    weights are whole already: only the forwards are bypassed."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    units = [m for m in policy.modules() if isinstance(m, FullyShardedDataParallel) and m is not policy]
+    gather = (FullyShardedDataParallel.summon_full_params(policy, writeback=False, recurse=True)
+              if fsdp1_shards(policy) else contextlib.nullcontext())
+    with gather:
+        for u in units:
+            u.__dict__["forward"] = u.module.forward
+        try:
+            yield
+        finally:
+            for u in units:
+                u.__dict__.pop("forward", None)
+
+
+def adapter_state_dict(policy: torch.nn.Module, sharding: str | None, tree_names: bool = False
+                       ) -> dict[str, torch.Tensor]:
+    """The trainable (adapter) weights as full CPU tensors, on every rank, under the peft model's parameter names
+    (``tree_names``: as in the module tree, FSDP1 wrapper names included).  Under FSDP1/FSDP2 this gathers the
+    shards: a collective, call it on every rank."""
+    name = (lambda n: n) if tree_names else clean_name
+    peft_model = unwrap(policy)
+    if sharding == "fsdp1" and fsdp1_shards(policy):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(policy, writeback=False, recurse=True):
+            return {name(n): p.detach().cpu().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    return {name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+            for n, p in peft_model.named_parameters() if p.requires_grad}

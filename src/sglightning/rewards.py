@@ -1,0 +1,84 @@
+"""From played episodes to returns: the blended return of each episode, its per-step shares (what an advantage
+estimator sees), and extra reward terms (no Lightning import).
+
+    R_i = R_env,i − P_i + λ(u)·S_i + Σ_k w_k · term_k(episode_i)        (the maths is in :mod:`sglightning.grpo`)
+
+A term is a :class:`RewardTerm` subclass in one file, named in the config (``model.reward_terms``, a list of
+``class_path`` / ``init_args``, like ``env``); its mean is logged as ``reward/<name>``.  The paper uses none; they are
+for experiments (e.g. dense progress where an environment reports a score).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import torch
+
+from sglightning import grpo
+from sglightning.rollout import Episode
+
+
+class RewardTerm(abc.ABC):
+    """One extra reward per episode, computed from what the rollout recorded (steps, labels, score, info)."""
+
+    #: the suffix of the logged ``reward/<name>``
+    name: str = "term"
+
+    def __init__(self, weight: float = 1.0):
+        """Args:
+        weight: multiplies the term before it is added to the return.
+        """
+        self.weight = float(weight)
+
+    @abc.abstractmethod
+    def value(self, episode: Episode) -> float:
+        """The unweighted term of one episode."""
+
+    def __call__(self, episode: Episode) -> float:
+        return self.weight * float(self.value(episode))
+
+
+class ScoreGain(RewardTerm):
+    """Dense progress for environments with a 0-100 score (ScienceWorld, TextWorldExpress): the score gained during
+    the episode, as a fraction (``score_gained / 100``; 0 for envs without a score)."""
+
+    name = "score_gain"
+
+    def value(self, episode: Episode) -> float:
+        gained = episode.score_gained
+        return 0.0 if gained is None else gained / 100.0
+
+
+def episode_returns(episodes: Sequence[Episode], lam: float, normalise: str, terms: Sequence[RewardTerm] = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Blended returns R_i [N], internal returns S_i [N] (as blended: summed or averaged over steps) and each extra
+    term's weighted values [N] by name."""
+    env_ret = torch.tensor([e.env_return for e in episodes], dtype=torch.float32)  # [N]
+    penalties = torch.tensor([e.penalty for e in episodes], dtype=torch.float32)  # [N]
+    internal = [torch.tensor(e.internal_rewards, dtype=torch.float32) for e in episodes]
+    s = grpo.internal_returns(internal, normalise=normalise)  # [N]
+    values = {t.name: torch.tensor([t(e) for e in episodes], dtype=torch.float32) for t in terms}  # [N] each
+    extra = torch.stack(list(values.values())).sum(0) if values else None  # [N]
+    return grpo.blend(env_ret, s, lam, penalties, extra), s, values
+
+
+def advantage_inputs(episodes: Sequence[Episode], returns: torch.Tensor, lam: float, terms: dict[str, torch.Tensor],
+                     step_data: dict[str, torch.Tensor], cfg: grpo.GRPOConfig, invalid_action_penalty: float
+                     ) -> grpo.AdvantageInputs:
+    """What the advantage estimator sees: returns, groups, each step's share of the return (env reward − penalty +
+    λ·r_t, the extra terms at the last step: the shares sum to R_i) and, per token, its episode and step."""
+    extra = torch.stack(list(terms.values())).sum(0) if terms else torch.zeros(len(episodes))  # [N]
+    step_returns = []
+    for e, x in zip(episodes, extra.tolist()):
+        scale = lam / len(e.steps) if cfg.internal_reward_norm == "mean" and e.steps else lam
+        vals = [st.env_reward - invalid_action_penalty * st.invalid + scale * st.internal_reward for st in e.steps]
+        if vals:
+            vals[-1] += x
+        step_returns.append(torch.tensor(vals, dtype=torch.float32))  # [T_i]
+    row = {e.index: k for k, e in enumerate(episodes)}
+    return grpo.AdvantageInputs(
+        returns=returns, group_ids=torch.tensor([e.group for e in episodes], dtype=torch.long),
+        step_returns=step_returns,
+        sample_episode=torch.tensor([row[int(e)] for e in step_data["episode"]], dtype=torch.long),  # [S]
+        token_step=step_data["steps"], mask=step_data["mask"], eps=cfg.adv_eps, scale=cfg.adv_scale)
