@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 
 def _run(out: Path, strategy: str, *extra: str) -> tuple[dict, dict, dict]:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, str(HERE / "ddp_run.py"), str(out), strategy, *extra], env=env,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -94,7 +95,8 @@ def test_fsdp_bf16_base_keeps_fp32_adapters(tmp_path, strategy):
 def _cli_cmd(tmp_path: Path, *args: str, command: str = "fit", devices: int = 2) -> tuple[list[str], dict]:
     """The command line and environment of `sglightning COMMAND --config configs/tiny.yaml ARGS` on 2 processes,
     writing under tmp_path (tests/ on the path for cpu_fsdp)."""
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(HERE))
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
+               PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "sglightning.cli", command, "--config", str(HERE.parent / "configs" / "tiny.yaml"),
            *args, f"--trainer.devices={devices}", "--trainer.enable_progress_bar=false",
            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]

@@ -105,13 +105,14 @@ class RolloutCallback(Callback):
         """Play the batch's evaluation tasks in every configured guidance mode, on the same seeds."""
         cfg = pl_module.eval_cfg
         for mode in cfg.modes:
-            if not batch.seeds:  # a padding batch (ranks run equally many batches): nothing to play
-                batch.rollouts[mode] = RolloutBatch(episodes=[], group_size=cfg.episodes_per_task)
-                continue
-            # seeded by task, not by batch index; one generator per rank
-            gen = sampling_generator(pl_module.rollout_cfg.seed, 10_000_000 + int(batch.seeds[0]), trainer.global_rank,
-                                     salt=1)
+            # entered on every rank, padding batches included: under FSDP gathering the weights is a collective
             with pl_module.generation_weights():
+                if not batch.seeds:  # a padding batch (ranks run equally many batches): nothing to play
+                    batch.rollouts[mode] = RolloutBatch(episodes=[], group_size=cfg.episodes_per_task)
+                    continue
+                # seeded by task, not by batch index; one generator per rank
+                gen = sampling_generator(pl_module.rollout_cfg.seed, 10_000_000 + int(batch.seeds[0]),
+                                         trainer.global_rank, salt=1)
                 batch.rollouts[mode] = self.engine_for(pl_module).run(
                     batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature, guided=mode == "sg",
                     generator=gen, split=cfg.split)
