@@ -142,3 +142,12 @@ QWEN3_STYLE_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
     "{%- endif -%}"
 )
+
+
+class EmptyDevSplitEnv(HouseholdEnv):
+    """A household env whose ``dev`` split has no tasks (like ALFWorld with only the train games downloaded)."""
+
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
+        if split == "dev":
+            raise FileNotFoundError("no games found for split 'dev'")
+        return super().reset(seed, split)

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sglightning.data import sampling_generator, task_seeds
 from sglightning.distributed import clean_name
+from sglightning.errors import ConfigError
 from sglightning.rollout import Episode, Rollout, RolloutAborted, RolloutBatch
 
 
@@ -89,6 +90,7 @@ class RolloutCallback(Callback):
         except RolloutAborted:
             # SIGTERM during the rollout: abandon this step (nothing was updated yet); PreemptionCheckpoint saves
             raise SIGTERMException() from None
+        _none_started(batch.rollout, "rollout.split", pl_module.rollout_cfg.split)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         rb, batch.rollout = batch.rollout, None  # free the buffers: nothing of a step outlives it
@@ -116,6 +118,7 @@ class RolloutCallback(Callback):
                 batch.rollouts[mode] = self.engine_for(pl_module).run(
                     batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature, guided=mode == "sg",
                     generator=gen, split=cfg.split)
+            _none_started(batch.rollouts[mode], "evaluation.split", cfg.split)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.engine is not None:
@@ -127,12 +130,24 @@ class RolloutCallback(Callback):
         print(format_summary(trainer, pl_module))
 
 
+def _none_started(rb: RolloutBatch, key: str, split: str) -> None:
+    """Every episode of a batch failed in ``reset``: the split has no playable tasks (e.g. ALFWorld's valid_unseen
+    when only train games were downloaded) — a configuration problem, not bad luck."""
+    eps = rb.episodes
+    if eps and all(e.error is not None and e.error.startswith("reset") for e in eps):
+        raise ConfigError(f"{key}: no episode of split {split!r} could start ({len(eps)} tried); the environment said: "
+                          f"{eps[0].error}")
+
+
 class PreemptionCheckpoint(Callback):
     """SIGTERM (preemption): Lightning stops at the end of the current step, or the rollout abandons its step; then
     this saves ``last.ckpt`` (atomically) where ``--ckpt_path last`` finds it, exports the adapter, says how to
     resume, and the process exits 0."""
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            self._interrupted(trainer, pl_module)
+            return
         if not isinstance(exception, SIGTERMException):
             return
         cb = trainer.checkpoint_callback
@@ -148,6 +163,22 @@ class PreemptionCheckpoint(Callback):
                 file=sys.stderr,
                 flush=True,
             )
+
+
+    @staticmethod
+    def _interrupted(trainer: Trainer, pl_module: LightningModule) -> None:
+        """Ctrl-C: the interrupted step may be half done, so nothing new is saved; ``last.ckpt`` (written after every
+        completed step) is where ``--ckpt_path last`` resumes.  The CLI exits 130."""
+        pl_module.interrupted = True
+        if not trainer.is_global_zero or trainer.state.fn != "fit":
+            return
+        last = run_dir(trainer) / "checkpoints" / "last.ckpt"
+        if last.exists():
+            msg = (f"interrupted after {pl_module.rollouts_done} completed steps; {last} holds the last of them. "
+                   "Resume with the same command plus --ckpt_path last")
+        else:
+            msg = "interrupted before the first step completed; nothing to resume"
+        print(f"sglightning: {msg}", file=sys.stderr, flush=True)
 
 
 class AdapterExport(Callback):

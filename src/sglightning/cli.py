@@ -14,22 +14,25 @@ import json
 import logging
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 # third-party import-time noise that says nothing about the run (set before lightning imports bitsandbytes)
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # "no `kernels` package" on CPU
-warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback  # noqa: E402
+from jsonargparse import set_parsing_settings  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback  # noqa: E402
 
 from sglightning.callbacks import run_dir  # noqa: E402
 from sglightning.checkpointing import CheckpointError, load_checkpoint_file  # noqa: E402
+from sglightning.console import StepProgressBar, quiet  # noqa: E402
 from sglightning.errors import ConfigError  # noqa: E402
 from sglightning.module import SelfGuideModule  # noqa: E402
 from sglightning.report import report_markdown  # noqa: E402
 from sglightning.strategies import recover_swapped_checkpoints  # noqa: E402
+
+quiet()
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "max_steps": 10,
@@ -38,11 +41,19 @@ TRAINER_DEFAULTS: dict[str, Any] = {
     "num_sanity_val_steps": 0,
     "log_every_n_steps": 1,
     "enable_model_summary": False,
+
     "logger": {
         "class_path": "lightning.pytorch.loggers.TensorBoardLogger",
         "init_args": {"save_dir": "runs", "name": "sglightning"},
     },
 }
+
+
+def default_callbacks() -> list:
+    """Fresh per run (LightningCLI appends them to the Trainer's callbacks): the one progress bar, and `last.ckpt`
+    after every step (adapters + optimiser + counters: a killed or preempted run loses at most one step;
+    `--ckpt_path last` resumes)."""
+    return [StepProgressBar(), ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1)]
 
 
 class VersionedSaveConfig(SaveConfigCallback):
@@ -61,6 +72,29 @@ class VersionedSaveConfig(SaveConfigCallback):
                     f.write(f"#   {k}: {v}\n")
 
 
+# field docs are attribute docstrings (below each dataclass field): --help shows them
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+def one_line(message: str, limit: int = 600) -> str:
+    """A (possibly multi-line) error message as one line."""
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class OneLineParser(LightningArgumentParser):
+    """Every parse error is one line on stderr — what is wrong, naming the key or file — and exit 2; no usage dump
+    (``--help`` lists every key with its documentation and allowed values)."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
+        sys.stderr.write(f"{prog}: error: {one_line(message)} (see: {prog} --help)\n")
+        self.exit(2)
+
+
 class SGLightningCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -68,7 +102,10 @@ class SGLightningCLI(LightningCLI):
         return {k: full[k] for k in ("fit", "validate")}
 
     def instantiate_classes(self) -> None:
-        """Config values our dataclasses reject (``ValueError`` naming the key) become a one-line parser error."""
+        """Config values our dataclasses, the Trainer or the optimiser reject become a one-line parser error (exit 2)
+        — before anything runs, so a run that cannot start leaves no run folder behind."""
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         try:
             super().instantiate_classes()
         except ValueError as err:
@@ -76,7 +113,18 @@ class SGLightningCLI(LightningCLI):
             while err.__cause__ is not None and isinstance(err.__cause__, ValueError):
                 err = err.__cause__
                 msg = str(err)
-            self.parser.error(msg.splitlines()[0] if msg else repr(err))
+            self._error(msg.splitlines()[0] if msg else repr(err))
+        except MisconfigurationException as err:
+            self._error(f"trainer: {err}")
+        try:
+            self.model.preflight()
+        except (ConfigError, ValueError) as err:
+            self._error(str(err))
+
+    def _error(self, message: str):
+        """One line from the subcommand's parser (``sglightning fit: error: …``), exit 2."""
+        parser = getattr(self, "_subcommand_parsers", {}).get(self.subcommand, self.parser)
+        parser.error(message)
 
     def before_instantiate_classes(self) -> None:
         """``--ckpt_path last`` on a fresh process: find the newest ``last.ckpt`` of this config's runs
@@ -119,8 +167,13 @@ class SGLightningCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
+        except SystemExit:
+            if getattr(self.model, "interrupted", False):  # Ctrl-C: the callback said where to resume
+                sys.exit(130)
+            raise
         except (CheckpointError, ConfigError) as err:  # one line naming the file / config key, no traceback wall
-            print(f"sglightning {subcommand}: error: {err}", file=sys.stderr)
+            _remove_unstarted_run(self.trainer)
+            print(f"sglightning {subcommand}: error: {one_line(str(err))}", file=sys.stderr)
             sys.exit(2)
 
     def after_fit(self) -> None:
@@ -178,12 +231,54 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
     return None if best is None else (best[1], best[2])
 
 
+def _remove_unstarted_run(trainer) -> None:
+    """A run that failed before its first step: remove the files it wrote (config, hyper-parameters, empty event
+    files) and then its folder if that is empty.  Nothing else is ever deleted."""
+    if trainer is None or trainer.global_step > 0:
+        return
+    folder = run_dir(trainer)
+    if not folder.is_dir() or (folder / "checkpoints").exists():
+        return
+    for f in folder.iterdir():
+        if f.is_file() and (f.name in ("config.yaml", "hparams.yaml") or f.name.startswith("events.out.tfevents")):
+            f.unlink()
+    if not any(folder.iterdir()):
+        folder.rmdir()
+        if folder.parent != Path(trainer.default_root_dir) and not any(folder.parent.iterdir()):
+            folder.parent.rmdir()  # the logger's name folder, made for this run alone
+
+
+def _check_config_files(argv: list[str], prog: str) -> None:
+    """Each ``--config`` file must exist and be YAML: a syntax error is reported with the file's name (the parser's
+    own message only says ``<unicode string>``), in one line, exit 2."""
+    import yaml
+
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            continue  # the parser says "File does not exist" with the path
+        try:
+            yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err)
+            tab = " (YAML does not allow tabs for indentation)" if "\t" in p.read_text() and "token" in problem else ""
+            sys.stderr.write(f"{prog}: error: {path}:{where} YAML syntax error: {problem}{tab}\n")
+            sys.exit(2)
+
+
 def cli_main(args: list[str] | None = None) -> SGLightningCLI:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    argv = list(args) if args is not None else sys.argv[1:]
+    _check_config_files(argv, "sglightning " + (argv[0] if argv and not argv[0].startswith("-") else ""))
     return SGLightningCLI(
         SelfGuideModule,
-        trainer_defaults=TRAINER_DEFAULTS,
+        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": default_callbacks()},
         save_config_callback=VersionedSaveConfig,
+        parser_class=OneLineParser,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
         seed_everything_default=0,

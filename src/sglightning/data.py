@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -26,17 +27,19 @@ class EvalConfig:
     """``validate`` (and validation during fit): a fixed, seeded set of evaluation episodes."""
 
     num_tasks: int = 16
-    #: episodes per task
+    """evaluation tasks (seeds ``seed_offset + i``); every one is played in every guidance mode"""
     episodes_per_task: int = 1
-    #: tasks per validation batch (all their episodes are played in lock-step)
+    """episodes per task"""
     tasks_per_batch: int = 16
+    """tasks per validation batch (all their episodes are played in lock-step)"""
     temperature: float = 0.4
-    #: on, off or both (side by side on the same episodes)
-    self_guidance: str = "both"
-    #: evaluation task seeds are ``seed_offset + i`` (disjoint from training seeds, which are < seed_offset)
+    """sampling temperature of evaluation episodes (the paper: 0.4)"""
+    self_guidance: Literal["on", "off", "both"] = "both"
+    """on, off or both (side by side on the same episodes)"""
     seed_offset: int = 1_000_000
-    #: the env split evaluated (e.g. dev/test; ALFWorld: valid_seen/valid_unseen)
+    """evaluation task seeds are ``seed_offset + i`` (disjoint from training seeds, which are < seed_offset)"""
     split: str = "dev"
+    """the env split evaluated (e.g. dev/test; ALFWorld: valid_seen/valid_unseen)"""
 
     def __post_init__(self) -> None:
         if self.self_guidance not in ("on", "off", "both"):

@@ -63,6 +63,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from numbers import Real
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -552,32 +553,40 @@ class GRPOConfig:
     """The policy-gradient update (grpo.py)."""
 
     clip_low: float = 0.2
+    """ε_low: the ratio is clipped below at 1 − clip_low (0 < clip_low < 1)"""
     clip_high: float = 0.28
+    """ε_high: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher; equal to clip_low for the symmetric
+    clip of the paper's equation)"""
     kl_coef: float = 0.01
-    #: k1, k2, k3 or low_var_kl
-    kl_kind: str = "low_var_kl"
-    #: token_mean (DAPO / paper) or seq_mean_token_mean
-    loss_agg: str = "token_mean"
-    #: the advantage estimator: ``grpo`` (one group-relative advantage per episode, the paper), another registered
-    #: name (``grpo.register_advantage``) or ``package.module:function`` taking ``AdvantageInputs``
+    """β, the weight of the per-token KL to the reference policy (the same model with adapters off); 0 skips the
+    reference pass"""
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
+    """KL estimator: k1, k2, k3 or low_var_kl (k3 clamped, as verl)"""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
+    """loss aggregation: token_mean over all policy tokens of the step (DAPO, the paper) or seq_mean_token_mean"""
     advantage: str = "grpo"
-    #: std (GRPO) or none (mean-centred only)
-    adv_scale: str = "std"
+    """the advantage estimator: ``grpo`` (one group-relative advantage per episode, the paper), another registered
+    name (``grpo.register_advantage``) or ``package.module:function`` taking ``AdvantageInputs``"""
+    adv_scale: Literal["std", "none"] = "std"
+    """std: divide by the group's std (GRPO); none: mean-centred only (Dr. GRPO)"""
     adv_eps: float = 1e-6
-    #: sum (paper) or mean over steps
-    internal_reward_norm: str = "sum"
-    #: λ(u) trapezoid breakpoints, fractions of the run (all <= 1) or absolute steps
+    """ε added to the group std"""
+    internal_reward_norm: Literal["sum", "mean"] = "sum"
+    """the internal return S_i: the sum of the step rewards (the paper) or their mean over steps"""
     trust_breakpoints: tuple[float, float, float, float] = (0.4, 0.5, 0.7, 0.8)
-    #: λ ≡ constant instead of the schedule (0 = guidance in rollouts only; 1 = full reward from the start)
+    """λ(u) trapezoid breakpoints b0 ≤ b1 ≤ b2 ≤ b3: fractions of the run (all ≤ 1) or absolute steps"""
     trust_constant: float | None = None
-    #: total steps the fractions refer to (default: trainer.max_steps)
+    """λ ≡ this constant instead of the schedule (0 = guidance in rollouts only; 1 = full reward from the start)"""
     total_steps: int | None = None
+    """total steps the fractional breakpoints refer to (default: trainer.max_steps / ppo_epochs)"""
     ppo_epochs: int = 1
-    #: samples per forward/backward pass (gradients accumulate over micro-batches)
+    """optimiser steps per rollout (1 = on-policy; more reuse the rollout with the clipped ratio)"""
     micro_batch_size: int = 4
+    """samples per forward/backward pass (gradients accumulate over micro-batches into one step)"""
     max_grad_norm: float | None = 1.0
-    #: stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop
+    """clip the total gradient norm to this (null: no clipping; the norm is logged either way)"""
     max_consecutive_skips: int = 5
+    """stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop"""
 
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)

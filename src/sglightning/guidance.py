@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Literal
 
 LABELS = ("positive", "neutral", "negative")
 
@@ -106,34 +107,37 @@ STREAM_FORMAT_NO_GUIDANCE = stream_format(guided=False)
 class GuidanceConfig:
     """How the agent guides itself, and how it writes its actions."""
 
-    #: write self-guidance before each action (off = plain ReAct-style acting, for "w/o SG" baselines)
     enabled: bool = True
-    #: ``single_stream`` (one context per episode, cheap) or ``two_call`` (paper: separate rate and act calls)
-    prompt_mode: str = "single_stream"
-    #: ``free``: the model writes ``Reason:``/``Label:`` freely and we parse (the paper);
-    #: ``constrained``: ``Reason:``/``Label:`` are forced, the reason is capped at one line, and the label is sampled
-    #: from the model's own distribution restricted to the three label words (no parse failures; small models)
-    decoding: str = "constrained"
-    #: ``free``: the action is generated freely and parsed (the paper); ``admissible``: the action is sampled from the
-    #: model's distribution restricted (token by token) to the admissible actions, when the env lists them
-    action_decoding: str = "free"
-    #: the actor's answer: ``action_line`` (``Action: …``), ``json`` (``{"think": …, "action": …}``, the paper's
-    #: ALFWorld/ScienceWorld format) or ``think_tags`` (``<think>…</think><action>…</action>``, the paper's WebShop)
-    actor_format: str = "action_line"
+    """write self-guidance before each action (off = plain ReAct-style acting, for "w/o SG" baselines)"""
+    prompt_mode: Literal["single_stream", "two_call"] = "single_stream"
+    """``single_stream`` (one context per episode, cheap) or ``two_call`` (paper: separate rate and act calls)"""
+    decoding: Literal["free", "constrained"] = "constrained"
+    """``free``: the model writes ``Reason:``/``Label:`` freely and we parse (the paper);
+    ``constrained``: ``Reason:``/``Label:`` are forced, the reason is capped at one line, and the label is sampled
+    from the model's own distribution restricted to the three label words (no parse failures; small models)"""
+    action_decoding: Literal["free", "admissible"] = "free"
+    """``free``: the action is generated freely and parsed (the paper); ``admissible``: the action is sampled from the
+    model's distribution restricted (token by token) to the admissible actions, when the env lists them"""
+    actor_format: Literal["action_line", "json", "think_tags"] = "action_line"
+    """the actor's answer: ``action_line`` (``Action: …``), ``json`` (``{"think": …, "action": …}``, the paper's
+    ALFWorld/ScienceWorld format) or ``think_tags`` (``<think>…</think><action>…</action>``, the paper's WebShop)"""
     reward_positive: float = 0.1
+    """r_t for a positive label (the paper: +0.1)"""
     reward_neutral: float = 0.0
+    """r_t for a neutral or unparsed label"""
     reward_negative: float = -0.1
-    #: max new tokens of the reason line (constrained) or of the whole guidance (free)
+    """r_t for a negative label (the paper: −0.1)"""
     max_guidance_tokens: int = 32
-    #: max new tokens of the actor's answer when written freely (thought included)
+    """max new tokens of the reason line (constrained) or of the whole guidance (free)"""
     max_action_tokens: int = 32
-    #: max new tokens of the thought before an action chosen among the admissible ones (thinking formats)
+    """max new tokens of the actor's answer when written freely (thought included)"""
     max_think_tokens: int = 64
-    #: steps of history shown in the two_call actor prompt (the single stream keeps everything)
+    """max new tokens of the thought before an action chosen among the admissible ones (thinking formats)"""
     history_length: int = 8
-    #: steps the two_call rate prompt shows; null = the whole trajectory so far (the paper).  Either way the oldest
-    #: steps are cut when the prompt would exceed rollout.max_context_tokens (counted: guidance/rate_history_truncated)
+    """steps of history shown in the two_call actor prompt (the single stream keeps everything)"""
     rate_history_length: int | None = None
+    """steps the two_call rate prompt shows; null = the whole trajectory so far (the paper).  Either way the oldest
+    steps are cut when the prompt would exceed rollout.max_context_tokens (counted: guidance/rate_history_truncated)"""
 
     def __post_init__(self) -> None:
         _check_choice("guidance.prompt_mode", self.prompt_mode, ("single_stream", "two_call"))
@@ -253,9 +257,9 @@ def parse_guidance(text: object) -> Guidance:
 @dataclass
 class ParsedAction:
     action: str | None  # the action text, None when nothing usable was found
-    #: how it was found: ``tag`` (<action>…</action>), ``json`` (an object with a string "action"), ``json_partial``
-    #: (the "action" member of JSON that did not parse), ``line`` (Action: …), ``raw`` (the first other line)
     source: str = ""
+    """how it was found: ``tag`` (<action>…</action>), ``json`` (an object with a string "action"), ``json_partial``
+    (the "action" member of JSON that did not parse), ``line`` (Action: …), ``raw`` (the first other line)"""
     notes: list[str] = field(default_factory=list)
 
 
@@ -412,7 +416,7 @@ def actor_messages(
     steps: list[StepView],
     history_length: int,
     guidance: Guidance | None,
-    actor_format: str = "action_line",
+    actor_format: Literal["action_line", "json", "think_tags"] = "action_line",
 ) -> list[dict]:
     """The actor prompt (two_call mode), with the intuition block when ``guidance`` is given."""
     shown = _window(steps, history_length)
@@ -432,7 +436,7 @@ def actor_messages(
 
 def stream_first_messages(
     task: str, observation: str, admissible: list[str] | None, action_help: str, guided: bool,
-    actor_format: str = "action_line",
+    actor_format: Literal["action_line", "json", "think_tags"] = "action_line",
 ) -> list[dict]:
     """Opening of the single-stream conversation."""
     fmt = stream_format(actor_format, guided)

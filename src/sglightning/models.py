@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -48,38 +48,51 @@ class TinyModelConfig:
     """Shape of the in-process test model (``embedded:tiny``)."""
 
     hidden_size: int = 64
+    """width of the tiny model"""
     num_layers: int = 2
+    """decoder layers"""
     num_heads: int = 4
+    """attention heads"""
     intermediate_size: int = 128
-    vocab_size: int = 512  # BPE vocabulary trained in-process
+    """MLP width"""
+    vocab_size: int = 512
+    """BPE vocabulary trained in-process"""
     seed: int = 0
+    """seed of the random initialisation"""
 
 
 @dataclass
 class ModelConfig:
     """Which model to train and how to adapt it."""
 
-    #: HF hub id, local folder, ``embedded:SmolLM2-135M-Instruct`` (default, offline) or ``embedded:tiny``
     model_name_or_path: str = EMBEDDED_SMOLLM2
+    """HF hub id, local folder, ``embedded:SmolLM2-135M-Instruct`` (default, offline) or ``embedded:tiny``"""
     revision: str | None = None
-    #: ``auto`` = fp32 on CPU (bf16 is ~100x slower on CPUs without AVX-512), bf16 on CUDA when supported
-    dtype: str = "auto"
-    #: ``None`` or ``4bit`` (QLoRA: NF4 base weights via bitsandbytes, LoRA adapters in ``dtype``)
-    quantization: str | None = None
+    """hub revision (branch, tag or commit) of a hub id"""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """``auto`` = fp32 on CPU (bf16 is ~100x slower on CPUs without AVX-512), bf16 on CUDA when supported"""
+    quantization: Literal["4bit"] | None = None
+    """``None`` or ``4bit`` (QLoRA: NF4 base weights via bitsandbytes, LoRA adapters in ``dtype``)"""
     lora_r: int = 16
+    """LoRA rank"""
     lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by alpha / r)"""
     lora_dropout: float = 0.0
-    #: module names to adapt, or ``all-linear``
+    """dropout on the LoRA input (0 keeps the sampler's and the trainer's log-probs identical)"""
     lora_target_modules: list[str] | str = "all-linear"
+    """module names to adapt, or ``all-linear``"""
     gradient_checkpointing: bool = False
+    """recompute activations in the backward pass (less memory, ~30 % more time)"""
     trust_remote_code: bool = False
-    #: where converted embedded models are kept (default ``$SGLIGHTNING_CACHE`` or ``~/.cache/sglightning``)
+    """let transformers run a hub model's own code (only for models you trust)"""
     cache_dir: str | None = None
-    #: extra arguments of the tokenizer's chat template (``apply_chat_template``), e.g. ``{enable_thinking: true}``.
-    #: A template that takes ``enable_thinking`` (Qwen3) gets ``false`` unless set here: thinking mode would open a
-    #: ``<think>`` block before every rating and action (think blocks a model writes anyway are removed before parsing)
+    """where converted embedded models are kept (default ``$SGLIGHTNING_CACHE`` or ``~/.cache/sglightning``)"""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """extra arguments of the tokenizer's chat template (``apply_chat_template``), e.g. ``{enable_thinking: true}``.
+    A template that takes ``enable_thinking`` (Qwen3) gets ``false`` unless set here: thinking mode would open a
+    ``<think>`` block before every rating and action (think blocks a model writes anyway are removed before parsing)"""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    """shape of ``embedded:tiny`` (tests)"""
 
     def __post_init__(self) -> None:
         if isinstance(self.tiny, dict):
@@ -189,6 +202,10 @@ def _tiny_corpus() -> list[str]:
     return texts + [f"Reason: step {i} moved closer.\nLabel: positive\nAction: go to countertop {i}" for i in range(9)]
 
 
+_TINY_QUANT = ("model.quantization: 4bit is not supported for embedded:tiny (a random in-process model: nothing to "
+               "quantise); allowed: null, or 4bit with a real model")
+
+
 def build_tiny_tokenizer(vocab_size: int = 512):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -198,7 +215,8 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tk.train_from_iterator(_tiny_corpus(), trainer=trainer)
     tok = PreTrainedTokenizerFast(
@@ -259,10 +277,7 @@ def load_base_model(cfg: ModelConfig, vocab_size: int, device: torch.device | st
     dtype = resolve_dtype(cfg.dtype, device)
     if name == EMBEDDED_TINY:
         if cfg.quantization:
-            raise ConfigError(
-                "model.quantization: 4bit is not supported for embedded:tiny (a random in-process model: nothing to "
-                "quantise); allowed: null, or 4bit with a real model"
-            )
+            raise ConfigError(_TINY_QUANT)
         return build_tiny_model(cfg.tiny, vocab_size).to(dtype)
     if name == EMBEDDED_SMOLLM2:
         name = str(ensure_smollm2_folder(cfg))
@@ -308,6 +323,57 @@ def add_lora(model, cfg: ModelConfig):
         peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def check_model_source(cfg: ModelConfig, key: str = "model.model_name_or_path") -> None:
+    """Where the model comes from, checked in seconds before anything loads: a ``ConfigError`` naming ``key`` for a
+    local folder that does not exist or holds no model, a missing embedded package, or a hub id that is neither in the
+    local Hugging Face cache nor reachable (instead of a minute of download retries)."""
+    name = cfg.model_name_or_path
+    if name == EMBEDDED_TINY:
+        if cfg.quantization:
+            raise ConfigError(_TINY_QUANT)
+        return
+    if name == EMBEDDED_SMOLLM2:
+        if not (cache_root(cfg) / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file():
+            try:
+                smollm2_gguf_path()
+            except RuntimeError as err:
+                raise ConfigError(f"{key}: {err}") from None
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{key}: {name!r} is not a model folder (no config.json in it)")
+        return
+    parts = name.split("/")
+    if name.startswith((".", "/", "~")) or len(parts) != 2 or not all(parts) or Path(parts[0]).is_dir():
+        raise ConfigError(f"{key}: local folder {name!r} does not exist (a hub id looks like 'org/name')")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = isinstance(try_to_load_from_cache(name, "config.json", revision=cfg.revision), str)
+    except Exception:  # noqa: BLE001 - an unusual cache layout: let the real load decide
+        return
+    if cached:
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not _hub_reachable():
+        raise ConfigError(
+            f"{key}: {name!r} is not a local folder, not in the local Hugging Face cache, and the hub cannot be "
+            f"reached from here; download it on a networked machine (or give a local folder)"
+        )
 
 
 def load_policy(cfg: ModelConfig, device: torch.device | str = "cpu", adapter_path: str | None = None):

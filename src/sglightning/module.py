@@ -27,6 +27,7 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from sglightning import data, distributed, grpo, report, rewards, scoring
 from sglightning.callbacks import AdapterExport, PreemptionCheckpoint, RolloutCallback, run_dir
+from sglightning.console import quiet
 from sglightning.data import EvalConfig
 from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
@@ -35,10 +36,12 @@ from sglightning.errors import ConfigError
 from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig
 from sglightning.metrics import EpisodeMetrics, batch_stats
-from sglightning.models import ModelConfig, load_policy, warn_low_precision_adapters
+from sglightning.models import ModelConfig, check_model_source, load_policy, warn_low_precision_adapters
 from sglightning.rewards import RewardTerm
 from sglightning.rollout import Rollout, RolloutConfig
 from sglightning.sampler import KIND_ACTION, KIND_GUIDANCE, DecoderFactory, DecodeSession
+
+quiet()
 
 #: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
 SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
@@ -91,6 +94,8 @@ class SelfGuideModule(LightningModule):
         self.strict_loading = False  # checkpoints hold the adapters only
         self.policy = None
         self.tokenizer = None
+        self._env_checked = False
+        self.interrupted = False  # Ctrl-C (set by PreemptionCheckpoint; the CLI exits 130)
         self.rollouts_done = 0
         self.skipped_updates = 0
         self.consecutive_skips = 0
@@ -117,11 +122,27 @@ class SelfGuideModule(LightningModule):
         """The peft model itself (under FSDP1 ``self.policy`` is its ``FullyShardedDataParallel`` root wrapper)."""
         return distributed.unwrap(self.policy)
 
+    def preflight(self) -> None:
+        """Checks that take seconds, run by the CLI before anything starts (so a run that cannot start leaves no run
+        folder): the environment and its splits, where the model comes from, the optimiser's arguments.
+        ``ConfigError`` naming the key."""
+        self._check_env()
+        check_model_source(self.model_cfg)
+        try:
+            self.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model.optimizer: {err}") from None
+
+    def _check_env(self) -> None:
+        if not self._env_checked:
+            splits = {"rollout.split": self.rollout_cfg.split, "evaluation.split": self.eval_cfg.split}
+            check_env(self.env_factory, splits)
+            self._env_checked = True
+
     def configure_model(self) -> None:
         if self.policy is not None:
             return
-        # before the (slow) model load: a bad env config fails in a second
-        check_env(self.env_factory, {"rollout.split": self.rollout_cfg.split, "evaluation.split": self.eval_cfg.split})
+        self._check_env()  # before the (slow) model load: a bad env config fails in a second
         if self.model_cfg.quantization and self._sharded():
             raise ConfigError(
                 f"model.model.quantization: {self.model_cfg.quantization} under {type(self.trainer.strategy).__name__} "
@@ -131,6 +152,7 @@ class SelfGuideModule(LightningModule):
                 f"quantization: null"
             )
         self.policy, self.tokenizer = load_policy(self.model_cfg, self.device, self.adapter_path)
+        self.policy.train()  # from_pretrained returns eval mode; the update runs in train mode (LoRA dropout)
         if self.sharding == "fsdp2":
             distributed.apply_fully_shard(self.policy, self.device_mesh)
         elif self.sharding == "fsdp1":
@@ -163,7 +185,9 @@ class SelfGuideModule(LightningModule):
     def configure_callbacks(self):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks = [RolloutCallback(), AdapterExport(), PreemptionCheckpoint()]
+        present = {type(c) for c in self.trainer.callbacks} if self._trainer is not None else set()
+        # a Trainer that ran fit already has them (e.g. validate after fit): keep those, no override notice
+        callbacks = [cb() for cb in (RolloutCallback, AdapterExport, PreemptionCheckpoint) if cb not in present]
         ckpt = self.trainer.checkpoint_callback if self._trainer is not None else None
         if type(ckpt) is ModelCheckpoint and ckpt.save_last is None and ckpt.dirpath is None and ckpt.monitor is None:
             # Lightning's default checkpoint callback (not a user's): instead, `last.ckpt` after every step (adapters

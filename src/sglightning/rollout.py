@@ -42,6 +42,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -88,36 +89,38 @@ class RolloutAborted(Exception):
 class RolloutConfig:
     """How episodes are collected."""
 
-    #: task groups per training step (N); each group is G episodes of one task seed
     groups_per_step: int = 2
-    #: episodes per group (G); GRPO needs >= 2
+    """task groups per training step (N); each group is G episodes of one task seed"""
     group_size: int = 4
-    #: environment steps per episode
+    """episodes per group (G); GRPO needs >= 2"""
     max_steps: int = 8
-    #: sampling temperature of training rollouts (the trainer scores tokens at the same temperature)
+    """environment steps per episode"""
     temperature: float = 1.0
+    """sampling temperature of training rollouts (the trainer scores tokens at the same temperature)"""
     top_k: int = 0
-    #: subtracted from the episode return per invalid action (verl-agent uses 0.1)
+    """sample among the k most likely tokens only (0 = off); the set is recorded and scored like any restriction"""
     invalid_action_penalty: float = 0.0
-    #: single-stream context cap: an episode whose context grows past it is truncated (counted)
+    """subtracted from the episode return per invalid action (verl-agent uses 0.1)"""
     max_context_tokens: int = 4096
-    #: base of all randomness (task seeds, sampling)
+    """context cap: a single-stream episode whose context grows past it is truncated (counted); a two_call rate
+    prompt drops its oldest steps to fit (counted)"""
     seed: int = 0
-    #: the env split training tasks come from
+    """base of all randomness (task seeds, sampling)"""
     split: str = "train"
-    #: an env step slower than this fails its episode (seconds; null = wait forever)
+    """the env split training tasks come from"""
     env_step_timeout_s: float | None = 60.0
-    #: the same for creating an env + ``reset`` (JVM start, task loading)
+    """an env step slower than this fails its episode (seconds; null = wait forever)"""
     env_reset_timeout_s: float | None = 300.0
-    #: step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially
+    """the same for creating an env + ``reset`` (JVM start, task loading)"""
     env_parallel: bool = True
-    #: a group with an episode whose env failed (exception, timeout, dead process): ``keep`` trains on it (the failed
-    #: episode keeps the return it had reached; the others' comparison is intact) or ``drop_group`` leaves the whole
-    #: group out of the update (``rollout/dropped_groups`` counts them)
-    failed_episodes: str = "keep"
-    #: env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
-    #: raise it for envs that mostly wait, e.g. remote env servers)
+    """step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially"""
+    failed_episodes: Literal["keep", "drop_group"] = "keep"
+    """a group with an episode whose env failed (exception, timeout, dead process): ``keep`` trains on it (the failed
+    episode keeps the return it had reached; the others' comparison is intact) or ``drop_group`` leaves the whole
+    group out of the update (``rollout/dropped_groups`` counts them)"""
     env_max_concurrency: int = 0
+    """env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
+    raise it for envs that mostly wait, e.g. remote env servers)"""
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -158,9 +161,9 @@ class Sample:
     kinds: list[int] = field(default_factory=list)  # KIND_CONTEXT / KIND_GUIDANCE / KIND_ACTION
     restrictions: list[Restriction | None] = field(default_factory=list)  # the set a policy token was drawn from
     full_logprobs: list[float] = field(default_factory=list)  # unrestricted log π (diagnostic; 0.0 where not policy)
-    #: the episode step (0-based env step) each token belongs to: the prompt and guidance/action of step t, and the
-    #: observation that opens step t, all carry t — what a step-level advantage estimator needs
     steps: list[int] = field(default_factory=list)
+    """the episode step (0-based env step) each token belongs to: the prompt and guidance/action of step t, and the
+    observation that opens step t, all carry t — what a step-level advantage estimator needs"""
     forced: int = 0  # choice tokens with a single allowed continuation (context, not policy)
 
     def extend_context(self, ids: Sequence[int], step: int = 0) -> None:
@@ -344,6 +347,7 @@ class Rollout:
             max_concurrency=config.env_max_concurrency or None,
         )
         self.env_errors = 0
+        self._failures_logged: set[tuple[str, ...]] = set()
         self._should_stop: Callable[[], bool] | None = None
         self.eot = end_of_turn_ids(tokenizer)
         self.eot_id = tokenizer.eos_token_id
@@ -366,7 +370,12 @@ class Rollout:
         ep.done = True
         ep.won = False
         self.env_errors += 1
-        log.warning("episode %d (seed %d) failed in %s", ep.index, ep.seed, ep.error)
+        # one line per distinct failure: a broken env would otherwise print one line per episode
+        key = ep.error.split(":", 2)[:2]
+        if tuple(key) not in self._failures_logged:
+            self._failures_logged.add(tuple(key))
+            log.warning("episode %d (seed %d) failed in %s (further episodes failing the same way are counted in "
+                        "rollout/env_error_rate, not printed)", ep.index, ep.seed, ep.error)
 
     # ------------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
