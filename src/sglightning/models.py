@@ -326,8 +326,12 @@ def add_lora(model, cfg: ModelConfig):
 
 
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the hub's host accepts a connection (behind a proxy we cannot tell cheaply: assume it does)."""
     import socket
     from urllib.parse import urlparse
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
 
     host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
     try:
