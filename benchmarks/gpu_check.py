@@ -44,7 +44,7 @@ def main(argv=None) -> dict:
 
     from sglightning.envs.household import HouseholdEnv
     from sglightning.guidance import GuidanceConfig
-    from sglightning.models import ModelConfig, TinyModelConfig
+    from sglightning.models import PolicyConfig, TinyModelConfig
     from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
     from sglightning.rollout import RolloutConfig
 
@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
              TinyModelConfig(hidden_size=896, num_layers=24, num_heads=14, intermediate_size=4864))
     groups, size, steps_env = ((1, 2, 2) if args.cpu_smoke else (args.groups, args.group_size, args.max_env_steps))
     module = SelfGuideModule(
-        model=ModelConfig(model_name_or_path="embedded:tiny", tiny=shape, lora_r=16, lora_alpha=32,
+        policy=PolicyConfig(name_or_path="embedded:tiny", tiny=shape, lora_r=16, lora_alpha=32,
                           dtype="bfloat16" if gpu else "float32"),
         env=functools.partial(HouseholdEnv, difficulty=1),
         rollout=RolloutConfig(groups_per_step=groups, group_size=size, max_steps=steps_env),

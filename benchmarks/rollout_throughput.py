@@ -19,7 +19,7 @@ import torch
 
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig, parse_action, stream_first_messages, stream_next_user
-from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, ModelConfig, load_policy
+from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
 from sglightning.rollout import ChatFormat, Rollout, RolloutConfig
 
 
@@ -79,7 +79,7 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     print(f"{'model':10} {'mode':28} {'tokens':>7} {'episodes':>8} {'seconds':>8} {'tok/s':>8} {'episodes/s':>10}")
     for name in args.models:
-        cfg = ModelConfig(model_name_or_path=EMBEDDED_TINY if name == "tiny" else EMBEDDED_SMOLLM2)
+        cfg = PolicyConfig(name_or_path=EMBEDDED_TINY if name == "tiny" else EMBEDDED_SMOLLM2)
         model, tok = load_policy(cfg)
         model.eval()
         for label, fn in (("sglightning batched+KV", batched), ("naive generate/episode", naive)):

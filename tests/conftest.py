@@ -19,3 +19,15 @@ def alfworld_data(tmp_path_factory) -> Path:
     from alfworld_games import build_alfworld_fixture
 
     return build_alfworld_fixture(tmp_path_factory.mktemp("alfworld"))
+
+
+@pytest.fixture(autouse=True)
+def _keep_torch_threads():
+    """The CLI sets torch's thread count for its process (``--threads``); tests that run it in-process must not leave
+    the rest of the session on another count than it started with."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)

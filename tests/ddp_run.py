@@ -21,7 +21,7 @@ from lightning.pytorch import Callback, Trainer
 from test_trainer import tiny_module
 
 from sglightning.callbacks import AdapterExport
-from sglightning.models import ModelConfig
+from sglightning.models import PolicyConfig
 from sglightning.module import EvalConfig, GRPOConfig
 from sglightning.rollout import RolloutConfig
 
@@ -47,10 +47,10 @@ class Record(Callback):
 
 def main(out: Path, strategy: str, bf16: bool = False) -> None:
     torch.manual_seed(0)
-    model = ModelConfig(model_name_or_path="embedded:tiny", lora_r=4, lora_alpha=8,
+    policy = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8,
                         dtype="bfloat16" if bf16 else "float32")
     module = tiny_module(  # the test suite's tiny setup, with longer episodes, one-sample micro-batches, 5 eval tasks
-        model=model,
+        policy=policy,
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3),
         grpo=GRPOConfig(kl_coef=0.01, micro_batch_size=1),
         evaluation=EvalConfig(num_tasks=5, tasks_per_batch=2),

@@ -11,7 +11,7 @@ import pytest
 from sglightning.cli import cli_main
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_MODEL = ["--model.model.model_name_or_path=embedded:tiny", "--model.model.lora_r=4", "--model.model.lora_alpha=8",
+TINY_MODEL = ["--model.policy.name_or_path=embedded:tiny", "--model.policy.lora_r=4", "--model.policy.lora_alpha=8",
               "--trainer.accelerator=cpu", "--trainer.precision=32-true"]
 
 pytestmark = [pytest.mark.jvm, pytest.mark.slow]

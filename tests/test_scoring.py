@@ -11,7 +11,7 @@ import torch
 from sglightning import grpo, scoring
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import ModelConfig
+from sglightning.models import PolicyConfig
 from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
 from sglightning.rollout import RolloutConfig, Sample
 from sglightning.sampler import KIND_ACTION, Choice, DecodeSession, Restriction
@@ -99,7 +99,7 @@ def test_second_ppo_epoch_clips_on_the_restricted_ratio():
 
 def _module(action_decoding: str = "admissible", **over) -> SelfGuideModule:
     return SelfGuideModule(
-        model=ModelConfig(model_name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
+        policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
         env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=2, temperature=0.9),
         guidance=GuidanceConfig(action_decoding=action_decoding, max_guidance_tokens=4, max_action_tokens=4),

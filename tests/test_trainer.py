@@ -16,7 +16,7 @@ from sglightning import grpo, scoring
 from sglightning.cli import cli_main
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import ModelConfig
+from sglightning.models import PolicyConfig
 from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
 from sglightning.rollout import RolloutConfig
 
@@ -33,7 +33,7 @@ REQUIRED_SCALARS = [
 
 def tiny_module(**over) -> SelfGuideModule:
     kw = dict(
-        model=ModelConfig(model_name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
+        policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
         env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=2),
         guidance=GuidanceConfig(action_decoding="admissible", max_guidance_tokens=4, max_action_tokens=4),
@@ -181,7 +181,7 @@ def test_cli_fit_logs_everything_and_exports_the_adapter(cli_run, capsys):
 
     from sglightning.models import build_tiny_model
 
-    base = build_tiny_model(cli.model.model_cfg.tiny, len(cli.model.tokenizer))
+    base = build_tiny_model(cli.model.policy_cfg.tiny, len(cli.model.tokenizer))
     loaded = PeftModel.from_pretrained(base, str(adapter))
     ids = torch.tensor([[1, 5, 9, 20]])
     cli.model.policy.eval()
@@ -229,8 +229,8 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.grpo.clip_low=-0.1"], "clip_low"),
         (["--model.grpo.trust_breakpoints=[0.5,0.4,0.7,0.8]"], "trust_breakpoints"),
         (["--model.env.class_path=no.such.Env"], "env"),
-        (["--model.model.model_name_or_path=embedded:gpt9"], "model_name_or_path"),
-        (["--model.model.quantization=8bit"], "quantization"),
+        (["--model.policy.name_or_path=embedded:gpt9"], "name_or_path"),
+        (["--model.policy.quantization=8bit"], "quantization"),
         (["--model.guidance.prompt_mode=three_call"], "prompt_mode"),
         (["--model.rollout.max_steps=0"], "max_steps"),
         (["--model.evaluation.self_guidance=maybe"], "self_guidance"),
@@ -240,13 +240,13 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.rollout.temperature=0"], "temperature"),
         (["--model.rollout.env_step_timeout_s=-1"], "env_step_timeout_s"),
         (["--model.rollout.failed_episodes=retry"], "failed_episodes"),
-        (["--model.model.lora_r=0"], "lora_r"),
-        (["--model.model.model_name_or_path=./no/such/folder"], "does not exist"),
+        (["--model.policy.lora_r=0"], "lora_r"),
+        (["--model.policy.name_or_path=./no/such/folder"], "does not exist"),
         (["--model.env.init_args.bogus=1"], "bogus"),
         # found at setup (env built, splits checked, model loaded): still one line naming the key, exit 2
         (["--model.evaluation.split=valid_unseen"], "evaluation.split: 'valid_unseen' is not a split of HouseholdEnv"),
         (["--model.env.init_args.difficulty=7"], "difficulty"),
-        (["--model.model.quantization=4bit"], "model.quantization: 4bit is not supported for embedded:tiny"),
+        (["--model.policy.quantization=4bit"], "model.policy.quantization: 4bit is not supported for embedded:tiny"),
         (["--model.env=sglightning.envs.webshop.WebShopEnv"], "web_agent_site"),  # the extra is not installed
         (["--model.env=sglightning.envs.textworld_express.TextWorldExpressEnv", "--model.env.init_args.game=chess"],
          "env.init_args.game: 'chess' is not one of"),
@@ -260,9 +260,9 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.guidance.actor_format=xml"], "Literal['action_line', 'json', 'think_tags']"),
         (["--model.optimizer.init_args.lr=-0.001"], "model.optimizer: Invalid learning rate: -0.001"),
         (["--trainer.max_steps=-5"], "`max_steps` must be a non-negative integer or -1"),
-        (["--model.model.model_name_or_path=my_models/smol2"],
+        (["--model.policy.name_or_path=my_models/smol2"],
          "'my_models/smol2' is not a local folder, not in the local Hugging Face cache"),
-        (["--model.model.model_name_or_path=tests"], "'tests' is not a model folder (no config.json in it)"),
+        (["--model.policy.name_or_path=tests"], "'tests' is not a model folder (no config.json in it)"),
     ],
 )
 def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys, tmp_path, monkeypatch):
@@ -464,7 +464,7 @@ def test_paper_configs_are_one_per_table_row_and_differ_only_where_the_rows_do(b
     assert m["guidance"]["actor_format"] == ("think_tags" if bench == "webshop" else "json")
     assert m["guidance"]["rate_history_length"] is None
     assert m["rollout"]["max_steps"] == {"alfworld": 50, "scienceworld": 30, "webshop": 15}[bench]
-    assert m["model"]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert m["policy"]["chat_template_kwargs"] == {"enable_thinking": False}
     for arm in rows:
         assert (f"sglightning fit --config configs/paper/{bench}_{arm}.yaml"
                 in (PAPER / f"{bench}_{arm}.yaml").read_text())

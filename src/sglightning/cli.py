@@ -15,15 +15,18 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 # third-party import-time noise that says nothing about the run (set before lightning imports bitsandbytes)
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # "no `kernels` package" on CPU
 
 from jsonargparse import set_parsing_settings  # noqa: E402
+from jsonargparse.typing import PositiveInt  # noqa: E402
+from lightning.pytorch import Trainer  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback  # noqa: E402
 
+from sglightning import threads  # noqa: E402
 from sglightning.callbacks import run_dir  # noqa: E402
 from sglightning.checkpointing import CheckpointError, load_checkpoint_file  # noqa: E402
 from sglightning.console import StepProgressBar, quiet  # noqa: E402
@@ -117,7 +120,7 @@ class SGLightningCLI(LightningCLI):
         except MisconfigurationException as err:
             self._error(f"trainer: {err}")
         try:
-            self.model.preflight()
+            self.model.preflight(self.trainer.strategy)
         except (ConfigError, ValueError) as err:
             self._error(str(err))
 
@@ -126,13 +129,22 @@ class SGLightningCLI(LightningCLI):
         parser = getattr(self, "_subcommand_parsers", {}).get(self.subcommand, self.parser)
         parser.error(message)
 
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_argument(
+            "--threads", type=PositiveInt | Literal["auto"] | None, default="auto",
+            help="torch CPU threads per process: auto = one less than this process's share of the CPUs (at least 1; "
+                 "OMP_NUM_THREADS wins when set), an integer, or null for torch's default (one per core, which "
+                 "collapses when another busy process shares the cores)")
+
     def before_instantiate_classes(self) -> None:
-        """``--ckpt_path last`` on a fresh process: find the newest ``last.ckpt`` of this config's runs
-        (``<save_dir>/<name>/version_*/checkpoints/``) and continue in that run's folder; with none, start fresh (so
-        one command line serves both the first launch and every requeue after a preemption)."""
+        """Set the thread budget (before the model and the env workers exist); then ``--ckpt_path last`` on a fresh
+        process: find the newest ``last.ckpt`` of this config's runs (``<save_dir>/<name>/version_*/checkpoints/``)
+        and continue in that run's folder; with none, start fresh (so one command line serves both the first launch
+        and every requeue after a preemption)."""
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        threads.apply(cfg.get("threads", "auto"), cfg.get("trainer"))
         if self.subcommand != "fit":
             return
-        cfg = self.config[self.subcommand]
         if cfg.get("ckpt_path") != "last":
             return
         found = find_last_checkpoint(cfg)
@@ -164,6 +176,15 @@ class SGLightningCLI(LightningCLI):
             print(f"sglightning {sub}: error: {err}", file=sys.stderr)
             sys.exit(2)
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
+        """Lightning's, but the default progress bar stays out when ``trainer.enable_progress_bar`` is false (the
+        Trainer refuses a progress-bar callback then)."""
+        if config.get("enable_progress_bar") is False:
+            defaults = self.trainer_defaults.get("callbacks") or []
+            self.trainer_defaults = dict(self.trainer_defaults, callbacks=[
+                c for c in defaults if not isinstance(c, StepProgressBar)])
+        return super()._instantiate_trainer(config, callbacks)
+
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
@@ -190,7 +211,7 @@ class SGLightningCLI(LightningCLI):
         out.mkdir(parents=True, exist_ok=True)
         report = dict(report, config={
             "env": self.model.env_name(),
-            "model": self.model.model_cfg.model_name_or_path,
+            "model": self.model.policy_cfg.name_or_path,
             "adapter": self.model.adapter_path,
             "checkpoint": self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None,
             "episodes_per_mode": self.model.eval_cfg.num_tasks * self.model.eval_cfg.episodes_per_task,

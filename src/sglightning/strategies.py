@@ -8,7 +8,7 @@ distributed checkpoints.  ``FSDP1Strategy``: Lightning's ``FSDPStrategy`` with t
   (``SelfGuideModule._apply_fully_shard``) and has no tensor-parallel plan, so here the data-parallel size is always
   the world size and the tensor-parallel size 1.
 * Checkpoints: ``last.ckpt/`` is written after every step.  Lightning's distributed checkpoint holds the whole sharded
-  model (a 7B base: ~14 GB of bf16 per save) although the base is frozen and reloaded from ``model_name_or_path``;
+  model (a 7B base: ~14 GB of bf16 per save) although the base is frozen and reloaded from ``name_or_path``;
   this strategy keeps only the trainable (adapter) weights plus the optimiser state and the loop metadata, and on
   load asks ``torch.distributed.checkpoint`` for exactly the model entries the checkpoint holds (so folders written
   by ``ModelParallelStrategy`` with the whole model load too).  A save goes to ``.last.ckpt.partial/`` and is
@@ -179,7 +179,7 @@ def recover_swapped_checkpoints(checkpoint_dir: Path) -> list[Path]:
 class FSDP1Strategy(_AdapterCheckpoints, FSDPStrategy):
     """Lightning's ``FSDPStrategy`` (FSDP1) with this trainer's checkpoints: with ``state_dict_type: sharded`` the
     ``last.ckpt/`` folder holds the adapter shards, their optimiser state and the loop metadata (the frozen base is
-    reloaded from ``model_name_or_path``), is swapped in whole (as ``FSDP2Strategy``'s), and loading asks for
+    reloaded from ``name_or_path``), is swapped in whole (as ``FSDP2Strategy``'s), and loading asks for
     exactly the model entries a folder holds (whole-model folders written by ``FSDPStrategy`` load too).  The FSDP
     units are built by ``SelfGuideModule._wrap_fsdp1``.  Being a subclass, it also passes Lightning's GPU-only check
     for ``FSDPStrategy``: torch's FSDP1 runs on CPU processes (gloo) as well, which is how CI runs it."""

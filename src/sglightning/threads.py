@@ -1,0 +1,85 @@
+"""How many CPU threads torch may use: the ``threads`` key of ``sglightning fit | validate``.
+
+Why a budget at all: torch's intra-op pool defaults to one thread per core, and its threads wait for each other at the
+end of every parallel region (thousands per decoded token on a small model). When another busy process holds one of
+the cores, every region waits for the thread that is not scheduled, and a rollout that takes seconds alone takes
+minutes (measured on a 2-core box: a tiny fit 9 s alone, 308 s beside one busy process; the same fit with one torch
+thread hardly slowed down). The env workers of this trainer (threads stepping simulators, ScienceWorld's and
+TextWorldExpress' JVMs, the tokenizer) compete for the same cores.
+
+``auto`` (the default) therefore leaves one core of each process's share to everything that is not a matmul:
+
+    cores = CPUs this process may run on (affinity mask and cgroup quota), divided by the processes of this run on
+            this machine (``trainer.devices`` under DDP/FSDP on CPU or per GPU)
+    threads = max(1, cores - 1)
+
+so a 2-core box runs one torch thread (what survives a neighbour), an 8-core laptop seven, a 16-core GPU node's
+process fifteen. ``OMP_NUM_THREADS`` in the environment wins over ``auto`` (it is the user's explicit choice); an
+integer sets the count; ``null`` leaves torch's own default.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+Threads = int | Literal["auto"] | None
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: the affinity mask (``taskset``, Slurm) capped by a cgroup v2 CPU quota
+    (containers started with ``--cpus``)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
+def local_processes(trainer: dict[str, Any] | None) -> int:
+    """Processes a run starts on this machine, from the trainer config: one per device in ``trainer.devices`` (an
+    int or a list); ``auto``/``-1`` on GPUs counts the visible GPUs; otherwise one."""
+    trainer = trainer or {}
+    devices = trainer.get("devices", "auto")
+    if isinstance(devices, (list, tuple)):
+        return max(1, len(devices))
+    if isinstance(devices, str) and devices.strip().lstrip("-").isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and devices > 0:
+        return devices
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
+        return max(1, torch.cuda.device_count())
+    return 1
+
+
+def resolve(setting: Threads, processes: int = 1, cpus: int | None = None) -> int | None:
+    """The torch thread count for ``setting`` (``None``: leave torch's default). ``auto`` → max(1, cpus/processes − 1),
+    unless ``OMP_NUM_THREADS`` is set (then torch already follows it)."""
+    if setting is None:
+        return None
+    if setting == "auto":
+        if os.environ.get("OMP_NUM_THREADS"):
+            return None
+        share = (cpus or available_cpus()) // max(1, processes)
+        return max(1, share - 1)
+    if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
+        raise ValueError(f"threads: must be auto, null or an integer >= 1, got {setting!r}")
+    return setting
+
+
+def apply(setting: Threads, trainer: dict[str, Any] | None = None) -> int:
+    """Set torch's intra-op threads for this process; returns the count in force."""
+    n = resolve(setting, local_processes(trainer))
+    if n is not None and n != torch.get_num_threads():
+        torch.set_num_threads(n)
+    return torch.get_num_threads()
