@@ -155,7 +155,8 @@ class SelfGuideModule(LightningModule):
         if self.policy is not None:
             return
         self._check_env()  # before the (slow) model load: a bad env config fails in a second
-        self._check_quantization(self.trainer.strategy)
+        if self._trainer is not None:
+            self._check_quantization(self._trainer.strategy)
         self.policy, self.tokenizer = load_policy(self.policy_cfg, self.device, self.adapter_path)
         self.policy.train()  # from_pretrained returns eval mode; the update runs in train mode (LoRA dropout)
         if self.sharding == "fsdp2":
