@@ -81,12 +81,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     from sglightning.threads import available_cpus, resolve
 
+    hog_arm = f"{args.hogs} hog" + ("s" if args.hogs > 1 else "")
     walls: dict[str, list[float | None]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
             for setting, flag in SETTINGS.items():
                 for hogs in (0, args.hogs):
-                    arm = f"{setting}/{'alone' if hogs == 0 else f'{hogs} hog' + ('s' if hogs > 1 else '')}"
+                    arm = f"{setting}/{'alone' if hogs == 0 else hog_arm}"
                     workdir = Path(tmp) / f"{arm}-{r}".replace("/", "_").replace(" ", "_")
                     workdir.mkdir()
                     wall = run_fit(args.config, args.steps, flag, hogs, args.timeout, workdir, args.hog)
@@ -98,7 +99,6 @@ def main(argv: list[str] | None = None) -> dict:
         done = [w for w in walls[arm] if w is not None]
         return min(done) if done else float("inf")
 
-    hog_arm = f"{args.hogs} hog" + ("s" if args.hogs > 1 else "")
     out = {
         "box": {"cpus": available_cpus(), "torch": torch.__version__, "torch_default_threads": torch.get_num_threads(),
                 "budget_threads": resolve("auto"), "date": time.strftime("%Y-%m-%d")},
