@@ -405,6 +405,13 @@ def policy_counts(mask: Tensor | None) -> Tensor:
     return torch.tensor([float(m.sum()), float((m.sum(1) > 0).sum())], dtype=torch.float64, device=mask.device)
 
 
+def zero_advantage_rows(tok_adv: Tensor, mask: Tensor) -> Tensor:
+    """``[S]`` bool: samples whose policy tokens all carry advantage 0. With no KL term their clipped-ratio loss
+    min(ρÂ, clip(ρ)Â) is 0 whatever ρ, so their gradient is exactly 0 and their forward/backward can be skipped
+    (they keep their place in the token-mean denominator: :func:`policy_counts` is taken over every sample)."""
+    return ((tok_adv != 0) & mask.bool()).sum(1) == 0  # [S]
+
+
 def microbatch_weight(mask: Tensor, totals: Tensor, loss_agg: str = "token_mean") -> Tensor:
     """The share of the step's global loss that one micro-batch's own mean carries: its policy tokens over all
     micro-batches' and ranks' (``token_mean``), or its sequences over all (``seq_mean_token_mean``).  ``totals``:
@@ -587,6 +594,10 @@ class GRPOConfig:
     """clip the total gradient norm to this (null: no clipping; the norm is logged either way)"""
     max_consecutive_skips: int = 5
     """stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop"""
+    skip_zero_advantage: bool = True
+    """with ``kl_coef: 0``, samples whose policy tokens all have advantage 0 (every sample of a group whose returns are
+    all equal) get no forward/backward: their loss and gradient are exactly 0, and they still count in the token-mean
+    denominator, so the update is unchanged. With the KL term on they are computed (the KL pulls on them too)"""
 
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)

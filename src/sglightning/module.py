@@ -46,7 +46,8 @@ quiet()
 #: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
 SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
                       "rollout/dropped_groups", "rollout/degenerate_groups", "tokens/generated", "tokens/policy",
-                      "tokens/forced_choice", "tokens/total"})
+                      "tokens/forced_choice", "tokens/total", "tokens/zero_advantage_samples",
+                      "tokens/skipped_zero_advantage_samples"})
 
 
 def _default_optimizer(params):
@@ -331,6 +332,17 @@ class SelfGuideModule(LightningModule):
         mask = step_data["mask"] if step_data is not None else None
         # global policy tokens and sequences (all micro-batches, all ranks): the loss is one mean over all of them
         totals = distributed.all_reduce(grpo.policy_counts(mask).to(self.device))
+        zeros = skipped = 0.0
+        if mask is not None:
+            zero = grpo.zero_advantage_rows(tok_adv, mask)  # [S]
+            zeros = float(zero.sum())
+            if zeros and c.skip_zero_advantage and c.kl_coef == 0:
+                # no KL: samples with Â = 0 on every policy token add exactly 0 to loss and gradient (they stay in
+                # `totals`, the token-mean denominator): no forward/backward for them. With KL they are computed.
+                skipped = zeros
+                keep = ~zero
+                step_data, tok_adv = scoring.select_rows(step_data, keep), tok_adv[keep]
+                mask = step_data["mask"]
         temp = self.rollout_cfg.temperature
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
@@ -349,15 +361,18 @@ class SelfGuideModule(LightningModule):
                 self.manual_backward, self.device, c.kl_coef > 0, self.policy.disable_adapter)
         for start in starts:
             sl = slice(start, start + c.micro_batch_size)
-            ids, attn, m = step_data["ids"][sl], step_data["attn"][sl], mask[sl]
+            width = int(step_data["attn"][sl].sum(1).max())  # right padding beyond the micro-batch's longest: dropped
+            cols = (sl, slice(0, width))
+            ids, attn, m = step_data["ids"][cols], step_data["attn"][cols], mask[cols]
             restrict = scoring.restrictions_of(step_data, sl)
+            restrict["index"] = restrict["index"][:, :width]
             ref = None
             if c.kl_coef > 0:
                 with torch.no_grad(), self.policy.disable_adapter():
                     ref, _ = self.token_logprobs(ids, attn, m, temp, restrict=restrict)
             logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True, restrict=restrict)
             loss, st = grpo.grpo_loss(
-                logp, step_data["old_logp"][sl], tok_adv[sl], m,
+                logp, step_data["old_logp"][cols], tok_adv[cols], m,
                 clip_low=c.clip_low, clip_high=c.clip_high, ref_logp=ref, kl_coef=c.kl_coef,
                 kl_kind=c.kl_kind, loss_agg=c.loss_agg,
             )
@@ -371,7 +386,7 @@ class SelfGuideModule(LightningModule):
                 w = w * self._world()[1]  # FSDP averages gradients over ranks; the weights already are global shares
             with distributed.no_sync(self.trainer.strategy.model if self._trainer is not None else None):
                 self.manual_backward(loss * w)
-            kinds = step_data["kinds"][sl]
+            kinds = step_data["kinds"][cols]
             extra = {
                 "loss/total": float(loss.detach()),
                 "loss/policy": float(st["policy_loss"]),
@@ -383,7 +398,7 @@ class SelfGuideModule(LightningModule):
                 "policy/entropy_action": float(grpo.masked_mean(ent, m & (kinds == KIND_ACTION))),
             }
             if first_epoch:  # sampler vs trainer log-prob on the same weights: ~0 unless something drifted
-                old, full = step_data["old_logp"][sl], step_data["full_logp"][sl]
+                old, full = step_data["old_logp"][cols], step_data["full_logp"][cols]
                 extra["policy/logprob_gap_sampler_trainer"] = float(grpo.masked_mean((logp.detach() - old).abs(), m))
                 # the unrestricted log π of the sampled tokens, and log Z(A) where sampling was restricted (how much
                 # of the model's own mass the allowed set held: 0 = all of it)
@@ -416,6 +431,8 @@ class SelfGuideModule(LightningModule):
         self.consecutive_skips = 0
         opt.step()
         out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
+        out["tokens/zero_advantage_samples"] = zeros
+        out["tokens/skipped_zero_advantage_samples"] = skipped
         out["train/grad_norm"] = float(grad_norm)
         out["train/update_skipped"] = 0.0
         return out

@@ -32,7 +32,8 @@ from sglightning.sampler import Restriction, complement_log_mass
 
 
 def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
-    """Right-pad samples into ``[S, L]`` tensors.
+    """Right-pad samples into ``[S, L]`` tensors, each cut after its last policy token (the observation after the last
+    action, which no policy token follows, cannot change any log-prob of a causal LM: it is not fed to the update).
 
     Keys: ``ids``, ``attn`` (1 = real token), ``mask`` (policy tokens), ``old_logp`` (sampler log q), ``full_logp``
     (sampler's unrestricted log π, diagnostic), ``kinds``, ``steps`` (the episode step of each token), ``episode`` [S],
@@ -40,7 +41,8 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
     [S, L] (row of the restriction table, −1 = unrestricted), ``restrict_ids`` [U, K] / ``restrict_valid`` [U, K]
     (each distinct restriction's token ids, padded) and ``restrict_exclude`` [U].
     """
-    L = max(len(s.ids) for s in samples)
+    lengths = [_scored_length(s) for s in samples]
+    L = max(lengths)
     S = len(samples)
     ids = torch.full((S, L), pad_id, dtype=torch.long)  # [S, L]
     attn = torch.zeros(S, L, dtype=torch.long)  # [S, L]
@@ -53,15 +55,15 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
     table: dict[Restriction, int] = {}
     seen: dict[int, int] = {}  # id(restriction) -> table row: the tokens of one segment share one object
     for i, s in enumerate(samples):
-        n = len(s.ids)
-        ids[i, :n] = torch.tensor(s.ids)
+        n = lengths[i]
+        ids[i, :n] = torch.tensor(s.ids[:n])
         attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(s.policy)
-        old[i, :n] = torch.tensor(s.logprobs)
-        full[i, :n] = torch.tensor(s.full_logprobs)
-        kinds[i, :n] = torch.tensor(s.kinds)
-        steps[i, :n] = torch.tensor(s.steps)
-        for k, r in enumerate(s.restrictions):
+        mask[i, :n] = torch.tensor(s.policy[:n])
+        old[i, :n] = torch.tensor(s.logprobs[:n])
+        full[i, :n] = torch.tensor(s.full_logprobs[:n])
+        kinds[i, :n] = torch.tensor(s.kinds[:n])
+        steps[i, :n] = torch.tensor(s.steps[:n])
+        for k, r in enumerate(s.restrictions[:n]):
             if r is not None:
                 u = seen.get(id(r))
                 if u is None:
@@ -81,6 +83,18 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
         "episode": episode, "restrict_index": rindex, "restrict_ids": rids, "restrict_valid": rvalid,
         "restrict_exclude": rexcl,
     }
+
+
+def _scored_length(sample) -> int:
+    """Tokens up to and including the sample's last policy token (all of them when it has none)."""
+    last = max((k for k, p in enumerate(sample.policy) if p), default=len(sample.ids) - 1)
+    return last + 1
+
+
+def select_rows(data: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+    """The samples ``rows`` (``[S]`` bool) of a collated batch; the restriction table is shared and kept whole."""
+    shared = ("restrict_ids", "restrict_valid", "restrict_exclude")
+    return {k: (v if k in shared else v[rows]) for k, v in data.items()}
 
 
 def restrictions_of(data: dict[str, Tensor], rows: slice | None = None) -> dict[str, Tensor]:

@@ -1,0 +1,145 @@
+"""No compute where no gradient can come from: context after a sample's last policy token is not fed to the update,
+and (without a KL term) samples whose advantages are all zero get no forward/backward — with the same update."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+from sglightning import grpo, scoring
+from sglightning.envs.household import HouseholdEnv
+from sglightning.guidance import GuidanceConfig
+from sglightning.models import PolicyConfig, TinyModelConfig, build_tiny_model
+from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
+from sglightning.rewards import RewardTerm
+from sglightning.rollout import RolloutConfig, Sample
+from sglightning.sampler import KIND_ACTION
+
+
+def _sample(context: list[int], policy: list[int], tail: list[int], episode: int = 0) -> Sample:
+    s = Sample(episode)
+    s.extend_context(context)
+    for t in policy:
+        s.ids.append(t)
+        s.policy.append(True)
+        s.logprobs.append(-1.0)
+        s.full_logprobs.append(-1.5)
+        s.kinds.append(KIND_ACTION)
+        s.steps.append(0)
+        s.restrictions.append(None)
+    s.extend_context(tail)
+    s.check()
+    return s
+
+
+def test_collate_cuts_each_sample_after_its_last_policy_token():
+    a = _sample([1, 2, 3], [4, 5], [6, 7, 8, 9])
+    b = _sample([1, 2], [4], [5, 6], episode=1)
+    data = scoring.collate([a, b], pad_id=0)
+    assert data["ids"].shape == (2, 5)
+    assert data["ids"][0].tolist() == [1, 2, 3, 4, 5]
+    assert data["attn"].sum(1).tolist() == [5, 3]
+    assert data["mask"].sum(1).tolist() == [2, 1]
+    assert data["old_logp"][0, 3:5].tolist() == [-1.0, -1.0]
+
+
+def test_the_cut_context_changes_no_log_prob():
+    """A causal LM's log-probs at the policy positions are the same with and without the trailing observation."""
+    torch.manual_seed(0)
+    model = build_tiny_model(TinyModelConfig(num_layers=1), 64).eval()
+    s = _sample([3, 9, 11, 5], [7, 21, 13], [30, 31, 32, 33, 34])
+    full_ids = torch.tensor([s.ids])
+    full_mask = torch.tensor([s.policy])
+    cut = scoring.collate([s], pad_id=0)
+    with torch.no_grad():
+        lp_full, _ = scoring.token_logprobs(model, full_ids, torch.ones_like(full_ids), full_mask, 1.0)
+        lp_cut, _ = scoring.token_logprobs(model, cut["ids"], cut["attn"], cut["mask"], 1.0)
+    n = cut["ids"].shape[1]
+    assert n < full_ids.shape[1]
+    assert torch.allclose(lp_full[:, :n][cut["mask"]], lp_cut[cut["mask"]], atol=1e-6)
+
+
+def test_zero_advantage_rows():
+    adv = torch.tensor([[0.0, 0.5, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.3]])
+    mask = torch.tensor([[False, True, True], [True, True, False], [True, True, False]])
+    assert grpo.zero_advantage_rows(adv, mask).tolist() == [False, True, True]  # row 2's non-zero is not a policy token
+
+
+class _HalfTheGroupsDegenerate(RewardTerm):
+    """Even groups: minus the env return (every return of the group is 0: zero advantages); odd groups: a bonus for
+    the group's first episode (non-zero advantages)."""
+
+    name = "split"
+
+    def value(self, episode) -> float:
+        if episode.group % 2 == 0:
+            return -episode.env_return
+        return 0.37 if episode.index % 2 == 0 else 0.0
+
+
+class _Grads(Callback):
+    def __init__(self):
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+                           if p.requires_grad and p.grad is not None})
+
+
+def _fit(tmp_path, skip: bool, kl: float = 0.0, ppo_epochs: int = 1):
+    seed_everything(0)
+    module = SelfGuideModule(
+        policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
+        env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+        rollout=RolloutConfig(groups_per_step=4, group_size=2, max_steps=2, temperature=1.0),
+        guidance=GuidanceConfig(max_guidance_tokens=4, max_action_tokens=4),
+        grpo=GRPOConfig(kl_coef=kl, micro_batch_size=2, trust_constant=0.0, skip_zero_advantage=skip,
+                        ppo_epochs=ppo_epochs),
+        evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        reward_terms=[_HalfTheGroupsDegenerate()],
+    )
+    calls = {"rows": 0}
+    grads = _Grads()
+    Trainer(max_steps=ppo_epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[grads],
+            default_root_dir=tmp_path).fit(_counting(module, calls))
+    return module, grads.grads, calls["rows"]
+
+
+def _counting(module: SelfGuideModule, calls: dict) -> SelfGuideModule:
+    inner = module.token_logprobs
+
+    def counted(ids, *args, **kwargs):
+        calls["rows"] += ids.shape[0]
+        return inner(ids, *args, **kwargs)
+
+    module.token_logprobs = counted
+    return module
+
+
+@pytest.mark.parametrize("ppo_epochs", [1, 2])
+def test_zero_advantage_samples_get_no_forward_and_the_update_is_the_same(tmp_path, ppo_epochs):
+    skip_mod, skip_grads, skip_rows = _fit(tmp_path / "skip", skip=True, ppo_epochs=ppo_epochs)
+    full_mod, full_grads, full_rows = _fit(tmp_path / "full", skip=False, ppo_epochs=ppo_epochs)
+    h = skip_mod.history[0]
+    assert h["tokens/skipped_zero_advantage_samples"] > 0
+    assert h["tokens/zero_advantage_samples"] == h["tokens/skipped_zero_advantage_samples"]
+    assert full_mod.history[0]["tokens/skipped_zero_advantage_samples"] == 0
+    assert full_mod.history[0]["tokens/zero_advantage_samples"] == h["tokens/zero_advantage_samples"]
+    assert skip_rows < full_rows  # fewer rows went through the model
+    assert len(skip_grads) == len(full_grads) == ppo_epochs
+    for gs, gf in zip(skip_grads, full_grads):
+        assert gs.keys() == gf.keys() and gs
+        assert max(float(g.abs().max()) for g in gf.values()) > 0  # the odd groups do move the adapters
+        for name in gf:
+            assert torch.allclose(gs[name], gf[name], atol=1e-6, rtol=1e-5), name
+
+
+def test_with_a_kl_term_zero_advantage_samples_are_still_computed(tmp_path):
+    module, _, _ = _fit(tmp_path, skip=True, kl=0.05)
+    h = module.history[0]
+    assert h["tokens/zero_advantage_samples"] > 0 and h["tokens/skipped_zero_advantage_samples"] == 0
