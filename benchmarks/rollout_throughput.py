@@ -1,31 +1,41 @@
 """Rollout throughput: sglightning's lock-step batched rollout vs a naive loop, same episodes, same run.
 
     python benchmarks/rollout_throughput.py                      # tiny model + SmolLM2 (short)
-    python benchmarks/rollout_throughput.py --models tiny --episodes 16 --steps 4
+    python benchmarks/rollout_throughput.py --models smollm2 --group 8 --repeats 3 --json out.json
 
-Naive baseline: one ``model.generate`` call per episode per step (no batching across episodes, the whole
-conversation re-encoded every turn, HF's own KV cache only inside a call).  sglightning: all live episodes advance in
-one batch; the single-stream context keeps its KV cache across turns.  Both write guidance + action freely with the
-same token budget per turn, so they do comparable work.  Prints generated tokens/s and episodes/s.
+Three arms, alternated ``--repeats`` times in one process (ratios are taken within a repeat, then the median):
+
+* ``shared``: sglightning's default — all live episodes advance in one batch, the single-stream context keeps its KV
+  cache across turns, and a group's common prompt is computed once and its cache copied to the G rows;
+* ``batched``: the same without prefix sharing (every row prefills its own prompt);
+* ``naive``: one ``model.generate`` call per episode per step (no batching across episodes, the whole conversation
+  re-encoded every turn, HF's own KV cache only inside a call).
+
+All write guidance + action freely with the same token budget per turn, so they do comparable work.  Prints generated
+tokens/s, episodes/s, the prefill positions computed, and the speed-ups over ``naive``.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
+import statistics
 import time
 
 import torch
 
+from sglightning.console import quiet
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig, parse_action, stream_first_messages, stream_next_user
 from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
 from sglightning.rollout import ChatFormat, Rollout, RolloutConfig
+from sglightning.sampler import DecodeSession
 
 
-def naive(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, int, float]:
+def naive(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, int, float, int]:
     chat = ChatFormat(tok)
-    tokens = episodes = 0
+    tokens = episodes = prefill = 0
     t0 = time.perf_counter()
     for seed in seeds:
         for _ in range(group):
@@ -34,6 +44,7 @@ def naive(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, i
             msgs = stream_first_messages(res.task, res.observation, res.admissible_actions, env.action_help, True)
             for _ in range(steps):
                 ids = torch.tensor([chat.prompt_ids(msgs)])
+                prefill += ids.shape[1]
                 out = model.generate(
                     input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=True,
                     temperature=1.0, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
@@ -50,16 +61,24 @@ def naive(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, i
                 if step.done:
                     break
             episodes += 1
-    return tokens, episodes, time.perf_counter() - t0
+    return tokens, episodes, time.perf_counter() - t0, prefill
 
 
-def batched(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, int, float]:
+def batched(model, tok, env_factory, seeds, group, steps, max_new, share=True) -> tuple[int, int, float, int]:
     gc = GuidanceConfig(decoding="free", action_decoding="free", max_guidance_tokens=max_new // 2,
                         max_action_tokens=max_new - max_new // 2)
-    r = Rollout(model, tok, env_factory, gc, RolloutConfig(group_size=group, max_steps=steps))
+    r = Rollout(model, tok, env_factory, gc, RolloutConfig(group_size=group, max_steps=steps),
+                decoder=functools.partial(DecodeSession, share_prefix=share))
     t0 = time.perf_counter()
     b = r.run(seeds, generator=torch.Generator().manual_seed(0))
-    return b.generated_tokens, len(b.episodes), time.perf_counter() - t0
+    return b.generated_tokens, len(b.episodes), time.perf_counter() - t0, b.prefill_positions
+
+
+ARMS = {
+    "shared": functools.partial(batched, share=True),
+    "batched": functools.partial(batched, share=False),
+    "naive": naive,
+}
 
 
 def main() -> None:
@@ -69,25 +88,52 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="episodes per task")
     ap.add_argument("--steps", type=int, default=3, help="env steps per episode")
     ap.add_argument("--max-new", type=int, default=32, help="new tokens per turn")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of the three arms, alternated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--json", help="write every measurement and the ratios here")
     args = ap.parse_args()
+    quiet()
     if args.threads:
         torch.set_num_threads(args.threads)
     env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
     seeds = list(range(args.tasks))
     print(f"{args.tasks} tasks x {args.group} episodes x <= {args.steps} steps, <= {args.max_new} new tokens/turn, "
-          f"torch threads {torch.get_num_threads()}")
-    print(f"{'model':10} {'mode':28} {'tokens':>7} {'episodes':>8} {'seconds':>8} {'tok/s':>8} {'episodes/s':>10}")
+          f"torch {torch.__version__}, threads {torch.get_num_threads()}")
+    print(f"{'model':8} {'arm':8} {'round':>5} {'tokens':>7} {'episodes':>8} {'prefill':>8} {'seconds':>8} "
+          f"{'tok/s':>8} {'episodes/s':>10}")
+    report: dict = {"args": vars(args), "torch": torch.__version__, "runs": [], "ratios": {}}
     for name in args.models:
         cfg = PolicyConfig(name_or_path=EMBEDDED_TINY if name == "tiny" else EMBEDDED_SMOLLM2)
         model, tok = load_policy(cfg)
         model.eval()
-        for label, fn in (("sglightning batched+KV", batched), ("naive generate/episode", naive)):
-            torch.manual_seed(0)
-            with torch.no_grad():
-                n_tok, n_ep, sec = fn(model, tok, env, seeds, args.group, args.steps, args.max_new)
-            print(f"{name:10} {label:28} {n_tok:7d} {n_ep:8d} {sec:8.1f} {n_tok / sec:8.1f} {n_ep / sec:10.3f}",
-                  flush=True)
+        speed: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        for rnd in range(args.repeats):
+            order = list(ARMS) if rnd % 2 == 0 else list(reversed(ARMS))
+            for arm in order:
+                torch.manual_seed(0)
+                with torch.no_grad():
+                    n_tok, n_ep, sec, prefill = ARMS[arm](model, tok, env, seeds, args.group, args.steps,
+                                                          args.max_new)
+                speed[arm].append(n_tok / sec)
+                report["runs"].append({"model": name, "arm": arm, "round": rnd, "tokens": n_tok, "episodes": n_ep,
+                                       "prefill_positions": prefill, "seconds": sec})
+                print(f"{name:8} {arm:8} {rnd:5d} {n_tok:7d} {n_ep:8d} {prefill:8d} {sec:8.1f} {n_tok / sec:8.1f} "
+                      f"{n_ep / sec:10.3f}", flush=True)
+        ratios = {}
+        for arm in ("shared", "batched"):
+            per_round = [a / b for a, b in zip(speed[arm], speed["naive"])]
+            ratios[f"{arm}_vs_naive"] = statistics.median(per_round)
+            ratios[f"{arm}_vs_naive_range"] = [min(per_round), max(per_round)]
+        per_round = [a / b for a, b in zip(speed["shared"], speed["batched"])]
+        ratios["shared_vs_batched"] = statistics.median(per_round)
+        report["ratios"][name] = ratios
+        print(f"{name}: generated tokens/s, median over rounds: shared / naive {ratios['shared_vs_naive']:.2f}x "
+              f"(range {ratios['shared_vs_naive_range'][0]:.2f}-{ratios['shared_vs_naive_range'][1]:.2f}), "
+              f"batched / naive {ratios['batched_vs_naive']:.2f}x, shared / batched "
+              f"{ratios['shared_vs_batched']:.2f}x", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":

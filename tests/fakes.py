@@ -20,7 +20,7 @@ class FakeCache:
         self.rows: list[list[int]] = [[] for _ in range(n)]
 
     def batch_select_indices(self, idx: torch.Tensor) -> None:
-        self.rows = [self.rows[int(i)] for i in idx]
+        self.rows = [list(self.rows[int(i)]) for i in idx]  # copies, as a real cache (rows may repeat)
 
 
 class ScriptedLM(torch.nn.Module):

@@ -293,10 +293,13 @@ def test_adapter_save_and_reload_reproduces_logits(tiny, tmp_path):
 # ========================================================================================= local HF folder
 
 
-def test_local_folder_loads(tiny, tiny_folder):
+def test_local_folder_loads(tiny, tiny_folder, capfd):
     from peft import PeftModel
+    from transformers.utils import logging as hf_logging
 
     model, tok = load_policy(PolicyConfig(name_or_path=str(tiny_folder)))
+    assert "Loading weights" not in capfd.readouterr().err  # no per-tensor progress bar in a training log
+    assert hf_logging.is_progress_bar_enabled()  # ... and the user's own setting is restored
     assert isinstance(model, PeftModel)
     assert type(model.get_base_model()).__name__ == "Qwen2ForCausalLM"
     assert tok.chat_template and tok.pad_token_id is not None

@@ -20,7 +20,7 @@ from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig, parse_action
 from sglightning.models import PolicyConfig, build_tiny_tokenizer, load_policy
 from sglightning.rollout import Rollout, RolloutConfig
-from sglightning.sampler import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE
+from sglightning.sampler import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE, DecodeSession
 
 ENV = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
 
@@ -470,3 +470,36 @@ def test_every_token_carries_its_episode_step(tok, mode):
             assert len(ep.samples) == 2 * n  # a rate and an actor call per step
             for k, s in enumerate(ep.samples):
                 assert set(s.steps) == {k // 2}
+
+
+def test_shared_prefixes_groups_rows_by_their_common_prompt():
+    from sglightning.sampler import shared_prefixes
+
+    a = list(range(20))
+    b = a[:12] + [99, 98]
+    c = [7] * 30
+    cluster_of, cut = shared_prefixes([a, c, a, b, c])
+    # rows 0, 2, 3 share a's first 12 tokens; rows 1 and 4 are one prompt twice
+    assert cluster_of == [0, 1, 0, 0, 1]
+    assert cut == [12, 30, 12, 12, 30]
+    assert shared_prefixes([a, c]) is None  # nothing shared
+    assert shared_prefixes([a, a[:3] + [5]]) is None  # 3 common tokens: below the minimum
+
+
+@pytest.mark.parametrize("mode", ["single_stream", "two_call"])
+def test_shared_prefix_rollouts_equal_unshared_ones_and_compute_less(tiny, mode):
+    """Sharing a group's prompt changes no token and no log-prob (beyond float rounding); it computes fewer
+    prefill positions."""
+    model, tok = tiny
+    gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="admissible", max_guidance_tokens=5)
+    runs = {}
+    for share in (True, False):
+        decoder = functools.partial(DecodeSession, share_prefix=share)
+        r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=3, temperature=1.0), decoder=decoder)
+        runs[share] = r.run([1, 2], generator=torch.Generator().manual_seed(0))
+    shared, plain = runs[True], runs[False]
+    assert len(shared.samples) == len(plain.samples) > 0
+    for s, p in zip(shared.samples, plain.samples):
+        assert s.ids == p.ids
+        assert s.logprobs == pytest.approx(p.logprobs, abs=1e-5)
+    assert 0 < shared.prefill_positions < plain.prefill_positions

@@ -119,7 +119,9 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch)
         return out
 
     monkeypatch.setattr(grpo, "group_advantages", adv_spy)
-    module = tiny_module(grpo=GRPOConfig(kl_coef=0.0, micro_batch_size=100))
+    # rows in episode order, every row computed (zero-advantage skipping and prefix sorting would drop or reorder)
+    module = tiny_module(grpo=GRPOConfig(kl_coef=0.0, micro_batch_size=100, skip_zero_advantage=False,
+                                         share_prefix=False))
     tiny_trainer(tmp_path, steps=1).fit(module)
     (adv_tok, mask), = seen["adv"]
     per_episode = captured["adv"]

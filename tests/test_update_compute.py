@@ -1,5 +1,6 @@
-"""No compute where no gradient can come from: context after a sample's last policy token is not fed to the update,
-and (without a KL term) samples whose advantages are all zero get no forward/backward — with the same update."""
+"""Less compute, same update: context after a sample's last policy token is not fed to the update; (without a KL
+term) samples whose advantages are all zero get no forward/backward; a prefix shared by samples of a micro-batch is
+computed once.  Each is checked against the plain computation."""
 
 from __future__ import annotations
 
@@ -89,22 +90,32 @@ class _Grads(Callback):
                            if p.requires_grad and p.grad is not None})
 
 
-def _fit(tmp_path, skip: bool, kl: float = 0.0, ppo_epochs: int = 1):
+class _EveryGroupDegenerate(RewardTerm):
+    """Minus the env return: every return is 0, every advantage 0, nothing to learn from."""
+
+    name = "flat"
+
+    def value(self, episode) -> float:
+        return -episode.env_return
+
+
+def _fit(tmp_path, skip: bool, kl: float = 0.0, ppo_epochs: int = 1, term: RewardTerm | None = None,
+         steps: int | None = None, share: bool | None = False, micro: int = 2, mode: str = "single_stream"):
     seed_everything(0)
     module = SelfGuideModule(
         policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
         env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
         rollout=RolloutConfig(groups_per_step=4, group_size=2, max_steps=2, temperature=1.0),
-        guidance=GuidanceConfig(max_guidance_tokens=4, max_action_tokens=4),
-        grpo=GRPOConfig(kl_coef=kl, micro_batch_size=2, trust_constant=0.0, skip_zero_advantage=skip,
-                        ppo_epochs=ppo_epochs),
+        guidance=GuidanceConfig(max_guidance_tokens=4, max_action_tokens=4, prompt_mode=mode),
+        grpo=GRPOConfig(kl_coef=kl, micro_batch_size=micro, trust_constant=0.0, skip_zero_advantage=skip,
+                        ppo_epochs=ppo_epochs, share_prefix=share),
         evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-        reward_terms=[_HalfTheGroupsDegenerate()],
+        reward_terms=[term or _HalfTheGroupsDegenerate()],
     )
     calls = {"rows": 0}
     grads = _Grads()
-    Trainer(max_steps=ppo_epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+    Trainer(max_steps=steps or ppo_epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[grads],
             default_root_dir=tmp_path).fit(_counting(module, calls))
     return module, grads.grads, calls["rows"]
@@ -143,3 +154,61 @@ def test_with_a_kl_term_zero_advantage_samples_are_still_computed(tmp_path):
     module, _, _ = _fit(tmp_path, skip=True, kl=0.05)
     h = module.history[0]
     assert h["tokens/zero_advantage_samples"] > 0 and h["tokens/skipped_zero_advantage_samples"] == 0
+
+
+def test_a_step_with_every_sample_skipped_moves_the_weights_as_the_computed_one(tmp_path):
+    """Zero gradients still drive AdamW (weight decay, and momentum from earlier steps): skipping every sample of a
+    step must leave the optimiser the same zero gradient, not none."""
+    skip_mod, skip_grads, skip_rows = _fit(tmp_path / "skip", skip=True, term=_EveryGroupDegenerate(), steps=2)
+    full_mod, _, full_rows = _fit(tmp_path / "full", skip=False, term=_EveryGroupDegenerate(), steps=2)
+    assert skip_rows == 0 < full_rows
+    assert skip_grads and all(float(g.abs().max()) == 0 for step in skip_grads for g in step.values())
+    trained = {n: p for n, p in full_mod.named_parameters() if p.requires_grad}
+    moved = 0
+    for name, p in skip_mod.named_parameters():
+        if p.requires_grad:
+            assert torch.allclose(p, trained[name], atol=1e-7), name
+            moved += 1
+    assert moved
+
+
+@pytest.mark.parametrize("mode,micro,kl", [("single_stream", 2, 0.0), ("single_stream", 8, 0.05), ("two_call", 4, 0.0)])
+def test_shared_prefix_update_gives_the_same_loss_and_gradients(tmp_path, monkeypatch, mode, micro, kl):
+    plans = []
+    real = scoring.shared_prefixes
+
+    def recording(rows, min_shared=8):
+        plan = real(rows, min_shared)
+        plans.append(plan)
+        return plan
+
+    monkeypatch.setattr(scoring, "shared_prefixes", recording)
+    shared_mod, shared_grads, _ = _fit(tmp_path / "shared", skip=False, share=True, micro=micro, kl=kl, mode=mode)
+    assert any(p is not None for p in plans)  # prefixes were shared
+    n_shared_calls = len(plans)
+    plain_mod, plain_grads, _ = _fit(tmp_path / "plain", skip=False, share=False, micro=micro, kl=kl, mode=mode)
+    assert len(plans) == n_shared_calls  # the plain run never went through the shared path
+    hs, hp = shared_mod.history[0], plain_mod.history[0]
+    for key in ("loss/total", "loss/policy", "loss/kl", "policy/entropy", "policy/logprob_gap_sampler_trainer"):
+        assert hs[key] == pytest.approx(hp[key], abs=1e-5, rel=1e-5), key
+    (gs,), (gp,) = shared_grads, plain_grads
+    assert gs.keys() == gp.keys() and gs
+    scale = max(float(g.abs().max()) for g in gp.values())
+    assert scale > 0
+    for name in gp:
+        assert float((gs[name] - gp[name]).abs().max()) <= 1e-5 * scale, name
+
+
+def test_shared_prefix_is_refused_where_it_cannot_hold():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from sglightning.distributed import prefix_sharing
+    from sglightning.errors import ConfigError
+
+    assert prefix_sharing(None, None, False) and not prefix_sharing(False, None, False)
+    assert not prefix_sharing(None, FSDPStrategy(), False)  # null: off where it cannot hold
+    assert not prefix_sharing(None, None, True)
+    with pytest.raises(ConfigError, match="grpo.share_prefix: true .*FSDP"):
+        prefix_sharing(True, FSDPStrategy(), False)
+    with pytest.raises(ConfigError, match="grpo.share_prefix: true .*gradient checkpointing"):
+        prefix_sharing(True, None, True)

@@ -279,3 +279,18 @@ def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
     adapter = getattr(pl_module, "adapter_dir", None)
     lines.append(f"  adapter           {adapter or run_dir(trainer) / 'adapter'}")
     return "\n".join(lines)
+
+
+def default_callbacks(trainer: Trainer | None) -> list[Callback]:
+    """The callbacks every run gets (``SelfGuideModule.configure_callbacks``): rollouts, adapter export, preemption
+    checkpoints — those the trainer does not have yet (e.g. ``validate`` after ``fit``: kept, no override notice) — and,
+    in place of Lightning's default checkpoint callback (not a user's), ``last.ckpt`` after every step (adapters +
+    optimiser + counters: a killed or preempted run loses at most one step; ``--ckpt_path last`` resumes)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    present = {type(c) for c in trainer.callbacks} if trainer is not None else set()
+    callbacks = [cb() for cb in (RolloutCallback, AdapterExport, PreemptionCheckpoint) if cb not in present]
+    ckpt = trainer.checkpoint_callback if trainer is not None else None
+    if type(ckpt) is ModelCheckpoint and ckpt.save_last is None and ckpt.dirpath is None and ckpt.monitor is None:
+        callbacks.append(ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1))
+    return callbacks

@@ -45,6 +45,18 @@ def sharding_of(strategy: Any) -> str | None:
     return None
 
 
+def check_quantization(quantization: str | None, strategy: Any) -> None:
+    """QLoRA under FSDP is refused (``ConfigError`` naming ``model.policy.quantization``)."""
+    if quantization and sharding_of(strategy) is not None:
+        raise ConfigError(
+            f"model.policy.quantization: {quantization} under {type(strategy).__name__} "
+            f"(QLoRA under FSDP) is not supported: on this project's checks bitsandbytes' 4-bit weights fail "
+            f"under FSDP2 (in-place bias add on gathered weights during the update) and FSDP1 (integer storage "
+            f"cannot be flattened). Use DDP with 4-bit (a 4-bit 7B base fits one 24 GB GPU), or FSDP with "
+            f"quantization: null"
+        )
+
+
 def is_distributed() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -79,6 +91,40 @@ def sync_grads(params: list[torch.nn.Parameter]) -> None:
         n = g.numel()
         p.grad = flat[offset : offset + n].view_as(g).clone()
         offset += n
+
+
+def prefix_sharing(setting: bool | None, strategy: Any, gradient_checkpointing: bool) -> bool:
+    """``grpo.share_prefix`` resolved: null = on where it holds, true where it cannot hold = ``ConfigError``."""
+    why = None
+    if sharding_of(strategy) is not None:
+        why = "FSDP gathers the weights in each root forward; a shared prefix needs two forwards per micro-batch"
+    elif gradient_checkpointing:
+        why = "gradient checkpointing turns off the KV cache that the continuations attend through"
+    if why and setting:
+        raise ConfigError(f"grpo.share_prefix: true is not supported here ({why}); set it to null or false")
+    return setting is not False and why is None
+
+
+def finish_gradients(policy: torch.nn.Module, params: list[torch.nn.Parameter], sharding: str | None, finite: bool,
+                     max_norm: float) -> tuple[bool, torch.Tensor | None]:
+    """After the step's backward passes: agree across ranks whether every rank's loss was finite (skip together or
+    update together), sum the DDP gradients (FSDP reduced them in its backward), then take the total gradient norm and
+    clip it to ``max_norm`` in one pass.  Returns (update?, grad norm or None when skipped)."""
+    if is_distributed():
+        flag = all_reduce(torch.tensor([1.0 if finite else 0.0], device=params[0].device),
+                          op=torch.distributed.ReduceOp.MIN)
+        finite = bool(flag.item() == 1.0)
+        if finite and sharding is None:
+            sync_grads(params)
+    if not finite:
+        return False, None
+    if sharding == "fsdp1":  # the norm over every rank's shards (a collective); clips in place
+        grad_norm = policy.clip_grad_norm_(max_norm)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
+        grad_norm = grad_norm.full_tensor()
+    return bool(torch.isfinite(grad_norm)), grad_norm
 
 
 def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int) -> dict[str, float]:

@@ -598,6 +598,11 @@ class GRPOConfig:
     """with ``kl_coef: 0``, samples whose policy tokens all have advantage 0 (every sample of a group whose returns are
     all equal) get no forward/backward: their loss and gradient are exactly 0, and they still count in the token-mean
     denominator, so the update is unchanged. With the KL term on they are computed (the KL pulls on them too)"""
+    share_prefix: bool | None = None
+    """compute a prefix that several samples of a micro-batch share (a group's prompt) once, in the update's forward
+    and backward (same loss and gradients up to float rounding; samples are ordered so that shared prefixes sit in one
+    micro-batch: use ``micro_batch_size`` ≥ ``rollout.group_size`` to share a whole group's prompt).  null = on where
+    it is supported (one device, DDP; not FSDP, not with gradient checkpointing); true there is an error"""
 
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)

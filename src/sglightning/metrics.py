@@ -11,6 +11,7 @@ from collections import Counter
 import torch
 from torchmetrics import MeanMetric
 
+from sglightning.grpo import degenerate_groups
 from sglightning.guidance import LABELS
 from sglightning.rollout import Episode, RolloutBatch
 
@@ -32,6 +33,13 @@ EPISODE_KEYS = (
     "guidance/label_unparsed",
     "guidance/rate_history_truncated",
 )
+
+
+#: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
+SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
+                      "rollout/dropped_groups", "rollout/degenerate_groups", "tokens/generated", "tokens/policy",
+                      "tokens/forced_choice", "tokens/total", "tokens/prefill_positions",
+                      "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples"})
 
 
 def _episode_values(ep: Episode) -> dict[str, float]:
@@ -75,6 +83,27 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     if won and lost and batch.guided:
         stats["guidance/positive_gap_won_minus_lost"] = sum(won) / len(won) - sum(lost) / len(lost)
     return stats
+
+
+def step_logs(batch: RolloutBatch, lam: float, returns: torch.Tensor, internal: torch.Tensor,
+              terms: dict[str, torch.Tensor], groups: torch.Tensor, global_step: int) -> dict[str, float]:
+    """The step's reward and rollout numbers: λ, blended and internal returns (``[N]`` each), extra reward terms,
+    degenerate groups (every return equal: no gradient), the policy lag and the generation speed."""
+    return {
+        "reward/lambda": lam,
+        "reward/blended_return": float(returns.mean()),
+        "reward/internal_return": float(internal.mean()),  # S_i as blended (sum, or mean over steps)
+        **{f"reward/{name}": float(v.mean()) for name, v in terms.items()},
+        "rollout/degenerate_groups": float(degenerate_groups(returns, groups)),
+        # the rollout must come from the weights being trained (0 = on-policy; a sampler that never received the
+        # trained adapter shows up here)
+        "rollout/policy_lag": float(global_step - batch.policy_version),
+        "rollout/groups": float(groups.unique().numel()),
+        "time/rollout_s": batch.seconds,
+        "tokens/generated": float(batch.generated_tokens),
+        "tokens/generated_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
+        "tokens/prefill_positions": float(batch.prefill_positions),
+    }
 
 
 def per_task_type_success(episodes: list[Episode]) -> dict[str, float]:

@@ -244,6 +244,19 @@ def build_tiny_model(cfg: TinyModelConfig, vocab_size: int):
 
 
 @contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
 def _fork_rng(seed: int):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -298,7 +311,8 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
             bnb_4bit_use_double_quant=True,
             bnb_4bit_quant_storage=dtype,  # FSDP needs storage dtype == compute dtype
         )
-    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    with _no_progress_bars():  # transformers' per-tensor "Loading weights" bar: noise in a training log
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     if cfg.quantization == "4bit":
         from peft import prepare_model_for_kbit_training
 

@@ -26,7 +26,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
 from sglightning import data, distributed, grpo, report, rewards, scoring
-from sglightning.callbacks import AdapterExport, PreemptionCheckpoint, RolloutCallback, run_dir
+from sglightning.callbacks import default_callbacks, run_dir
 from sglightning.console import quiet
 from sglightning.data import EvalConfig
 from sglightning.envs import build_env, check_env, env_class_of, stack_versions
@@ -35,20 +35,13 @@ from sglightning.envs.household import HouseholdEnv
 from sglightning.errors import ConfigError
 from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig
-from sglightning.metrics import EpisodeMetrics, batch_stats
+from sglightning.metrics import SUM_KEYS, EpisodeMetrics, batch_stats, step_logs
 from sglightning.models import PolicyConfig, check_model_source, load_policy, warn_low_precision_adapters
 from sglightning.rewards import RewardTerm
 from sglightning.rollout import Rollout, RolloutConfig
-from sglightning.sampler import KIND_ACTION, KIND_GUIDANCE, DecoderFactory, DecodeSession
+from sglightning.sampler import DecoderFactory, DecodeSession
 
 quiet()
-
-#: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
-SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
-                      "rollout/dropped_groups", "rollout/degenerate_groups", "tokens/generated", "tokens/policy",
-                      "tokens/forced_choice", "tokens/total", "tokens/zero_advantage_samples",
-                      "tokens/skipped_zero_advantage_samples"})
-
 
 def _default_optimizer(params):
     return torch.optim.AdamW(params, lr=1e-5)
@@ -128,23 +121,18 @@ class SelfGuideModule(LightningModule):
         folder): the environment and its splits, quantization under the trainer's ``strategy``, where the model comes
         from, the optimiser's arguments. ``ConfigError`` naming the key."""
         self._check_env()
-        if strategy is not None:
-            self._check_quantization(strategy)
+        distributed.check_quantization(self.policy_cfg.quantization, strategy)
+        self.share_prefix(strategy)
         check_model_source(self.policy_cfg)
         try:
             self.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model.optimizer: {err}") from None
 
-    def _check_quantization(self, strategy) -> None:
-        if self.policy_cfg.quantization and distributed.sharding_of(strategy) is not None:
-            raise ConfigError(
-                f"model.policy.quantization: {self.policy_cfg.quantization} under {type(strategy).__name__} "
-                f"(QLoRA under FSDP) is not supported: on this project's checks bitsandbytes' 4-bit weights fail "
-                f"under FSDP2 (in-place bias add on gathered weights during the update) and FSDP1 (integer storage "
-                f"cannot be flattened). Use DDP with 4-bit (a 4-bit 7B base fits one 24 GB GPU), or FSDP with "
-                f"quantization: null"
-            )
+    def share_prefix(self, strategy=None) -> bool:
+        """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
+        strategy = strategy or (self._trainer.strategy if self._trainer is not None else None)
+        return distributed.prefix_sharing(self.grpo_cfg.share_prefix, strategy, self.policy_cfg.gradient_checkpointing)
 
     def _check_env(self) -> None:
         if not self._env_checked:
@@ -156,8 +144,7 @@ class SelfGuideModule(LightningModule):
         if self.policy is not None:
             return
         self._check_env()  # before the (slow) model load: a bad env config fails in a second
-        if self._trainer is not None:
-            self._check_quantization(self._trainer.strategy)
+        distributed.check_quantization(self.policy_cfg.quantization, self._trainer and self._trainer.strategy)
         self.policy, self.tokenizer = load_policy(self.policy_cfg, self.device, self.adapter_path)
         self.policy.train()  # from_pretrained returns eval mode; the update runs in train mode (LoRA dropout)
         if self.sharding == "fsdp2":
@@ -190,17 +177,7 @@ class SelfGuideModule(LightningModule):
                        chat_template_kwargs=self.policy_cfg.chat_template_kwargs, decoder=self.decoder)
 
     def configure_callbacks(self):
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
-        present = {type(c) for c in self.trainer.callbacks} if self._trainer is not None else set()
-        # a Trainer that ran fit already has them (e.g. validate after fit): keep those, no override notice
-        callbacks = [cb() for cb in (RolloutCallback, AdapterExport, PreemptionCheckpoint) if cb not in present]
-        ckpt = self.trainer.checkpoint_callback if self._trainer is not None else None
-        if type(ckpt) is ModelCheckpoint and ckpt.save_last is None and ckpt.dirpath is None and ckpt.monitor is None:
-            # Lightning's default checkpoint callback (not a user's): instead, `last.ckpt` after every step (adapters
-            # + optimiser + counters: a killed or preempted run loses at most one step; `--ckpt_path last` resumes)
-            callbacks.append(ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1))
-        return callbacks
+        return default_callbacks(self.trainer if self._trainer is not None else None)
 
     def setup(self, stage: str) -> None:
         from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -253,7 +230,8 @@ class SelfGuideModule(LightningModule):
     def token_logprobs(self, ids, attn, mask, temperature: float, entropy: bool = False, restrict=None):
         """:func:`scoring.token_logprobs` on this policy (through the FSDP root when sharded)."""
         return scoring.token_logprobs(self.policy if self._sharded() else self.peft_model, ids, attn, mask,
-                                      temperature, whole_model=self._sharded(), entropy=entropy, restrict=restrict)
+                                      temperature, whole_model=self._sharded(), entropy=entropy, restrict=restrict,
+                                      share_prefix=self.share_prefix())
 
     def collate(self, samples) -> dict[str, torch.Tensor]:
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -274,20 +252,7 @@ class SelfGuideModule(LightningModule):
         self.train_metrics.update(rb)
         logs.update(self.train_metrics.compute())
         self.train_metrics.reset()
-        logs.update({
-            "reward/lambda": lam,
-            "reward/blended_return": float(returns.mean()),
-            "reward/internal_return": float(internal.mean()),  # S_i as blended (sum, or mean over steps)
-            **{f"reward/{name}": float(v.mean()) for name, v in terms.items()},
-            "rollout/degenerate_groups": float(grpo.degenerate_groups(returns, groups)),
-            # the rollout must come from the weights being trained (0 = on-policy; a sampler that never received the
-            # trained adapter shows up here)
-            "rollout/policy_lag": float(self.global_step - rb.policy_version),
-            "rollout/groups": float(groups.unique().numel()),
-            "time/rollout_s": rb.seconds,
-            "tokens/generated": float(rb.generated_tokens),
-            "tokens/generated_per_s": rb.generated_tokens / max(rb.seconds, 1e-9),
-        })
+        logs.update(step_logs(rb, lam, returns, internal, terms, groups, self.global_step))
         samples = [s for s in rb.samples if any(s.policy)]
         failed_groups = {e.group for e in rb.episodes if e.error is not None}
         logs["rollout/failed_groups"] = float(len(failed_groups))
@@ -296,6 +261,8 @@ class SelfGuideModule(LightningModule):
             group_of = {e.index: e.group for e in rb.episodes}
             samples = [s for s in samples if group_of[s.episode] not in failed_groups]
             logs["rollout/dropped_groups"] = float(len(failed_groups))
+        if self.share_prefix():  # samples with common prefixes side by side: they share within a micro-batch
+            samples.sort(key=lambda s: s.ids)
         step_data, tok_adv = None, None
         if samples:
             step_data = self.collate(samples)
@@ -360,21 +327,16 @@ class SelfGuideModule(LightningModule):
                 int(most.item()) - len(starts), lambda i, a, m: self.token_logprobs(i, a, m, temp),
                 self.manual_backward, self.device, c.kl_coef > 0, self.policy.disable_adapter)
         for start in starts:
-            sl = slice(start, start + c.micro_batch_size)
-            width = int(step_data["attn"][sl].sum(1).max())  # right padding beyond the micro-batch's longest: dropped
-            cols = (sl, slice(0, width))
-            ids, attn, m = step_data["ids"][cols], step_data["attn"][cols], mask[cols]
-            restrict = scoring.restrictions_of(step_data, sl)
-            restrict["index"] = restrict["index"][:, :width]
+            mb = scoring.microbatch(step_data, tok_adv, slice(start, start + c.micro_batch_size))  # [B, W] each
+            ids, attn, m, restrict = mb["ids"], mb["attn"], mb["mask"], mb["restrict"]
             ref = None
             if c.kl_coef > 0:
                 with torch.no_grad(), self.policy.disable_adapter():
                     ref, _ = self.token_logprobs(ids, attn, m, temp, restrict=restrict)
             logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True, restrict=restrict)
             loss, st = grpo.grpo_loss(
-                logp, step_data["old_logp"][cols], tok_adv[cols], m,
-                clip_low=c.clip_low, clip_high=c.clip_high, ref_logp=ref, kl_coef=c.kl_coef,
-                kl_kind=c.kl_kind, loss_agg=c.loss_agg,
+                logp, mb["old_logp"], mb["adv"], m, clip_low=c.clip_low, clip_high=c.clip_high, ref_logp=ref,
+                kl_coef=c.kl_coef, kl_kind=c.kl_kind, loss_agg=c.loss_agg,
             )
             w = grpo.microbatch_weight(m, totals, c.loss_agg).to(self.device)
             if not torch.isfinite(loss):
@@ -386,46 +348,18 @@ class SelfGuideModule(LightningModule):
                 w = w * self._world()[1]  # FSDP averages gradients over ranks; the weights already are global shares
             with distributed.no_sync(self.trainer.strategy.model if self._trainer is not None else None):
                 self.manual_backward(loss * w)
-            kinds = step_data["kinds"][cols]
-            extra = {
-                "loss/total": float(loss.detach()),
-                "loss/policy": float(st["policy_loss"]),
-                "loss/kl": float(st["kl"]),
-                "loss/clip_frac": float(st["clip_frac"]),
-                "policy/ratio_mean": float(st["ratio_mean"]),
-                "policy/entropy": float(grpo.masked_mean(ent, m)),
-                "policy/entropy_guidance": float(grpo.masked_mean(ent, m & (kinds == KIND_GUIDANCE))),
-                "policy/entropy_action": float(grpo.masked_mean(ent, m & (kinds == KIND_ACTION))),
-            }
-            if first_epoch:  # sampler vs trainer log-prob on the same weights: ~0 unless something drifted
-                old, full = step_data["old_logp"][cols], step_data["full_logp"][cols]
-                extra["policy/logprob_gap_sampler_trainer"] = float(grpo.masked_mean((logp.detach() - old).abs(), m))
-                # the unrestricted log π of the sampled tokens, and log Z(A) where sampling was restricted (how much
-                # of the model's own mass the allowed set held: 0 = all of it)
-                extra["policy/logprob_unrestricted"] = float(grpo.masked_mean(full, m))
-                extra["policy/restricted_log_mass"] = float(grpo.masked_mean(full - old, m & (restrict["index"] >= 0)))
+            extra = scoring.microbatch_stats(mb, loss, st, logp, ent, first_epoch)
             n = float(m.sum())
             for k, v in extra.items():
                 sums[k] = sums.get(k, 0.0) + v * n
                 weights[k] = weights.get(k, 0.0) + n
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        if distributed.is_distributed():  # skip together or update together
-            flag = distributed.all_reduce(torch.tensor([1.0 if finite else 0.0], device=self.device),
-                                          op=torch.distributed.ReduceOp.MIN)
-            finite = bool(flag.item() == 1.0)
-            if finite and not sharded:  # FSDP reduced the gradients in its backward
-                distributed.sync_grads(params)
-        grad_norm = None
-        if finite:
-            # one pass: the total gradient norm (checked below) and, when configured, the clipping
-            max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
-            if self.sharding == "fsdp1":  # the norm over every rank's shards (a collective); clips in place
-                grad_norm = self.policy.clip_grad_norm_(max_norm)
-            else:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
-                grad_norm = grad_norm.full_tensor()
-            finite = bool(torch.isfinite(grad_norm))
+        if skipped:  # a skipped sample's gradient is an exact 0: the optimiser sees the same step (AdamW's momentum
+            for p in params:  # and weight decay still move the weights when every sample of the step was skipped)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
+        finite, grad_norm = distributed.finish_gradients(self.policy, params, self.sharding, finite, max_norm)
         if not finite:
             return self._skip_update(opt)
         self.consecutive_skips = 0

@@ -263,6 +263,9 @@ class RolloutBatch:
     env_seconds: float = 0.0  # wall time spent waiting for environment resets/steps
     generated_tokens: int = 0
     forward_calls: int = 0
+    #: row × position slots the decoder's context passes computed, padding included (a prompt shared by a group is
+    #: counted once when the decoder shares prefixes; 0 for a decoder that does not count)
+    prefill_positions: int = 0
     policy_version: int = 0  # the trainer step whose weights sampled this batch (logged as rollout/policy_lag)
     guided: bool = True
 
@@ -422,7 +425,7 @@ class Rollout:
             ep.info = dict(res.info) if isinstance(res.info, dict) else {}
             score = getattr(res, "score", None)
             ep.score = ep.initial_score = float(score) if score is not None else None
-        stats = {"tokens": 0, "forward": 0}
+        stats = {"tokens": 0, "forward": 0, "prefill": 0}
         try:
             if self.guidance.prompt_mode == "single_stream":
                 self._run_stream(episodes, temperature, guided, generator, greedy, stats)
@@ -440,6 +443,7 @@ class Rollout:
             env_seconds=self._env_seconds,
             generated_tokens=stats["tokens"],
             forward_calls=stats["forward"],
+            prefill_positions=stats["prefill"],
             policy_version=policy_version,
             guided=guided,
         )
@@ -552,6 +556,7 @@ class Rollout:
                 keep.append(row)
                 blocks.append(ids)
             stats["forward"] = session.forward_calls
+            stats["prefill"] = getattr(session, "fed_positions", 0)
             live = [live[r] for r in keep]
             if not live:
                 break
@@ -561,6 +566,7 @@ class Rollout:
             ep.truncated = True
             ep.done = True
         stats["forward"] = session.forward_calls
+        stats["prefill"] = getattr(session, "fed_positions", 0)
 
     def _run_two_call(self, episodes, temperature, guided, generator, greedy, stats) -> None:
         """two_call (paper): a rate call then an act call per step, each a fresh prompt."""
@@ -634,6 +640,7 @@ class Rollout:
         session.feed(prompts)
         out = session.run(programs)
         stats["forward"] += session.forward_calls
+        stats["prefill"] += getattr(session, "fed_positions", 0)
         stats["tokens"] += sum(sum(p.policy) for pieces in out for p in pieces)
         return out
 

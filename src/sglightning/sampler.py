@@ -192,6 +192,45 @@ class Decoder(abc.ABC):
 DecoderFactory = Callable[[torch.nn.Module, int, float, "torch.Generator | None", int, bool], Decoder]
 
 
+def shared_prefixes(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> tuple[list[int], list[int]] | None:
+    """Group rows whose blocks share a prefix of at least ``min_shared`` tokens.
+
+    Rows are sorted by their ids; a run of neighbours whose common prefixes are all ≥ ``min_shared`` is one cluster,
+    and its shared length is the shortest of those common prefixes (a row alone: its whole block).  Returns
+    (``cluster_of`` [B]: each row's cluster, numbered in order of first appearance; ``cut`` [B]: how many leading
+    tokens of the row come from its cluster's shared prefix), or None when sharing would save fewer than
+    ``min_shared`` token computations."""
+    n = len(blocks)
+    order = sorted(range(n), key=lambda i: tuple(blocks[i]))
+    runs: list[list[int]] = []
+    shared: list[int] = []
+    for prev, i in zip([None] + order[:-1], order):
+        lcp = _common_prefix(blocks[prev], blocks[i]) if prev is not None else 0
+        if prev is not None and lcp >= min_shared:
+            runs[-1].append(i)
+            shared[-1] = min(shared[-1], lcp)
+        else:
+            runs.append([i])
+            shared.append(len(blocks[i]))
+    saved = sum((len(r) - 1) * k for r, k in zip(runs, shared))
+    if saved < min_shared:
+        return None
+    run_of = {i: r for r, rows in enumerate(runs) for i in rows}
+    number: dict[int, int] = {}
+    cluster_of = [number.setdefault(run_of[i], len(number)) for i in range(n)]
+    cut = [shared[run_of[i]] for i in range(n)]
+    return cluster_of, cut
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k
+
+
 class DecodeSession(Decoder):
     """A batch of rows sharing one KV cache.  ``feed`` appends context; ``run`` executes segment programs.  The
     default :class:`Decoder`: batched forwards of the (peft) model itself."""
@@ -204,7 +243,11 @@ class DecodeSession(Decoder):
         generator: torch.Generator | None = None,
         top_k: int = 0,
         greedy: bool = False,
+        share_prefix: bool = True,
     ):
+        """``share_prefix``: the first :meth:`feed` computes a prefix that several rows share (a group's G episodes
+        start from one prompt) once and copies its cache to those rows (:func:`shared_prefixes`); False = every row
+        computes its whole block."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.model = model
@@ -218,6 +261,8 @@ class DecodeSession(Decoder):
         self.next_pos: torch.Tensor | None = None  # [B] position of the next real token
         self.last_logits: torch.Tensor | None = None  # [B, V] logits predicting each row's next token
         self.forward_calls = 0
+        self.share_prefix = share_prefix
+        self.fed_positions = 0  # row × position slots forwarded by `feed` (padding included): the prefill's work
         self.device = next(model.parameters()).device
         self._cache_arg = cache_argument_name(model)
 
@@ -228,7 +273,21 @@ class DecodeSession(Decoder):
     # ------------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def feed(self, blocks: Sequence[Sequence[int]]) -> None:
-        """Append ``blocks[i]`` to row i (may be empty).  One forward pass for all rows."""
+        """Append ``blocks[i]`` to row i (may be empty).  One forward pass for all rows; on the first feed with
+        ``share_prefix``, rows sharing a prefix compute it once: one pass over the distinct prefixes, the cache rows
+        copied to every row that shares them, one pass over what follows each prefix."""
+        if self.attn is None and self.share_prefix:
+            plan = shared_prefixes(blocks)
+            if plan is not None:
+                cluster_of, cut = plan
+                firsts = {c: i for i, c in reversed(list(enumerate(cluster_of)))}  # cluster -> its first row
+                self._feed([blocks[firsts[c]][:cut[firsts[c]]] for c in sorted(firsts)])  # [C rows]
+                self.select(cluster_of)  # [B rows]: each row gets a copy of its prefix's keys and values
+                self._feed([b[k:] for b, k in zip(blocks, cut)])
+                return
+        self._feed(blocks)
+
+    def _feed(self, blocks: Sequence[Sequence[int]]) -> None:
         if self.attn is None:
             n = len(blocks)
             self.attn = torch.zeros(n, 0, dtype=torch.long, device=self.device)
@@ -251,6 +310,7 @@ class DecodeSession(Decoder):
                 pos[i, width - len(b) :] = start[i] + torch.arange(len(b))
             pos[i, : width - len(b)] = start[i]  # pads: any valid position, they are masked out
         ids, mask, pos = ids.to(self.device), mask.to(self.device), pos.to(self.device)
+        self.fed_positions += n * width
         attn = torch.cat([self.attn, mask], dim=1)  # [B, T+W]
         cache_kw = {self._cache_arg: self.cache}
         out = self.model(

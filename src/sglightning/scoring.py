@@ -27,8 +27,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from sglightning.grpo import entropy_from_logits
-from sglightning.sampler import Restriction, complement_log_mass
+from sglightning.grpo import entropy_from_logits, masked_mean
+from sglightning.sampler import (
+    KIND_ACTION,
+    KIND_GUIDANCE,
+    Restriction,
+    cache_argument_name,
+    complement_log_mass,
+    shared_prefixes,
+)
 
 
 def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
@@ -97,6 +104,45 @@ def select_rows(data: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
     return {k: (v if k in shared else v[rows]) for k, v in data.items()}
 
 
+def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[str, Tensor]:
+    """Rows ``rows`` of a collated batch, cut to the longest of them (right padding beyond it is dropped): ``ids``,
+    ``attn``, ``mask``, ``old_logp``, ``full_logp``, ``kinds``, ``adv`` (``tok_adv``'s rows), each ``[B, W]``, and
+    ``restrict`` (:func:`restrictions_of`, its index cut the same way)."""
+    width = int(data["attn"][rows].sum(1).max())
+    cols = (rows, slice(0, width))
+    out = {k: data[k][cols] for k in ("ids", "attn", "mask", "old_logp", "full_logp", "kinds")}
+    out["adv"] = tok_adv[cols]
+    restrict = restrictions_of(data, rows)
+    restrict["index"] = restrict["index"][:, :width]
+    out["restrict"] = restrict
+    return out
+
+
+def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: Tensor, first_epoch: bool
+                     ) -> dict[str, float]:
+    """The statistics one micro-batch logs (averaged over the step weighted by its policy tokens): loss terms, ratio,
+    entropies by token kind and, at the first PPO epoch, sampler-vs-trainer log-prob gap (≈0 unless the weights or
+    the scoring drifted), the unrestricted log π of the sampled tokens and log Z(A) where sampling was restricted
+    (how much of the model's own mass the allowed set held: 0 = all of it)."""
+    m, kinds = mb["mask"], mb["kinds"]
+    out = {
+        "loss/total": float(loss.detach()),
+        "loss/policy": float(st["policy_loss"]),
+        "loss/kl": float(st["kl"]),
+        "loss/clip_frac": float(st["clip_frac"]),
+        "policy/ratio_mean": float(st["ratio_mean"]),
+        "policy/entropy": float(masked_mean(ent, m)),
+        "policy/entropy_guidance": float(masked_mean(ent, m & (kinds == KIND_GUIDANCE))),
+        "policy/entropy_action": float(masked_mean(ent, m & (kinds == KIND_ACTION))),
+    }
+    if first_epoch:
+        old, full = mb["old_logp"], mb["full_logp"]
+        out["policy/logprob_gap_sampler_trainer"] = float(masked_mean((logp.detach() - old).abs(), m))
+        out["policy/logprob_unrestricted"] = float(masked_mean(full, m))
+        out["policy/restricted_log_mass"] = float(masked_mean(full - old, m & (mb["restrict"]["index"] >= 0)))
+    return out
+
+
 def restrictions_of(data: dict[str, Tensor], rows: slice | None = None) -> dict[str, Tensor]:
     """The restriction tensors of a collated batch, for rows ``rows`` (the table itself is shared by all rows)."""
     index = data["restrict_index"] if rows is None else data["restrict_index"][rows]
@@ -148,14 +194,21 @@ def logprobs_from_logits(
 def token_logprobs(
     policy: torch.nn.Module, ids: Tensor, attn: Tensor, mask: Tensor, temperature: float, *,
     whole_model: bool = False, entropy: bool = False, restrict: dict[str, Tensor] | None = None,
+    share_prefix: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Log q(ids[:, i] | ids[:, :i]) at the positions of ``mask`` [B, L] (0 elsewhere), at the sampling temperature,
     renormalised over each token's sampling restriction (``restrict``, from :func:`restrictions_of`).
 
     The LM head runs only on the needed positions (the decoder's hidden states are selected first), except with
     ``whole_model`` (FSDP: the root's forward is what gathers the weights, so the whole model is called and full logits
-    are computed).  Returns (logp [B, L], unrestricted entropy [B, L] or None)."""
+    are computed).  With ``share_prefix`` the decoder runs through :func:`shared_prefix_hidden` (same values, a prefix
+    shared by several rows computed once).  Returns (logp [B, L], unrestricted entropy [B, L] or None)."""
     sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
+    if share_prefix and not whole_model:
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        hidden = shared_prefix_hidden(base.get_decoder(), ids, attn)  # [B, L, H]
+        logits = base.get_output_embeddings()(hidden[:, :-1][sel]).float() / temperature  # [M, V]
+        return logprobs_from_logits(ids, sel, logits, restrict, entropy)
     if whole_model:
         logits_all = policy(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
         logits = logits_all[:, :-1][sel].float() / temperature  # [M, V]
@@ -165,3 +218,63 @@ def token_logprobs(
     h = hidden[:, :-1][sel]  # [M, H]
     logits = base.get_output_embeddings()(h).float() / temperature  # [M, V]
     return logprobs_from_logits(ids, sel, logits, restrict, entropy)
+
+
+def shared_prefix_hidden(decoder: torch.nn.Module, ids: Tensor, attn: Tensor, min_shared: int = 8) -> Tensor:
+    """The decoder's last hidden states ``[B, L, H]`` for right-padded rows ``ids`` / ``attn`` ``[B, L]``, computing a
+    prefix that several rows share once (:func:`~sglightning.sampler.shared_prefixes` on the rows' real tokens).
+
+    Two passes, one graph:  the C distinct prefixes ``[C, P]`` (right-padded, positions 0…P_c−1) give hidden states
+    and keys/values; the keys/values are indexed out to the B rows (a copy per row; autograd sums the rows' gradients
+    back into the one prefix computation); the rest of each row ``[B, R]`` attends to its prefix through that cache at
+    positions P_c…, the prefix's padding masked.  Every hidden state equals the unshared forward's up to float
+    rounding, so the loss and every gradient do too (tests: 1e-5 in fp32).  Rows with nothing to share go through as
+    their own cluster; with nothing shared at all this is one ordinary forward."""
+    lengths = attn.sum(1).tolist()  # [B]
+    rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+    plan = shared_prefixes(rows, min_shared)
+    if plan is None:
+        return decoder(input_ids=ids, attention_mask=attn).last_hidden_state
+    cluster_of, cut = plan
+    first = {}
+    for i, c in enumerate(cluster_of):
+        first.setdefault(c, i)
+    reps = [first[c] for c in range(len(first))]  # [C] one row per cluster
+    dev = ids.device
+    P = max(cut[i] for i in reps)
+    pre_ids = torch.zeros(len(reps), P, dtype=ids.dtype, device=dev)  # [C, P]
+    pre_attn = torch.zeros(len(reps), P, dtype=attn.dtype, device=dev)  # [C, P]
+    for c, i in enumerate(reps):
+        pre_ids[c, : cut[i]] = ids[i, : cut[i]]
+        pre_attn[c, : cut[i]] = 1
+    pos = torch.arange(P, device=dev).expand(len(reps), P)  # [C, P] (pads: masked, any position)
+    out = decoder(input_ids=pre_ids, attention_mask=pre_attn, position_ids=pos, use_cache=True)
+    index = torch.tensor(cluster_of, device=dev)  # [B]
+    hidden_pre = out.last_hidden_state[index]  # [B, P, H]
+    rest = [n - k for n, k in zip(lengths, cut)]
+    R = max(rest)
+    if R == 0:
+        return _assemble(hidden_pre, None, cut, rest, ids.shape[1])
+    cache_arg = cache_argument_name(decoder)
+    cache = getattr(out, cache_arg)
+    cache.batch_select_indices(index)  # every row its own copy of its prefix's keys/values: [B, heads, P, d]
+    rest_ids = torch.zeros(len(rows), R, dtype=ids.dtype, device=dev)  # [B, R]
+    rest_attn = torch.zeros(len(rows), R, dtype=attn.dtype, device=dev)  # [B, R]
+    rest_pos = torch.zeros(len(rows), R, dtype=torch.long, device=dev)  # [B, R]
+    for i, (k, r) in enumerate(zip(cut, rest)):
+        rest_ids[i, :r] = ids[i, k : k + r]
+        rest_attn[i, :r] = 1
+        rest_pos[i] = k + torch.arange(R, device=dev)
+    hidden_rest = decoder(input_ids=rest_ids, attention_mask=torch.cat([pre_attn[index], rest_attn], dim=1),
+                          position_ids=rest_pos, use_cache=True, **{cache_arg: cache}).last_hidden_state  # [B, R, H]
+    return _assemble(hidden_pre, hidden_rest, cut, rest, ids.shape[1])
+
+
+def _assemble(pre: Tensor, rest: Tensor | None, cut: list[int], rest_len: list[int], L: int) -> Tensor:
+    """Row i: its prefix's first ``cut[i]`` hidden states, then its own ``rest_len[i]``, zero-padded to ``L``."""
+    out = []
+    for i, (k, r) in enumerate(zip(cut, rest_len)):
+        parts = [pre[i, :k]] + ([rest[i, :r]] if r else [])
+        h = torch.cat(parts, dim=0)  # [k + r, H]
+        out.append(torch.nn.functional.pad(h, (0, 0, 0, L - h.shape[0])))
+    return torch.stack(out)  # [B, L, H]
