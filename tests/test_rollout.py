@@ -483,6 +483,14 @@ def test_shared_prefixes_groups_rows_by_their_common_prompt():
     assert cluster_of == [0, 1, 0, 0, 1]
     assert cut == [12, 30, 12, 12, 30]
     assert shared_prefixes([a, c]) is None  # nothing shared
+    # two tasks' prompts share a system prompt; each task's rows share far more: two clusters, not one
+    system = [5] * 10
+    task_a, task_b = system + [1] * 50, system + [2] * 50
+    cluster_of, cut = shared_prefixes([task_a, task_b, task_a, task_b, task_a + [9], task_b])
+    assert cluster_of == [0, 1, 0, 1, 0, 1] and cut == [60] * 6
+    # ... unless the rows of each task are alone: then the system prompt is what is shared
+    cluster_of, cut = shared_prefixes([task_a, task_b])
+    assert cluster_of == [0, 0] and cut == [10, 10]
     assert shared_prefixes([a, a[:3] + [5]]) is None  # 3 common tokens: below the minimum
 
 

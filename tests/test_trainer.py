@@ -398,6 +398,23 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
     assert "put a mug on shelf" in md and "**positive**" in md and "take mug 1 from shelf 1" in md and "success" in md
     summary = format_summary(cli.trainer, cli.model)
     assert "2 GRPO steps" in summary and str(run_dir / "adapter") in summary and "tensorboard --logdir" in summary
+    assert "label calibration accuracy" in summary and "by trust phase" in summary
+
+
+def test_summary_splits_labels_and_episode_length_by_trust_phase():
+    from sglightning.callbacks import _phase_lines
+
+    rows = [(0.0, 0.5, 3), (0.5, 0.8, 4), (1.0, 1.0, 6), (1.0, 0.9, 8)]
+    hist = [{"reward/lambda": lam, "guidance/label_positive": pos, "guidance/label_negative": 1 - pos,
+             "rollout/episode_length": n} for lam, pos, n in rows]
+
+    def mean(key, rows):
+        return sum(r[key] for r in rows) / len(rows)
+
+    (line,) = _phase_lines(hist, mean)
+    assert "λ = 0: 1 steps, positive 0.50, negative 0.50, length 3.0" in line
+    assert "0 < λ < 1: 1 steps, positive 0.80" in line
+    assert "λ = 1: 2 steps, positive 0.95, negative 0.05, length 7.0" in line
 
 
 def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):

@@ -11,11 +11,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from sglightning import distributed, rewards
 from sglightning.data import sampling_generator, task_seeds
 from sglightning.distributed import clean_name
 from sglightning.errors import ConfigError
@@ -81,8 +83,37 @@ class RolloutCallback(Callback):
         gen = sampling_generator(cfg.seed, step, rank, device=pl_module.device)
         stop = (lambda: bool(getattr(trainer, "received_sigterm", False))) if trainer is not None else None
         with pl_module.generation_weights():
-            return self.engine_for(pl_module).run(
+            rb = self.engine_for(pl_module).run(
                 seeds, generator=gen, policy_version=pl_module.global_step, should_stop=stop)
+        for extra_round in range(1, cfg.dynamic_sampling_rounds + 1):
+            if not self._top_up(pl_module, rb, step, extra_round, rank, world, stop):
+                break
+        return rb
+
+    def _top_up(self, pl_module, rb: RolloutBatch, step: int, extra_round: int, rank: int, world: int, stop) -> bool:
+        """One round of dynamic sampling: play new tasks for the informative groups this rank still misses and add
+        the informative ones.  Every rank takes part while any rank misses groups (under FSDP gathering the weights
+        for generation is a collective).  Returns whether the round ran."""
+        cfg, c = pl_module.rollout_cfg, pl_module.grpo_cfg
+        informative = rewards.informative_groups(rb.episodes, pl_module.trust_lambda(), c.internal_reward_norm,
+                                                 pl_module.reward_terms)
+        missing = max(0, cfg.groups_per_step - len(informative))
+        most = distributed.all_reduce(torch.tensor([float(missing)], device=pl_module.device),
+                                      op=torch.distributed.ReduceOp.MAX)
+        if float(most.item()) == 0:
+            return False
+        # a seed stream of its own per round (still below the evaluation seeds), sliced by rank like the first
+        seeds = task_seeds(cfg.seed + 1_000_033 * extra_round, step, cfg.groups_per_step, rank, world,
+                           pl_module.eval_cfg.seed_offset)[:missing]
+        gen = sampling_generator(cfg.seed, step, rank, salt=2 + extra_round, device=pl_module.device)
+        with pl_module.generation_weights():
+            if seeds:
+                more = self.engine_for(pl_module).run(
+                    seeds, generator=gen, policy_version=pl_module.global_step, should_stop=stop)
+                found = rewards.informative_groups(more.episodes, pl_module.trust_lambda(), c.internal_reward_norm,
+                                                   pl_module.reward_terms)
+                rb.add_groups(more, set(sorted(found)[:missing]))
+        return True
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         try:
@@ -246,6 +277,18 @@ def _strip_wrapper_names(path: Path, adapter: str) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
+def _phase_lines(hist: list[dict], mean) -> list[str]:
+    """Label shares and episode length per phase of the trust weight λ: a constant positive label turns λ·Σr_t into a
+    bonus for length, which shows here as longer episodes while λ > 0."""
+    phases = {"λ = 0": [r for r in hist if r.get("reward/lambda", 0.0) == 0.0],
+              "0 < λ < 1": [r for r in hist if 0.0 < r.get("reward/lambda", 0.0) < 1.0],
+              "λ = 1": [r for r in hist if r.get("reward/lambda", 0.0) == 1.0]}
+    cells = [f"{name}: {len(rows)} steps, positive {mean('guidance/label_positive', rows):.2f}, negative "
+             f"{mean('guidance/label_negative', rows):.2f}, length {mean('rollout/episode_length', rows):.1f}"
+             for name, rows in phases.items() if rows]
+    return ["  by trust phase    " + " | ".join(cells)] if cells else []
+
+
 def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
     hist = pl_module.history
     if not hist:
@@ -265,6 +308,9 @@ def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
         f"  mean env return   {mean('rollout/env_return'):.3f}   internal sum {mean('reward/internal_sum'):+.3f}",
         "  labels            "
         + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),
+        f"  label calibration accuracy vs measured progress {mean('guidance/label_accuracy'):.2f}   AUROC vs "
+        f"success {mean('guidance/label_auroc_success'):.2f}   (nan: the env or the episodes could not tell)",
+        *_phase_lines(hist, mean),
         f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {pl_module.skipped_updates}",
         f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
     ]

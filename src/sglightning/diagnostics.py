@@ -158,6 +158,7 @@ def episode_summary(ep: Episode) -> dict:
         "steps": len(ep.steps),
         "actions": [s.action if s.action is not None else s.action_text for s in ep.steps],
         "labels": [s.label for s in ep.steps] if ep.guided else None,
+        "progress": [s.progress for s in ep.steps],  # what each action changed, as the env measured it (None: unknown)
         "invalid": [s.invalid for s in ep.steps],
         "format_ok": [s.format_ok for s in ep.steps],
         "error": ep.error,

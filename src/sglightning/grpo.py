@@ -60,7 +60,7 @@ Departures from the paper (and why)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from numbers import Real
 from typing import Literal
@@ -133,6 +133,24 @@ def validate_breakpoints(breakpoints, key: str = "grpo.trust_breakpoints") -> tu
             "give all four as fractions of training or all as step numbers"
         )
     return out  # type: ignore[return-value]
+
+
+def label_reliability(moments: Sequence[float]) -> float:
+    """How far the guidance labels can be trusted, from the moments ``[n, Σx, Σy, Σx², Σy², Σxy]`` of the pairs
+    (x = v(z_t) ∈ {−1, 0, 1}, the label's value; y = sign(p_{t−1}), the previous action's measured progress):
+
+        ρ = max(0, corr(x, y)) = max(0, (nΣxy − ΣxΣy) / √((nΣx² − (Σx)²)(nΣy² − (Σy)²)))
+
+    1 = the labels track progress perfectly; 0 = no positive relation — labels independent of progress, a constant
+    label (always "positive": no information, zero variance), anti-correlated labels, or fewer than 2 pairs.  Used by
+    ``grpo.trust_adaptive`` as the factor on λ(u)."""
+    n, sx, sy, sxx, syy, sxy = (float(v) for v in moments)
+    if n < 2:
+        return 0.0
+    vx, vy = n * sxx - sx * sx, n * syy - sy * sy
+    if vx <= 1e-12 or vy <= 1e-12:
+        return 0.0
+    return max(0.0, min(1.0, (n * sxy - sx * sy) / math.sqrt(vx * vy)))
 
 
 def trust_schedule(
@@ -584,6 +602,15 @@ class GRPOConfig:
     """λ(u) trapezoid breakpoints b0 ≤ b1 ≤ b2 ≤ b3: fractions of the run (all ≤ 1) or absolute steps"""
     trust_constant: float | None = None
     """λ ≡ this constant instead of the schedule (0 = guidance in rollouts only; 1 = full reward from the start)"""
+    trust_adaptive: bool = False
+    """scale λ(u) by the guidance's measured reliability on the last ``trust_window`` steps (the correlation of the
+    labels with the progress the environment measured, clipped to [0, 1]: :func:`label_reliability`), so that a guide
+    whose labels carry no information — independent of progress, or always "positive" — pays no internal reward, for
+    length or for self-praise.  Needs an env that measures progress (``StepResult.progress`` or a score); logged as
+    ``guidance/reliability``, the effective λ as ``reward/lambda`` beside ``reward/lambda_schedule``.  Off = the
+    paper's schedule"""
+    trust_window: int = 8
+    """steps of label/progress pairs behind ``trust_adaptive``'s reliability"""
     total_steps: int | None = None
     """total steps the fractional breakpoints refer to (default: trainer.max_steps / ppo_epochs)"""
     ppo_epochs: int = 1
@@ -614,6 +641,8 @@ class GRPOConfig:
                 raise ValueError(f"grpo.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
         resolve_advantage(self.advantage)
         self.trust_breakpoints = validate_breakpoints(self.trust_breakpoints, key="grpo.trust_breakpoints")
+        if self.trust_window < 1:
+            raise ValueError(f"grpo.trust_window: must be >= 1, got {self.trust_window}")
         if self.trust_constant is not None and not 0.0 <= self.trust_constant <= 1.0:
             raise ValueError(f"grpo.trust_constant: must be in [0, 1], got {self.trust_constant}")
         if self.ppo_epochs < 1:

@@ -121,6 +121,12 @@ class GuidanceConfig:
     actor_format: Literal["action_line", "json", "think_tags"] = "action_line"
     """the actor's answer: ``action_line`` (``Action: …``), ``json`` (``{"think": …, "action": …}``, the paper's
     ALFWorld/ScienceWorld format) or ``think_tags`` (``<think>…</think><action>…</action>``, the paper's WebShop)"""
+    source: Literal["model", "oracle"] = "model"
+    """who writes the label: ``model`` (self-guidance, the paper) or ``oracle`` — a control: the label shown to the
+    actor and paid as r_t is the sign of the progress the previous action made as the environment measured it
+    (``StepResult.progress``, else the score change; neutral at the first step and where the env cannot tell),
+    written for the model (no guidance tokens are sampled or trained).  The upper bound of what the guidance channel
+    can give: it tells "the channel does not help" apart from "this model's labels are poor" """
     reward_positive: float = 0.1
     """r_t for a positive label (the paper: +0.1)"""
     reward_neutral: float = 0.0
@@ -144,6 +150,7 @@ class GuidanceConfig:
         _check_choice("guidance.decoding", self.decoding, ("free", "constrained"))
         _check_choice("guidance.action_decoding", self.action_decoding, ("free", "admissible"))
         _check_choice("guidance.actor_format", self.actor_format, tuple(ACTOR_FORMATS))
+        _check_choice("guidance.source", self.source, ("model", "oracle"))
         for key in ("max_guidance_tokens", "max_action_tokens", "max_think_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"guidance.{key}: must be >= 1, got {getattr(self, key)}")
@@ -161,6 +168,24 @@ class GuidanceConfig:
         """r_t = g(z_t) (paper eq. 5); an unparsed label counts as neutral."""
         rewards = {"positive": self.reward_positive, "negative": self.reward_negative}
         return rewards.get(label or "", self.reward_neutral)
+
+
+#: the oracle's reason line for each label (and for the first step, before any action)
+ORACLE_REASONS = {"positive": "the last action brought the goal closer.",
+                  "neutral": "the last action did not change the distance to the goal.",
+                  "negative": "the last action moved away from the goal.",
+                  None: "no action has been taken yet."}
+
+
+def oracle_guidance(progress: float | None, first: bool) -> Guidance:
+    """The oracle's guidance before a step: the sign of the previous action's measured ``progress`` (neutral at the
+    ``first`` step or when unknown)."""
+    if first:
+        label, reason = "neutral", ORACLE_REASONS[None]
+    else:
+        label = "neutral" if progress is None or progress == 0 else "positive" if progress > 0 else "negative"
+        reason = ORACLE_REASONS[label]
+    return Guidance(label, reason, f"Reason: {reason}\nLabel: {label}")
 
 
 def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -11,6 +11,7 @@ from collections import Counter
 import torch
 from torchmetrics import MeanMetric
 
+from sglightning.calibration import calibration_stats
 from sglightning.grpo import degenerate_groups
 from sglightning.guidance import LABELS
 from sglightning.rollout import Episode, RolloutBatch
@@ -39,7 +40,9 @@ EPISODE_KEYS = (
 SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
                       "rollout/dropped_groups", "rollout/degenerate_groups", "tokens/generated", "tokens/policy",
                       "tokens/forced_choice", "tokens/total", "tokens/prefill_positions",
-                      "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples"})
+                      "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples",
+                      "guidance/calibration_pairs", "guidance/auroc_labels",
+                      "rollout/dynamic_sampling_groups"})
 
 
 def _episode_values(ep: Episode) -> dict[str, float]:
@@ -82,6 +85,8 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     lost = [v for v, e in zip(positive, eps) if not e.won]
     if won and lost and batch.guided:
         stats["guidance/positive_gap_won_minus_lost"] = sum(won) / len(won) - sum(lost) / len(lost)
+    if batch.guided:  # do the labels describe the measured progress, do they know the outcome?
+        stats.update(calibration_stats(eps))
     return stats
 
 
@@ -103,6 +108,7 @@ def step_logs(batch: RolloutBatch, lam: float, returns: torch.Tensor, internal: 
         "tokens/generated": float(batch.generated_tokens),
         "tokens/generated_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
         "tokens/prefill_positions": float(batch.prefill_positions),
+        "rollout/dynamic_sampling_groups": float(batch.extra_groups),
     }
 
 

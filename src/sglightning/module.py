@@ -27,6 +27,7 @@ from lightning.pytorch.cli import OptimizerCallable
 
 from sglightning import data, distributed, grpo, report, rewards, scoring
 from sglightning.callbacks import default_callbacks, run_dir
+from sglightning.checkpointing import use_atomic_io
 from sglightning.console import quiet
 from sglightning.data import EvalConfig
 from sglightning.envs import build_env, check_env, env_class_of, stack_versions
@@ -99,6 +100,7 @@ class SelfGuideModule(LightningModule):
         self.val_metrics = torch.nn.ModuleDict({"sg": EpisodeMetrics(), "nosg": EpisodeMetrics()})
         self.val_episodes: dict[str, list] = {"sg": [], "nosg": []}
         self.val_report: dict[str, Any] | None = None
+        self.trust_meter = rewards.TrustMeter(grpo.trust_window)
 
     # ------------------------------------------------------------------------------------------------------------------
     # model, env, engine
@@ -180,13 +182,7 @@ class SelfGuideModule(LightningModule):
         return default_callbacks(self.trainer if self._trainer is not None else None)
 
     def setup(self, stage: str) -> None:
-        from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-
-        from sglightning.checkpointing import AtomicCheckpointIO
-
-        strategy = self.trainer.strategy
-        if type(strategy.checkpoint_io) is TorchCheckpointIO:  # the default (a user's plugin is left alone)
-            strategy.checkpoint_io = AtomicCheckpointIO()
+        use_atomic_io(self.trainer.strategy)
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -206,9 +202,7 @@ class SelfGuideModule(LightningModule):
 
     def _world(self) -> tuple[int, int]:
         """(rank, world size): (0, 1) without a trainer or outside distributed runs."""
-        if self._trainer is None:
-            return 0, 1
-        return int(self.trainer.global_rank), int(self.trainer.world_size)
+        return (0, 1) if self._trainer is None else (int(self.trainer.global_rank), int(self.trainer.world_size))
 
     def train_dataloader(self):
         return data.train_loader(self.total_steps())
@@ -243,7 +237,9 @@ class SelfGuideModule(LightningModule):
             raise RuntimeError("no rollout on this step's batch (is RolloutCallback installed?)")
         c = self.grpo_cfg
         t0 = time.perf_counter()
-        lam = self.trust_lambda()
+        lam = schedule = self.trust_lambda()
+        if c.trust_adaptive:  # λ(u) × the labels' measured reliability (the same on every rank)
+            lam = schedule * self.trust_meter.update(rb.episodes, lambda t: distributed.all_reduce(t.to(self.device)))
         returns, internal, terms = rewards.episode_returns(rb.episodes, lam, c.internal_reward_norm,
                                                            self.reward_terms)  # [N], [N], {name: [N]}
         groups = torch.tensor([e.group for e in rb.episodes], dtype=torch.long)  # [N]
@@ -253,6 +249,8 @@ class SelfGuideModule(LightningModule):
         logs.update(self.train_metrics.compute())
         self.train_metrics.reset()
         logs.update(step_logs(rb, lam, returns, internal, terms, groups, self.global_step))
+        if c.trust_adaptive:
+            logs.update({"reward/lambda_schedule": schedule, "guidance/reliability": self.trust_meter.reliability})
         samples = [s for s in rb.samples if any(s.policy)]
         failed_groups = {e.group for e in rb.episodes if e.error is not None}
         logs["rollout/failed_groups"] = float(len(failed_groups))
@@ -427,7 +425,8 @@ class SelfGuideModule(LightningModule):
             trainable = {distributed.clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if distributed.clean_name(k) in trainable}
-        checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates}
+        checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates,
+                                     "trust_meter": self.trust_meter.state_dict()}
         # the config lives in the run's config.yaml; kept out of the checkpoint so that `validate --ckpt_path` uses the
         # config it is given (LightningCLI would otherwise re-apply the training-time values over it)
         checkpoint.pop("hyper_parameters", None)
@@ -447,3 +446,4 @@ class SelfGuideModule(LightningModule):
         state = checkpoint.get("sglightning", {})
         self.rollouts_done = int(state.get("rollouts_done", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
+        self.trust_meter.load_state_dict(state.get("trust_meter", {}))

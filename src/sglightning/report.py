@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglightning.calibration import calibration_stats
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS, episode_summary, failure_pattern_rates
 from sglightning.metrics import per_task_type_success
 from sglightning.rollout import Episode
@@ -18,6 +19,8 @@ from sglightning.rollout import Episode
 def mode_stats(means: dict[str, float], episodes: list[Episode]) -> dict[str, Any]:
     """One mode's section: the (already rank-reduced) episode means plus what is computed from the episodes."""
     stats: dict[str, Any] = dict(means)
+    if any(e.guided for e in episodes):
+        stats.update(calibration_stats(episodes))
     stats["per_task_type_success"] = per_task_type_success(episodes)
     stats["failure_patterns"] = failure_pattern_rates(episodes)
     stats["episodes"] = len(episodes)
@@ -64,6 +67,8 @@ def report_markdown(report: dict[str, Any]) -> str:
         ("pos", "guidance/label_positive"),
         ("neu", "guidance/label_neutral"),
         ("neg", "guidance/label_negative"),
+        ("label acc", "guidance/label_accuracy"),
+        ("label AUROC", "guidance/label_auroc_success"),
     ]
     cfg = report.get("config", {})
     split = report.get("split")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from sglightning import grpo
+from sglightning.calibration import label_progress_moments
 from sglightning.rollout import Episode
 
 
@@ -82,3 +83,37 @@ def advantage_inputs(episodes: Sequence[Episode], returns: torch.Tensor, lam: fl
         step_returns=step_returns,
         sample_episode=torch.tensor([row[int(e)] for e in step_data["episode"]], dtype=torch.long),  # [S]
         token_step=step_data["steps"], mask=step_data["mask"], eps=cfg.adv_eps, scale=cfg.adv_scale)
+
+
+def informative_groups(episodes: Sequence[Episode], lam: float, normalise: str, terms: Sequence[RewardTerm] = ()
+                       ) -> set[int]:
+    """The groups whose blended returns are not all equal (the others get advantage 0 and carry no gradient)."""
+    if not episodes:
+        return set()
+    returns, _, _ = episode_returns(episodes, lam, normalise, terms)
+    by: dict[int, set[float]] = {}
+    for e, r in zip(episodes, returns.tolist()):
+        by.setdefault(e.group, set()).add(r)
+    return {g for g, values in by.items() if len(values) > 1}
+
+
+class TrustMeter:
+    """``grpo.trust_adaptive``: the factor on λ(u) — :func:`grpo.label_reliability` of the label/progress pairs of the
+    last ``window`` steps (their moments summed over ranks by ``reduce``, so every rank uses the same λ)."""
+
+    def __init__(self, window: int):
+        self.window = window
+        self.steps: list[list[float]] = []  # per step: the moments of its pairs (all ranks)
+        self.reliability = 0.0
+
+    def update(self, episodes: Sequence[Episode], reduce=lambda t: t) -> float:
+        moments = reduce(torch.tensor(label_progress_moments(episodes), dtype=torch.float64))
+        self.steps = (self.steps + [[float(v) for v in moments]])[-self.window :]
+        self.reliability = grpo.label_reliability([sum(col) for col in zip(*self.steps)])
+        return self.reliability
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = [list(map(float, row)) for row in state.get("steps", [])][-self.window :]

@@ -56,6 +56,7 @@ from sglightning.guidance import (
     StepView,
     actor_messages,
     match_admissible,
+    oracle_guidance,
     parse_action,
     parse_guidance,
     rate_messages,
@@ -118,6 +119,11 @@ class RolloutConfig:
     """a group with an episode whose env failed (exception, timeout, dead process): ``keep`` trains on it (the failed
     episode keeps the return it had reached; the others' comparison is intact) or ``drop_group`` leaves the whole
     group out of the update (``rollout/dropped_groups`` counts them)"""
+    dynamic_sampling_rounds: int = 0
+    """DAPO's dynamic sampling: a group whose returns are all equal carries no gradient; up to this many extra rounds
+    of new tasks (the number of groups still missing) top the step up to ``groups_per_step`` informative groups
+    (judged with the schedule's λ).  0 = off.  The step's first round is kept whole, so rollout statistics still
+    describe the policy; added groups are counted as ``rollout/dynamic_sampling_groups``"""
     env_max_concurrency: int = 0
     """env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
     raise it for envs that mostly wait, e.g. remote env servers)"""
@@ -137,6 +143,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_context_tokens: must be >= 64, got {self.max_context_tokens}")
         if self.failed_episodes not in ("keep", "drop_group"):
             raise ValueError(f"rollout.failed_episodes: {self.failed_episodes!r} is not one of keep, drop_group")
+        if self.dynamic_sampling_rounds < 0:
+            raise ValueError(f"rollout.dynamic_sampling_rounds: must be >= 0, got {self.dynamic_sampling_rounds}")
         if self.env_max_concurrency < 0:
             raise ValueError(
                 f"rollout.env_max_concurrency: must be >= 0 (0 = CPU cores), got {self.env_max_concurrency}")
@@ -210,6 +218,9 @@ class StepRecord:
     env_reward: float = 0.0
     internal_reward: float = 0.0
     info: dict = field(default_factory=dict)  # the env's step info (e.g. WebShop's purchase flags)
+    #: the progress this step's action made, as the env measured it (``StepResult.progress``, else the score
+    #: change); None = unknown
+    progress: float | None = None
 
 
 @dataclass
@@ -268,6 +279,26 @@ class RolloutBatch:
     prefill_positions: int = 0
     policy_version: int = 0  # the trainer step whose weights sampled this batch (logged as rollout/policy_lag)
     guided: bool = True
+    extra_groups: int = 0  # informative groups added by dynamic sampling (rollout.dynamic_sampling_rounds)
+
+    def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:
+        """Append ``other``'s groups ``groups`` (renumbered after this batch's groups and episodes) and its costs."""
+        next_index = max((e.index for e in self.episodes), default=-1) + 1
+        next_group = max((e.group for e in self.episodes), default=-1) + 1
+        renumber = {g: next_group + k for k, g in enumerate(sorted(groups))}
+        for ep in other.episodes:
+            if ep.group in renumber:
+                ep.group, ep.index = renumber[ep.group], next_index
+                for s in ep.samples:
+                    s.episode = next_index
+                next_index += 1
+                self.episodes.append(ep)
+        self.extra_groups += len(renumber)
+        self.seconds += other.seconds
+        self.env_seconds += other.env_seconds
+        self.generated_tokens += other.generated_tokens
+        self.forward_calls += other.forward_calls
+        self.prefill_positions += other.prefill_positions
 
     @property
     def samples(self) -> list[Sample]:
@@ -505,6 +536,7 @@ class Rollout:
     def _run_stream(self, episodes, temperature, guided, generator, greedy, stats) -> None:
         """single_stream: one conversation and one cache row per episode."""
         constrained = self.guidance.decoding == "constrained"
+        oracle = self.guidance.source == "oracle"
         live = [ep for ep in episodes if not ep.done]
         if not live:
             return
@@ -523,6 +555,10 @@ class Rollout:
             self._check_stop()
             programs = []
             for ep in live:
+                if guided and oracle:  # the oracle's guidance is written for the model; the action is its own
+                    text = self.chat.encode(self._oracle(ep).text + "\n")
+                    programs.append([Force(text, KIND_GUIDANCE)] + self._action_program(ep, force_prefix=True))
+                    continue
                 if guided and not constrained:
                     # free guidance: the model writes the whole "Reason/Label/Action" turn; split afterwards
                     cap = self.guidance.max_guidance_tokens + self.guidance.max_action_tokens
@@ -537,7 +573,7 @@ class Rollout:
                 for p in pieces:
                     ep.samples[0].extend_piece(p, t)
                     stats["tokens"] += sum(p.policy)
-                if guided and not constrained:
+                if guided and not constrained and not oracle:
                     _split_free_turn(ep.samples[0], pieces, self.tok, self.guidance.format.markers)
             self._apply_turns(live, results, guided)
             # next turn: observation for the survivors, drop finished rows from the cache
@@ -569,8 +605,10 @@ class Rollout:
         stats["prefill"] = getattr(session, "fed_positions", 0)
 
     def _run_two_call(self, episodes, temperature, guided, generator, greedy, stats) -> None:
-        """two_call (paper): a rate call then an act call per step, each a fresh prompt."""
+        """two_call (paper): a rate call then an act call per step, each a fresh prompt (no rate call when the
+        guidance comes from the oracle)."""
         constrained = self.guidance.decoding == "constrained"
+        oracle = self.guidance.source == "oracle"
         hist = self.guidance.history_length
         fmt = self.guidance.actor_format
         views: dict[int, list[StepView]] = {ep.index: [] for ep in episodes}
@@ -580,7 +618,7 @@ class Rollout:
                 break
             self._check_stop()
             guid: dict[int, list[Piece]] = {}
-            if guided:
+            if guided and not oracle:
                 prompts = [self._rate_prompt(ep, views[ep.index]) for ep in live]
                 programs = [self._guidance_program(constrained) for _ in live]
                 results = self._call(prompts, programs, temperature, generator, greedy, stats)
@@ -589,7 +627,9 @@ class Rollout:
                     guid[ep.index] = pieces
             prompts, programs = [], []
             for ep in live:
-                g = _guidance_from_pieces(guid[ep.index], self.tok) if guided else None
+                g = None
+                if guided:
+                    g = self._oracle(ep) if oracle else _guidance_from_pieces(guid[ep.index], self.tok)
                 messages = actor_messages(ep.task, ep.observation, ep.admissible, ep.action_help,
                                           views[ep.index], hist, g, fmt)
                 prompts.append(self.chat.prompt_ids(messages))
@@ -661,6 +701,11 @@ class Rollout:
                 self._fail(ep, f"step: malformed StepResult: {type(err).__name__}: {err}")
                 self.pool.retire(ep.index)
 
+    @staticmethod
+    def _oracle(ep: Episode) -> Guidance:
+        """``guidance.source: oracle``: the label is the sign of the previous action's measured progress."""
+        return oracle_guidance(ep.steps[-1].progress if ep.steps else None, first=not ep.steps)
+
     def _decide(self, ep: Episode, pieces: list[Piece], guided: bool) -> str | None:
         """Parse guidance + action from one turn's pieces, append the step record, return the action to send."""
         decode = self.tok.decode
@@ -671,7 +716,8 @@ class Rollout:
         actor_text = decode([t for p in actor for t in p.ids], skip_special_tokens=True)
         rec = StepRecord(observation=ep.observation)
         if guided:
-            g = _guidance_from_pieces(pieces[: last_g + 1], self.tok)
+            oracle = self.guidance.source == "oracle"
+            g = self._oracle(ep) if oracle else _guidance_from_pieces(pieces[: last_g + 1], self.tok)
             rec.guidance_text, rec.label, rec.reason = g.text, g.label, g.reason
             rec.internal_reward = self.guidance.reward(g.label)
         choice = next((p.choice_index for p in actor if p.kind == KIND_ACTION and p.choice_index is not None), None)
@@ -702,6 +748,11 @@ class Rollout:
         ep.env_return += float(res.reward)
         ep.observation = str(res.observation)
         ep.admissible = _clean_admissible(res.admissible_actions)
+        progress = getattr(res, "progress", None)
+        if progress is not None:
+            rec.progress = float(progress)
+        elif res.score is not None and ep.score is not None:
+            rec.progress = float(res.score) - ep.score
         if res.score is not None:
             ep.score = float(res.score)
         if res.done:

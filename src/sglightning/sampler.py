@@ -193,29 +193,39 @@ DecoderFactory = Callable[[torch.nn.Module, int, float, "torch.Generator | None"
 
 
 def shared_prefixes(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> tuple[list[int], list[int]] | None:
-    """Group rows whose blocks share a prefix of at least ``min_shared`` tokens.
+    """Group rows whose blocks share a prefix of at least ``min_shared`` tokens, so as to compute the most once.
 
-    Rows are sorted by their ids; a run of neighbours whose common prefixes are all ≥ ``min_shared`` is one cluster,
-    and its shared length is the shortest of those common prefixes (a row alone: its whole block).  Returns
-    (``cluster_of`` [B]: each row's cluster, numbered in order of first appearance; ``cut`` [B]: how many leading
-    tokens of the row come from its cluster's shared prefix), or None when sharing would save fewer than
-    ``min_shared`` token computations."""
+    Rows are sorted by their ids, so that rows with long common prefixes are neighbours; a cluster is a run of
+    neighbours, its shared length the shortest common prefix inside the run, and it saves (rows − 1) × shared length.
+    A run is split where that saves more: two tasks' prompts share a system prompt, but each task's G rows share far
+    more (the whole task prompt), so ``[system + A] × 4, [system + B] × 4`` becomes two clusters, not one.  A row alone
+    is its own cluster (its whole block).  Returns (``cluster_of`` [B]: each row's cluster, numbered in order of
+    first appearance; ``cut`` [B]: how many leading tokens of the row come from its cluster's shared prefix), or None
+    when sharing would save fewer than ``min_shared`` token computations."""
     n = len(blocks)
     order = sorted(range(n), key=lambda i: tuple(blocks[i]))
-    runs: list[list[int]] = []
-    shared: list[int] = []
-    for prev, i in zip([None] + order[:-1], order):
-        lcp = _common_prefix(blocks[prev], blocks[i]) if prev is not None else 0
-        if prev is not None and lcp >= min_shared:
-            runs[-1].append(i)
-            shared[-1] = min(shared[-1], lcp)
-        else:
-            runs.append([i])
-            shared.append(len(blocks[i]))
-    saved = sum((len(r) - 1) * k for r, k in zip(runs, shared))
+    lcp = [_common_prefix(blocks[a], blocks[b]) for a, b in zip(order, order[1:])]  # [n-1] neighbours' prefixes
+
+    def best(lo: int, hi: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """Most tokens saved by splitting sorted rows lo..hi into runs, and those runs (first, last, shared)."""
+        if lo == hi:
+            return 0, [(lo, hi, len(blocks[order[lo]]))]
+        k = min(range(lo, hi), key=lambda j: lcp[j])  # the weakest link
+        (s_left, left), (s_right, right) = best(lo, k), best(k + 1, hi)
+        split = s_left + s_right, left + right
+        if lcp[k] < min_shared:
+            return split
+        whole = (hi - lo) * lcp[k]
+        return (whole, [(lo, hi, lcp[k])]) if whole >= split[0] else split
+
+    saved, runs = best(0, n - 1) if n else (0, [])
     if saved < min_shared:
         return None
-    run_of = {i: r for r, rows in enumerate(runs) for i in rows}
+    run_of, shared = {}, []
+    for r, (lo, hi, k) in enumerate(runs):
+        shared.append(k)
+        for j in range(lo, hi + 1):
+            run_of[order[j]] = r
     number: dict[int, int] = {}
     cluster_of = [number.setdefault(run_of[i], len(number)) for i in range(n)]
     cut = [shared[run_of[i]] for i in range(n)]

@@ -50,6 +50,10 @@ class StepResult:
     admissible_actions: list[str] | None = None
     invalid_action: bool = False  # the action was malformed or not executable
     info: dict[str, Any] = field(default_factory=dict)
+    #: how much closer to the goal this step brought the agent (> 0 closer, 0 no change, < 0 farther; e.g. the fall
+    #: of an expert's distance-to-goal), where the env can tell; None = unknown (the rollout then uses the change of
+    #: ``score`` where the env has one).  Used to measure whether the guidance labels describe progress
+    progress: float | None = None
 
 
 def installed_versions(dists: Iterable[str]) -> dict[str, str]:

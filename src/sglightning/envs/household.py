@@ -123,6 +123,7 @@ class HouseholdEnv(TextEnv):
         self.task_types = tuple(t for t in TASK_TYPES if t in task_types) if task_types else _LEVELS[difficulty][5]
         self._task: str | None = None
         self._done = True
+        self._plan = 0  # the expert's distance to the goal from the current state (its plan's length)
 
     # ------------------------------------------------------------------ episode API
     def reset(self, seed: int, split: str = "train") -> ResetResult:
@@ -183,7 +184,7 @@ class HouseholdEnv(TextEnv):
         if ttype == "pick_up":
             self._task = f"pick up a {target_obj}"
         self._adm = self._admissible()
-        plan_len = self._plan_length()
+        plan_len = self._plan = self._plan_length()
         obs = f"{self._look()}\nYour task is to: {self._task}."
         info = {"seed": seed, "expert_plan_length": plan_len, "task_id": f"{ttype}-{seed}",
                 "target_objects": [target_obj, target_kind] + ([_kind(appliance)] if appliance else [])}
@@ -205,8 +206,10 @@ class HouseholdEnv(TextEnv):
         won = self._won()
         truncated = not won and self.max_steps is not None and self._steps >= self.max_steps
         self._done = won or truncated
+        before, self._plan = self._plan, (self._plan if invalid else 0 if won else self._plan_length())
         return StepResult(obs, 1.0 if won else 0.0, self._done, won, self._score(won), list(self._adm), invalid,
-                          {"truncated": truncated, "steps": self._steps})
+                          {"truncated": truncated, "steps": self._steps, "expert_plan_length": self._plan},
+                          progress=float(before - self._plan))
 
     def expert_action(self) -> str | None:
         if self._task is None or self._done:

@@ -1,0 +1,194 @@
+r"""Seeded learning curves: train each arm × seed, evaluate every k steps on fixed held-out tasks, plot the bands.
+
+    python benchmarks/learning_curves.py --config configs/quickstart.yaml --seeds 0 1 2 --eval-every 5 \
+        --out runs/curves                                          # all six arms
+    python benchmarks/learning_curves.py --config configs/tiny.yaml --arms grpo sg_gr --seeds 0 --steps 4 \
+        --eval-every 2 --out /tmp/curves -- --model.rollout.max_steps=3   # extra CLI overrides after --
+
+Arms (each is the config plus a few overrides; validation plays the arm's own guidance mode):
+
+    grpo        no self-guidance (plain GRPO; validation with guidance off)
+    sg          guidance in the prompts, no internal reward (λ ≡ 0): the paper's "GRPO w/ SG"
+    sg_gr       the paper's trust schedule λ(u): "GRPO w/ SG & GR"
+    full_trust  λ ≡ 1 from step 0 (the paper's ablation)
+    oracle      labels from the environment's measured progress (guidance.source: oracle), paper schedule
+    adaptive    the paper schedule × the labels' measured reliability (grpo.trust_adaptive)
+
+Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k,
+preceded by one ``sglightning validate`` of the untrained model (step 0).  A cut run is resumed with
+``--ckpt_path last``; a finished one (``done.json``) is skipped, so the same command line continues a study over
+several sittings.  Writes ``<out>/curves.json`` (every evaluation), ``<out>/curves.md`` (success at step 0 and at the
+last step, mean ± std over seeds, per arm) and ``<out>/curves.png`` (success vs step, mean ± std band per arm; needs
+matplotlib: ``pip install -e ".[curves]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ARMS: dict[str, list[str]] = {
+    "grpo": ["--model.guidance.enabled=false", "--model.evaluation.self_guidance=off"],
+    "sg": ["--model.grpo.trust_constant=0.0", "--model.evaluation.self_guidance=on"],
+    "sg_gr": ["--model.evaluation.self_guidance=on"],
+    "full_trust": ["--model.grpo.trust_constant=1.0", "--model.evaluation.self_guidance=on"],
+    "oracle": ["--model.guidance.source=oracle", "--model.evaluation.self_guidance=on"],
+    "adaptive": ["--model.grpo.trust_adaptive=true", "--model.evaluation.self_guidance=on"],
+}
+METRIC = "rollout/success_rate"
+
+
+def mode_of(arm: str) -> str:
+    return "nosg" if arm == "grpo" else "sg"
+
+
+def run_cli(args: list[str], log: Path) -> None:
+    """One ``sglightning`` command; its output goes to ``log``; a failure stops the study with the log's tail."""
+    with open(log, "a") as f:
+        f.write("$ sglightning " + " ".join(args) + "\n")
+        f.flush()
+        res = subprocess.run([sys.executable, "-m", "sglightning.cli", *args], stdout=f, stderr=subprocess.STDOUT)
+    if res.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise SystemExit(f"learning_curves: `sglightning {' '.join(args[:3])} …` failed (exit {res.returncode}); "
+                         f"log {log}:\n{tail}")
+
+
+def val_curve(run: Path, mode: str) -> list[tuple[int, float]]:
+    """(step, success) of every validation in the run's TensorBoard events (all versions, a resumed run's too)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tag = f"val/{mode}/success_rate"
+    points: dict[int, float] = {}
+    for version in sorted(run.glob("version_*")):
+        acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags().get("scalars", []):
+            for ev in acc.Scalars(tag):
+                points[int(ev.step)] = float(ev.value)
+    return sorted(points.items())
+
+
+def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out: Path, extra: list[str]) -> dict:
+    name = f"{arm}-seed{seed}"
+    folder = out / name
+    done = folder / "done.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "run.log"
+    common = ["--config", config, *ARMS[arm], f"--seed_everything={seed}",
+              "--trainer.logger.class_path=lightning.pytorch.loggers.TensorBoardLogger",
+              f"--trainer.logger.init_args.save_dir={out}", "--trainer.enable_progress_bar=false", *extra]
+    zero = folder / "zero_shot.json"
+    if not zero.is_file():
+        run_cli(["validate", *common, f"--trainer.logger.init_args.name={name}-zeroshot"], log)
+        reports = sorted((out / f"{name}-zeroshot").glob("version_*/validation_report.json"))
+        report = json.loads(reports[-1].read_text())
+        zero.write_text(json.dumps({"success": report["modes"][mode_of(arm)][METRIC]}))
+    fit = ["fit", *common, f"--trainer.logger.init_args.name={name}", f"--trainer.val_check_interval={every}",
+           "--ckpt_path=last"]
+    if steps is not None:
+        fit.append(f"--trainer.max_steps={steps}")
+    run_cli(fit, log)
+    curve = [(0, json.loads(zero.read_text())["success"])] + val_curve(out / name, mode_of(arm))
+    result = {"arm": arm, "seed": seed, "curve": curve}
+    done.write_text(json.dumps(result))
+    return result
+
+
+def summarise(results: list[dict]) -> tuple[dict, str]:
+    """curves.json content and the Markdown table (step 0 and last step: mean ± std over seeds)."""
+    by_arm: dict[str, list[dict]] = {}
+    for r in results:
+        by_arm.setdefault(r["arm"], []).append(r)
+    rows = ["| arm | seeds | success at step 0 | success at the last step | last step |", "|---|---|---|---|---|"]
+
+    def ms(vals: list[float]) -> str:
+        sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        return f"{statistics.mean(vals):.3f} ± {sd:.3f}"
+
+    for arm, runs in by_arm.items():
+        first = [r["curve"][0][1] for r in runs]
+        last = [r["curve"][-1][1] for r in runs]
+        rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {runs[0]['curve'][-1][0]} |")
+    return {"metric": METRIC, "runs": results}, "\n".join(rows) + "\n"
+
+
+def plot(results: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("learning_curves: matplotlib is not installed (pip install -e '.[curves]'); no PNG written")
+        return False
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+    by_arm: dict[str, list[dict]] = {}
+    for r in results:
+        by_arm.setdefault(r["arm"], []).append(r)
+    for arm, runs in by_arm.items():
+        steps = sorted({s for r in runs for s, _ in r["curve"]})
+        means, lows, highs, xs = [], [], [], []
+        for s in steps:
+            vals = [v for r in runs for t, v in r["curve"] if t == s]
+            m = statistics.mean(vals)
+            sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+            xs.append(s)
+            means.append(m)
+            lows.append(m - sd)
+            highs.append(m + sd)
+        ax.plot(xs, means, marker="o", label=f"{arm} (n={len(runs)})")
+        ax.fill_between(xs, lows, highs, alpha=0.2)
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("validation success rate")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:
+        k = argv.index("--")
+        argv, extra = argv[:k], argv[k + 1 :]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, help="trainer.max_steps (default: the config's)")
+    ap.add_argument("--eval-every", type=int, default=5, help="validate every k GRPO steps")
+    ap.add_argument("--out", default="runs/curves")
+    args = ap.parse_args(argv)
+    if args.eval_every < 1:
+        ap.error("--eval-every: must be >= 1")
+    if not Path(args.config).is_file():
+        ap.error(f"--config: no such file: {args.config}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in args.seeds:  # seed-major: a cut study has whole seeds of every arm first
+        for arm in args.arms:
+            print(f"learning_curves: {arm} seed {seed}", flush=True)
+            results.append(one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra))
+    data, table = summarise(results)
+    (out / "curves.json").write_text(json.dumps(data, indent=1))
+    (out / "curves.md").write_text(table)
+    plotted = plot(results, out / "curves.png")
+    print(table)
+    files = [out / "curves.json", out / "curves.md"] + ([out / "curves.png"] if plotted else [])
+    print("learning_curves: " + ", ".join(map(str, files)))
+
+
+if __name__ == "__main__":
+    main()

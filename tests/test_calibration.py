@@ -1,0 +1,261 @@
+"""Is the guidance informative: label vs measured progress (accuracy, precision), label vs outcome (AUROC)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from fakes import ScriptedLM, scripted_reply
+
+from sglightning.calibration import auroc, calibration_stats, label_progress_pairs
+from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.envs.household import HouseholdEnv
+from sglightning.guidance import GuidanceConfig
+from sglightning.models import build_tiny_tokenizer
+from sglightning.report import build_report, report_markdown, scalars
+from sglightning.rewards import RewardTerm
+from sglightning.rollout import Episode, Rollout, RolloutConfig, StepRecord
+from sglightning.sampler import KIND_ACTION
+
+ENV = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
+
+
+def _episode(labels, progress, won, guided=True) -> Episode:
+    ep = Episode(index=0, group=0, seed=0, won=won, guided=guided)
+    ep.steps = [StepRecord(observation="", label=z, progress=p) for z, p in zip(labels, progress)]
+    return ep
+
+
+def test_accuracy_and_precision_pair_each_label_with_the_previous_actions_progress():
+    # labels z_1.. rate the progress of the action before them: pairs (pos, +1) (neg, 0) (neu, 0) (pos, -1)
+    ep = _episode(["neutral", "positive", "negative", "neutral", "positive", None],
+                  [1.0, 0.0, 0.0, -2.0, None, 3.0], won=False)
+    assert label_progress_pairs([ep]) == [("positive", 1.0), ("negative", 0.0), ("neutral", 0.0),
+                                          ("positive", -2.0)]
+    st = calibration_stats([ep])
+    assert st["guidance/calibration_pairs"] == 4
+    assert st["guidance/label_accuracy"] == pytest.approx(2 / 4)  # (pos,+) and (neu,0) agree
+    assert st["guidance/precision_positive"] == pytest.approx(1 / 2)
+    assert st["guidance/precision_neutral"] == 1.0
+    assert st["guidance/precision_negative"] == 0.0
+    assert "guidance/label_auroc_success" not in st  # only lost episodes: no AUROC
+
+
+def test_auroc_of_labels_against_success():
+    won = _episode(["positive", "positive", "neutral"], [1, 1, 1], won=True)
+    lost = _episode(["negative", "neutral", "positive"], [0, 0, 0], won=False)
+    st = calibration_stats([won, lost])
+    # won values {1, 1, 0} vs lost {-1, 0, 1}: pairs won>lost = 2+2+1 = 5, ties = 1+1+1 = 3 -> (5 + 1.5) / 9
+    assert st["guidance/label_auroc_success"] == pytest.approx(6.5 / 9)
+    assert auroc([1.0], [0.0]) == 1.0 and auroc([0.0], [1.0]) == 0.0 and auroc([], [1.0]) is None
+    # a constant label says nothing about the outcome, whatever the episodes
+    flat = [_episode(["positive"] * 3, [1, 0, -1], won=w) for w in (True, False, False)]
+    assert calibration_stats(flat)["guidance/label_auroc_success"] == 0.5
+
+
+def test_unguided_episodes_give_no_calibration_numbers():
+    st = calibration_stats([_episode([None, None], [1, 1], won=True, guided=False)])
+    assert st == {"guidance/calibration_pairs": 0.0, "guidance/auroc_labels": 0.0}
+
+
+def test_household_progress_is_the_fall_of_the_experts_distance():
+    env = ENV()
+    res = env.reset(4)
+    plan = res.info["expert_plan_length"]
+    assert plan > 1
+    out = env.step("examine nothing")  # invalid: no change
+    assert out.invalid_action and out.progress == 0.0
+    steps = 0
+    while not out.done:
+        out = env.step(env.expert_action())
+        steps += 1
+        assert out.progress == 1.0  # every expert action brings the goal one step closer
+        assert out.info["expert_plan_length"] == plan - steps
+    assert out.won and steps == plan
+
+
+class _ScoredEnv(TextEnv):
+    """Reports a score (10, 30, 20, ...) but no progress: the rollout takes the score change."""
+
+    scores = [10.0, 30.0, 20.0, 20.0]
+
+    def reset(self, seed, split="train"):
+        self.t = 0
+        return ResetResult("start", "do it", ["go"], score=5.0)
+
+    def step(self, action):
+        s = self.scores[self.t]
+        self.t += 1
+        return StepResult("ok", 0.0, self.t == len(self.scores), score=s, admissible_actions=["go"])
+
+
+def test_rollout_records_the_envs_progress_else_the_score_change():
+    tok = build_tiny_tokenizer()
+    lm = ScriptedLM(tok, scripted_reply("positive"))
+    gc = GuidanceConfig(decoding="constrained")
+    batch = Rollout(lm, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=4)).run([3])
+    ep = batch.episodes[0]
+    env = ENV()
+    env.reset(3)
+    assert [s.progress for s in ep.steps] == [env.step(s.action).progress for s in ep.steps]
+    batch = Rollout(lm, tok, _ScoredEnv, gc, RolloutConfig(group_size=2, max_steps=4)).run([0])
+    assert [s.progress for s in batch.episodes[0].steps] == [5.0, 20.0, -10.0, 0.0]
+    # a scripted "positive" for every step: accuracy is the share of previous actions that made progress
+    st = calibration_stats(batch.episodes)
+    assert st["guidance/label_accuracy"] == pytest.approx(2 / 3)  # pairs (pos, 5) (pos, 20) (pos, -10)
+
+
+def test_validation_report_carries_the_calibration_numbers():
+    won = _episode(["positive", "positive"], [1, 1], won=True)
+    lost = _episode(["positive", "negative"], [-1, 0], won=False)
+    report = build_report(0, 1, "dev", {}, {"sg": ({"rollout/success_rate": 0.5}, [won, lost])})
+    flat = scalars(report)
+    assert flat["val/sg/label_accuracy"] == 1.0  # pairs (positive, +1) and (negative, -1) both agree
+    assert flat["val/sg/label_auroc_success"] == pytest.approx(3 / 4)  # won {1, 1} vs lost {1, -1}
+    assert "label AUROC" in report_markdown(report)
+
+
+@pytest.mark.parametrize("mode", ["single_stream", "two_call"])
+def test_oracle_labels_are_the_envs_progress_and_no_guidance_token_is_trained(mode):
+    """guidance.source: oracle: each label is the sign of the previous action's measured progress (neutral first),
+    r_t follows it, the label calibration is perfect, and the guidance is written for the model (no policy tokens)."""
+    tok = build_tiny_tokenizer()
+    replies = []
+
+    def reply(context):  # a scripted actor that records what guidance it was shown
+        replies.append(context)
+        return scripted_reply("positive")(context)
+
+    lm = ScriptedLM(tok, reply)
+    gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", source="oracle")
+    batch = Rollout(lm, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=5)).run([3, 4])
+    seen_negative_or_neutral = False
+    for ep in batch.episodes:
+        labels = [s.label for s in ep.steps]
+        expected = ["neutral"] + ["positive" if p > 0 else "negative" if p < 0 else "neutral"
+                                  for p in (s.progress for s in ep.steps[:-1])]
+        assert labels == expected
+        assert ep.internal_rewards == pytest.approx([gc.reward(z) for z in expected])
+        seen_negative_or_neutral |= any(z != "positive" for z in labels[1:])
+        for s in ep.samples:  # guidance is context: every policy token is an action token
+            assert all(k == KIND_ACTION for k, p in zip(s.kinds, s.policy) if p)
+    assert seen_negative_or_neutral  # first-admissible actions do not always make progress: not a constant label
+    assert calibration_stats(batch.episodes)["guidance/label_accuracy"] == 1.0
+    assert any("Label: neutral" in c for c in replies) and "Answer in exactly two lines" not in "".join(replies)
+
+
+def test_guidance_source_is_checked():
+    with pytest.raises(ValueError, match="guidance.source"):
+        GuidanceConfig(source="teacher")
+
+
+def _moments(pairs):
+    from sglightning.calibration import LABEL_VALUE
+
+    out = [0.0] * 6
+    for z, y in pairs:
+        x = LABEL_VALUE[z]
+        for k, v in enumerate((1, x, y, x * x, y * y, x * y)):
+            out[k] += v
+    return out
+
+
+def test_label_reliability_is_zero_for_labels_independent_of_progress():
+    from sglightning.grpo import label_reliability
+
+    labels = ("positive", "neutral", "negative")
+    independent = [(z, y) for z in labels for y in (-1, 0, 1)]  # every label equally often with every outcome
+    assert label_reliability(_moments(independent)) == 0.0
+    assert label_reliability(_moments([("positive", y) for y in (-1, 0, 1, 1)])) == 0.0  # constant: no information
+    assert label_reliability(_moments([("positive", 1), ("neutral", 0), ("negative", -1)])) == pytest.approx(1.0)
+    assert label_reliability(_moments([("positive", -1), ("negative", 1)])) == 0.0  # anti-correlated: clipped
+    assert label_reliability(_moments([("positive", 1)])) == 0.0  # too few pairs
+    mostly = [("positive", 1)] * 3 + [("negative", -1)] * 3 + [("positive", -1)]
+    assert 0.0 < label_reliability(_moments(mostly)) < 1.0
+
+
+def test_trust_meter_trusts_the_oracle_not_a_constant_guide():
+    from sglightning.rewards import TrustMeter
+
+    oracle = [_episode(["neutral", "positive", "neutral", "negative"], [1, 0, -1, 2], won=False)]
+    constant = [_episode(["positive"] * 4, [1, 0, -1, 2], won=False)]
+    meter = TrustMeter(window=2)
+    assert meter.update(oracle) == pytest.approx(1.0)
+    assert meter.update(constant) < 1.0  # the window mixes the two steps
+    assert meter.update(constant) == 0.0  # the oracle step has left the window
+    restored = TrustMeter(window=2)
+    restored.load_state_dict(meter.state_dict())
+    assert restored.steps == meter.steps
+
+
+def test_adaptive_trust_scales_lambda_by_the_reliability_in_a_fit(tmp_path):
+    from lightning.pytorch import Trainer, seed_everything
+
+    from sglightning.grpo import GRPOConfig
+    from sglightning.models import PolicyConfig
+    from sglightning.module import EvalConfig, SelfGuideModule
+
+    seed_everything(0)
+    module = SelfGuideModule(
+        policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
+        env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+        rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=4),
+        guidance=GuidanceConfig(max_guidance_tokens=4, action_decoding="admissible", source="oracle"),
+        grpo=GRPOConfig(trust_constant=1.0, trust_adaptive=True, micro_batch_size=4),
+        evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
+    )
+    Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
+            default_root_dir=tmp_path).fit(module)
+    for h in module.history:
+        assert h["reward/lambda_schedule"] == 1.0
+        assert h["reward/lambda"] == pytest.approx(h["guidance/reliability"])
+    # the oracle's labels track progress exactly: reliability 1 once they vary (0 while they are constant)
+    assert all(h["guidance/reliability"] in (0.0, pytest.approx(1.0)) for h in module.history)
+    assert module.history[-1]["guidance/reliability"] == pytest.approx(1.0)
+
+
+class _InformativeWhenSeedDividesBy3(RewardTerm):
+    """Groups of seeds divisible by 3 get a bonus for their first episode (informative); the others' returns are
+    all 0 (degenerate)."""
+
+    name = "by3"
+
+    def value(self, episode) -> float:
+        if episode.seed % 3 == 0:
+            return 0.37 if episode.index % 2 == 0 else 0.0
+        return -episode.env_return
+
+
+def test_dynamic_sampling_tops_the_step_up_with_informative_groups():
+    from sglightning.callbacks import RolloutCallback
+    from sglightning.grpo import GRPOConfig
+    from sglightning.models import PolicyConfig
+    from sglightning.module import EvalConfig, SelfGuideModule
+    from sglightning.rewards import informative_groups
+
+    def module(rounds):
+        m = SelfGuideModule(
+            policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
+            env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+            rollout=RolloutConfig(groups_per_step=3, group_size=2, max_steps=2, dynamic_sampling_rounds=rounds),
+            guidance=GuidanceConfig(max_guidance_tokens=4, action_decoding="admissible"),
+            grpo=GRPOConfig(total_steps=10, trust_constant=0.0),
+            evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
+            reward_terms=[_InformativeWhenSeedDividesBy3()],
+        )
+        m.configure_model()
+        return m
+
+    plain = RolloutCallback().collect(module(0))
+    topped = RolloutCallback().collect(module(6))
+    n_plain = len(informative_groups(plain.episodes, 0.0, "sum", [_InformativeWhenSeedDividesBy3()]))
+    found = informative_groups(topped.episodes, 0.0, "sum", [_InformativeWhenSeedDividesBy3()])
+    assert n_plain < 3 and plain.extra_groups == 0
+    assert len(found) == 3 == n_plain + topped.extra_groups  # the missing groups were found in extra rounds
+    assert [e.seed for e in topped.episodes[:6]] == [e.seed for e in plain.episodes]  # the first round kept whole
+    added = topped.episodes[6:]
+    assert len(added) == 2 * topped.extra_groups and all(e.seed % 3 == 0 for e in added)
+    assert len({e.index for e in topped.episodes}) == len(topped.episodes)  # renumbered: no clash
+    assert all(s.episode == e.index for e in topped.episodes for s in e.samples)
+    assert topped.generated_tokens > plain.generated_tokens
