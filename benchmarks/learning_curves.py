@@ -67,9 +67,13 @@ def val_curve(run: Path, mode: str) -> list[tuple[int, float]]:
     for version in sorted(run.glob("version_*")):
         acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
         acc.Reload()
-        if tag in acc.Tags().get("scalars", []):
+        tags = acc.Tags().get("scalars", [])
+        if tag in tags and "val/global_step" in tags:
+            # the logger's step is Lightning's count at logging time; val/global_step says how many GRPO steps the
+            # evaluated adapters had taken
+            trained = {ev.step: int(ev.value) for ev in acc.Scalars("val/global_step")}
             for ev in acc.Scalars(tag):
-                points[int(ev.step)] = float(ev.value)
+                points[trained[ev.step]] = float(ev.value)
     return sorted(points.items())
 
 

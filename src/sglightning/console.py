@@ -29,7 +29,8 @@ _EXPECTED_WARNINGS = (
 #: not in use (the device is in the config), the seed and the mixed precision (both in the config), and why fit stopped
 #: (the summary says it)
 _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "HPU available:", "Seed set to ",
-          "`Trainer.fit` stopped: `max_steps=", "Automatic Mixed Precision (AMP)")
+          "`Trainer.fit` stopped: `max_steps=", "Automatic Mixed Precision (AMP)",
+          "was configured so validation will run")
 
 
 class _DropNoise(logging.Filter):

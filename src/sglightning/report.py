@@ -42,7 +42,7 @@ def build_report(step: int, world_size: int, split: str, versions: dict[str, str
 
 def scalars(report: dict[str, Any]) -> dict[str, float]:
     """The report's numbers as flat ``val/<mode>/<name>`` scalars (TensorBoard)."""
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"val/global_step": float(report["step"])}  # the optimiser steps the adapters had taken
     for mode, stats in report["modes"].items():
         for k, v in stats.items():
             if isinstance(v, float) and v == v:  # not NaN
