@@ -25,31 +25,37 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
     out = tmp_path / "curves"
     extra = ["--", "--model.rollout.max_steps=2", "--model.evaluation.num_tasks=2",
              "--model.evaluation.tasks_per_batch=2"]
-    lc.main(["--config", TINY, "--arms", "grpo", "oracle", "--seeds", "0", "--steps", "2", "--eval-every", "1",
-             "--out", str(out), *extra])
+    args = ["--config", TINY, "--arms", "oracle", "--seeds", "0", "--eval-every", "1", "--out", str(out)]
+    lc.main([*args, "--steps", "2", *extra])
     data = json.loads((out / "curves.json").read_text())
-    curves = {r["arm"]: r["curve"] for r in data["runs"]}
-    assert set(curves) == {"grpo", "oracle"}
-    for curve in curves.values():
-        assert [s for s, _ in curve] == [0, 1, 2]  # zero-shot, then every step
-        assert all(0.0 <= v <= 1.0 for _, v in curve)
-    table = (out / "curves.md").read_text()
-    assert "| grpo | 1 |" in table and "| oracle | 1 |" in table
+    (run,) = data["runs"]
+    assert run["arm"] == "oracle" and [s for s, _ in run["curve"]] == [0, 1, 2]  # zero-shot, then every step
+    assert all(0.0 <= v <= 1.0 for _, v in run["curve"])
+    assert "| oracle | 1 |" in (out / "curves.md").read_text()
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 1_000_000
     # a finished run is skipped: nothing is run again
-    log = out / "grpo-seed0" / "run.log"
+    log = out / "oracle-seed0" / "run.log"
     before = log.read_text()
-    lc.main(["--config", TINY, "--arms", "grpo", "--seeds", "0", "--steps", "2", "--eval-every", "1",
-             "--out", str(out), *extra])
+    lc.main([*args, "--steps", "2", *extra])
     assert log.read_text() == before
     # a cut run (no done.json) continues from its last checkpoint instead of starting over
     (out / "oracle-seed0" / "done.json").unlink()
-    lc.main(["--config", TINY, "--arms", "oracle", "--seeds", "0", "--steps", "3", "--eval-every", "1",
-             "--out", str(out), *extra])
-    assert "resuming from" in (out / "oracle-seed0" / "run.log").read_text()
+    lc.main([*args, "--steps", "3", *extra])
+    assert "resuming from" in log.read_text()
     curve = json.loads((out / "curves.json").read_text())["runs"][0]["curve"]
     assert [s for s, _ in curve] == [0, 1, 2, 3]
+
+
+def test_summary_table_and_figure_over_arms_and_seeds(tmp_path):
+    lc = _runner()
+    results = [{"arm": "grpo", "seed": s, "curve": [[0, 0.1], [5, v]]} for s, v in ((0, 0.2), (1, 0.4))]
+    results.append({"arm": "oracle", "seed": 0, "curve": [[0, 0.1], [5, 0.5]]})
+    data, table = lc.summarise(results)
+    assert data["runs"] == results
+    assert "| grpo | 2 | 0.100 ± 0.000 | 0.300 ± 0.141 | 5 |" in table
+    assert "| oracle | 1 | 0.100 ± 0.000 | 0.500 ± 0.000 | 5 |" in table
+    assert lc.plot(results, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
 
 
 def test_runner_rejects_a_missing_config(tmp_path, capsys):
