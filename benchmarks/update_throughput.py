@@ -34,6 +34,7 @@ from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
 from sglightning.rollout import Rollout, RolloutConfig
+from sglightning.sampler import cluster_heads
 
 
 def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
@@ -76,8 +77,8 @@ def _fed_positions(ids: torch.Tensor, attn: torch.Tensor) -> int:
     if plan is None:
         return ids.numel()
     cluster_of, cut = plan
-    firsts = {c: i for i, c in reversed(list(enumerate(cluster_of)))}
-    prefix = len(firsts) * max(cut[i] for i in firsts.values())
+    heads = cluster_heads(cluster_of)
+    prefix = len(heads) * max(cut[i] for i in heads)
     return prefix + len(lengths) * max(n - k for n, k in zip(lengths, cut))
 
 

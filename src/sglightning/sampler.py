@@ -232,6 +232,15 @@ def shared_prefixes(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> tup
     return cluster_of, cut
 
 
+def cluster_heads(cluster_of: Sequence[int]) -> list[int]:
+    """The first row of each cluster of :func:`shared_prefixes`, in cluster order (clusters are numbered by first
+    appearance): the rows whose prefix is computed for the cluster."""
+    heads: dict[int, int] = {}
+    for row, c in enumerate(cluster_of):
+        heads.setdefault(c, row)
+    return [heads[c] for c in range(len(heads))]
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     k = 0
     for x, y in zip(a, b):
@@ -290,8 +299,7 @@ class DecodeSession(Decoder):
             plan = shared_prefixes(blocks)
             if plan is not None:
                 cluster_of, cut = plan
-                firsts = {c: i for i, c in reversed(list(enumerate(cluster_of)))}  # cluster -> its first row
-                self._feed([blocks[firsts[c]][:cut[firsts[c]]] for c in sorted(firsts)])  # [C rows]
+                self._feed([blocks[i][: cut[i]] for i in cluster_heads(cluster_of)])  # [C rows]
                 self.select(cluster_of)  # [B rows]: each row gets a copy of its prefix's keys and values
                 self._feed([b[k:] for b, k in zip(blocks, cut)])
                 return

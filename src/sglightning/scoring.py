@@ -33,6 +33,7 @@ from sglightning.sampler import (
     KIND_GUIDANCE,
     Restriction,
     cache_argument_name,
+    cluster_heads,
     complement_log_mass,
     shared_prefixes,
 )
@@ -236,10 +237,7 @@ def shared_prefix_hidden(decoder: torch.nn.Module, ids: Tensor, attn: Tensor, mi
     if plan is None:
         return decoder(input_ids=ids, attention_mask=attn).last_hidden_state
     cluster_of, cut = plan
-    first = {}
-    for i, c in enumerate(cluster_of):
-        first.setdefault(c, i)
-    reps = [first[c] for c in range(len(first))]  # [C] one row per cluster
+    reps = cluster_heads(cluster_of)  # [C] one row per cluster
     dev = ids.device
     P = max(cut[i] for i in reps)
     pre_ids = torch.zeros(len(reps), P, dtype=ids.dtype, device=dev)  # [C, P]
