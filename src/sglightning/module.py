@@ -277,23 +277,6 @@ class SelfGuideModule(LightningModule):
             logs["tokens/total"] = float(step_data["attn"].sum())
         # every rollout is one optimiser step per PPO epoch, with or without samples on this rank (under DDP all ranks
         # must take part in the same collectives and keep the same step count)
-        opt = self.optimizers()
-        for epoch in range(c.ppo_epochs):
-            logs.update(self._update(step_data, tok_adv, opt, first_epoch=epoch == 0))
-        logs["time/update_s"] = time.perf_counter() - t0
-        logs["train/skipped_updates"] = float(self.skipped_updates)
-        self.rollouts_done += 1
-        logs = distributed.reduce_logs(logs, SUM_KEYS, self._world()[1])
-        self.history.append(logs)
-        self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(rb.episodes))
-        self.log("success", logs["rollout/success_rate"], on_step=True, prog_bar=True, logger=False)
-        self.log("lam", lam, on_step=True, prog_bar=True, logger=False)
-
-    def _update(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None, opt, first_epoch: bool
-                ) -> dict[str, float]:
-        """One optimiser step on the whole step's batch (micro-batches accumulate; under DDP one gradient sum over
-        ranks; under FSDP every rank runs as many micro-batches).  Returns the token-weighted statistics."""
-        c = self.grpo_cfg
         mask = step_data["mask"] if step_data is not None else None
         # global policy tokens and sequences (all micro-batches, all ranks): the loss is one mean over all of them
         totals = distributed.all_reduce(grpo.policy_counts(mask).to(self.device))
@@ -305,9 +288,28 @@ class SelfGuideModule(LightningModule):
                 # no KL: samples with Â = 0 on every policy token add exactly 0 to loss and gradient (they stay in
                 # `totals`, the token-mean denominator): no forward/backward for them. With KL they are computed.
                 skipped = zeros
-                keep = ~zero
-                step_data, tok_adv = scoring.select_rows(step_data, keep), tok_adv[keep]
-                mask = step_data["mask"]
+                step_data, tok_adv = scoring.select_rows(step_data, ~zero), tok_adv[~zero]
+        logs["tokens/zero_advantage_samples"], logs["tokens/skipped_zero_advantage_samples"] = zeros, skipped
+        opt = self.optimizers()
+        for epoch in range(c.ppo_epochs):
+            logs.update(self._update(step_data, tok_adv, totals, bool(skipped), opt, first_epoch=epoch == 0))
+        logs["time/update_s"] = time.perf_counter() - t0
+        logs["train/skipped_updates"] = float(self.skipped_updates)
+        self.rollouts_done += 1
+        logs = distributed.reduce_logs(logs, SUM_KEYS, self._world()[1])
+        self.history.append(logs)
+        self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(rb.episodes))
+        self.log("success", logs["rollout/success_rate"], on_step=True, prog_bar=True, logger=False)
+        self.log("lam", lam, on_step=True, prog_bar=True, logger=False)
+
+    def _update(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None, totals: torch.Tensor,
+                skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
+        """One optimiser step on the whole step's batch (micro-batches accumulate; under DDP one gradient sum over
+        ranks; under FSDP every rank runs as many micro-batches).  ``totals``: the step's global policy tokens and
+        sequences (the loss is one mean over all of them); ``skipped``: zero-advantage samples were left out.
+        Returns the token-weighted statistics."""
+        c = self.grpo_cfg
+        mask = step_data["mask"] if step_data is not None else None
         temp = self.rollout_cfg.temperature
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
@@ -363,8 +365,6 @@ class SelfGuideModule(LightningModule):
         self.consecutive_skips = 0
         opt.step()
         out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
-        out["tokens/zero_advantage_samples"] = zeros
-        out["tokens/skipped_zero_advantage_samples"] = skipped
         out["train/grad_norm"] = float(grad_norm)
         out["train/update_skipped"] = 0.0
         return out
