@@ -14,6 +14,7 @@ Arms (each is the config plus a few overrides; validation plays the arm's own gu
     oracle      labels from the environment's measured progress (guidance.source: oracle), paper schedule
     adaptive    the paper schedule × the labels' measured reliability (grpo.trust_adaptive)
 
+A seed sets ``seed_everything`` (adapter initialisation) and ``model.rollout.seed`` (training tasks and sampling).
 Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k,
 preceded by one ``sglightning validate`` of the untrained model (step 0).  A cut run is resumed with
 ``--ckpt_path last``; a finished one (``done.json``) is skipped, so the same command line continues a study over
@@ -85,7 +86,7 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
         return json.loads(done.read_text())
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "run.log"
-    common = ["--config", config, *ARMS[arm], f"--seed_everything={seed}",
+    common = ["--config", config, *ARMS[arm], f"--seed_everything={seed}", f"--model.rollout.seed={seed}",
               "--trainer.logger.class_path=lightning.pytorch.loggers.TensorBoardLogger",
               f"--trainer.logger.init_args.save_dir={out}", "--trainer.enable_progress_bar=false", *extra]
     zero = folder / "zero_shot.json"

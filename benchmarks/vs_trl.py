@@ -110,6 +110,9 @@ def sgl_config(args, out: Path) -> dict:
             "guidance": {"enabled": True, "prompt_mode": "single_stream", "decoding": "free",
                          "action_decoding": "free", "max_guidance_tokens": half,
                          "max_action_tokens": args.max_new - half},
+            # the score gained (0-100 -> 0-1) on top of the sparse success reward, as on the TRL side: a 135M model
+            # rarely wins within a few turns, and with every return equal there would be no update to compare
+            "reward_terms": [{"class_path": "sglightning.rewards.ScoreGain"}],
             "grpo": {"kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28, "micro_batch_size": args.micro},
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": args.lr, "weight_decay": 0.0}},
         },
@@ -182,16 +185,17 @@ class EpisodeRollout:
 
         tok, n = self.tok, len(seeds)
         envs = [self.make_env() for _ in seeds]
-        msgs, prompt_ids = [], []
+        msgs, prompt_ids, first_score = [], [], []
         for env, seed in zip(envs, seeds):
             res = env.reset(seed)
+            first_score.append(res.score)
             msgs.append(stream_first_messages(res.task, res.observation, res.admissible_actions, env.action_help,
                                               True))
             prompt_ids.append(self.chat.prompt_ids(msgs[-1]))
         completion: list[list[int]] = [[] for _ in range(n)]
         mask: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
-        reward, done = [0.0] * n, [False] * n
+        reward, done, score = [0.0] * n, [False] * n, list(first_score)
         eos = tok.eos_token_id
         for turn in range(self.turns):
             live = [i for i in range(n) if not done[i]]
@@ -219,6 +223,7 @@ class EpisodeRollout:
                 logps[i] += lp[j, :keep].tolist()
                 step = envs[i].step(parse_action(tok.decode(toks, skip_special_tokens=True)).action or "")
                 reward[i] += float(step.reward)
+                score[i] = step.score if step.score is not None else score[i]
                 if step.done or turn == self.turns - 1:
                     done[i] = True
                     continue
@@ -227,8 +232,9 @@ class EpisodeRollout:
                 completion[i] += reply
                 mask[i] += [0] * len(reply)
                 logps[i] += [0.0] * len(reply)
+        gained = [0.0 if b is None else (b - (a or 0.0)) / 100.0 for a, b in zip(first_score, score)]
         return {"prompt_ids": prompt_ids, "completion_ids": completion, "logprobs": logps, "env_mask": mask,
-                "env_reward": reward}
+                "env_reward": [r + g for r, g in zip(reward, gained)]}
 
 
 def env_reward(prompts, completions, env_reward, **kwargs) -> list[float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import importlib.util
+import os
 import time
 
 import pytest
@@ -452,3 +453,36 @@ def test_smollm2_conversion_and_answer(tmp_path, monkeypatch):
         out = model.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
     answer = tok.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+def test_native_gqa_attention_on_cpu_gives_the_same_logits_and_gradients(monkeypatch):
+    """The CPU switch to torch's own grouped-query attention (no key/value head copies) changes no number: a GQA model
+    (4 query / 2 key-value heads) with left padding, a cache and several new positions, forward and backward."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from sglightning.models import use_native_gqa_attention
+
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    assert use_native_gqa_attention("cpu") and os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "0")
+    assert not use_native_gqa_attention("cpu")  # the user's own setting wins
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    ids = torch.randint(1, 64, (3, 12))
+    attn = torch.ones_like(ids)
+    attn[0, :4] = 0  # left padding
+    results = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", flag)
+        model.zero_grad()
+        first = model(input_ids=ids[:, :7], attention_mask=attn[:, :7], use_cache=True)
+        out = model(input_ids=ids[:, 7:], attention_mask=attn, past_key_values=first.past_key_values)
+        logits = torch.cat([first.logits, out.logits], 1)
+        logits[attn.bool()].square().mean().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)

@@ -511,3 +511,32 @@ def test_shared_prefix_rollouts_equal_unshared_ones_and_compute_less(tiny, mode)
         assert s.ids == p.ids
         assert s.logprobs == pytest.approx(p.logprobs, abs=1e-5)
     assert 0 < shared.prefill_positions < plain.prefill_positions
+
+
+def test_forced_runs_ride_along_with_the_sampled_token_and_log_probs_match_a_clean_forward(tiny):
+    """A lock step feeds each row one sampled token plus every token after it that needs no sampling (a Force, a
+    Choice's single-continuation tokens): Force(5) · Free(1) · Force(3) · Choice(two options sharing 2 tokens) takes
+    3 forwards instead of 12, and every sampled token's log-prob is the model's on the exact context before it."""
+    from sglightning.sampler import Choice, Force, Free
+
+    model, _ = tiny
+    model.eval()
+    prompt = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    program = [Force([20, 21, 22, 23, 24]), Free(1, frozenset()), Force([30, 31, 32]),
+               Choice([[40, 41, 42], [40, 41, 43]])]
+    s = DecodeSession(model, pad_id=0, generator=torch.Generator().manual_seed(0), share_prefix=False)
+    s.feed(prompt)
+    pieces = s.run([list(program), list(program)])
+    assert s.forward_calls == 1 + 3  # prompt; Force+sample; Free's token+Force+forced Choice run; the choice
+    for row, pcs in zip(prompt, pieces):
+        ids = row + [t for p in pcs for t in p.ids]
+        assert [p.ids for p in pcs][0] == [20, 21, 22, 23, 24] and pcs[3].ids[:2] == [40, 41]
+        assert pcs[3].forced == 2 and pcs[3].policy == [False, False, True]
+        with torch.no_grad():
+            logp = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)  # [T, V]
+        at = len(row) + 5  # the Free token
+        torch.testing.assert_close(torch.tensor(pcs[1].full_logprobs[0]), logp[at - 1, pcs[1].ids[0]], atol=1e-5,
+                                   rtol=1e-5)
+        last = len(ids) - 1  # the Choice's sampled token
+        torch.testing.assert_close(torch.tensor(pcs[3].full_logprobs[2]), logp[last - 1, ids[last]], atol=1e-5,
+                                   rtol=1e-5)

@@ -298,13 +298,13 @@ def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
         vals = [r[key] for r in rows if key in r]
         return sum(vals) / len(vals) if vals else float("nan")
 
-    half = max(1, len(hist) // 2)
+    third = max(1, len(hist) // 3)  # the rise: first vs last third of the steps
     lines = [
         "",
         f"sglightning fit: {len(hist)} GRPO steps, {int(sum(r.get('rollout/episodes', 0) for r in hist))} episodes",
         f"  success rate      all {mean('rollout/success_rate'):.3f}"
-        f" | first half {mean('rollout/success_rate', hist[:half]):.3f}"
-        f" | second half {mean('rollout/success_rate', hist[half:]):.3f}",
+        f" | first third {mean('rollout/success_rate', hist[:third]):.3f}"
+        f" | last third {mean('rollout/success_rate', hist[-third:]):.3f}",
         f"  mean env return   {mean('rollout/env_return'):.3f}   internal sum {mean('reward/internal_sum'):+.3f}",
         "  labels            "
         + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),

@@ -138,7 +138,8 @@ class _RowState:
         self.force_ids: list[int] = []
         self.node: dict | None = None  # trie node (Choice)
         self.banned: Restriction | None = None  # a Free segment's banned tokens, as a restriction
-        self.pending_close: list[int] = []
+        self.pending_close: list[int] = []  # a capped Free segment's closing tokens, to be written
+        self.close_written = False  # ... and written: the segment ends
         self.done = not program
 
     def start_segment(self) -> None:
@@ -151,6 +152,7 @@ class _RowState:
         elif isinstance(seg, Free):
             self.banned = Restriction(tuple(sorted(seg.banned_ids)), exclude=True) if seg.banned_ids else None
         self.pending_close = []
+        self.close_written = False
 
     def end_segment(self) -> None:
         assert self.piece is not None
@@ -390,7 +392,14 @@ class DecodeSession(Decoder):
 
     @torch.no_grad()
     def run(self, programs: Sequence[list[Segment]]) -> list[list[Piece]]:
-        """Execute one program per row (all current rows); returns the pieces of each row in order."""
+        """Execute one program per row (all current rows); returns the pieces of each row in order.
+
+        One forward per lock step.  In a step each row appends a block: at most one sampled token (drawn from the
+        logits of the previous step, so only as the block's first token), then every token that needs no sampling
+        — the rest of a ``Force``, a ``Free`` segment's closing tokens, a ``Choice``'s single-continuation tokens —
+        up to the next token that must be sampled.  Forced runs thus cost no extra forward (the samples and their
+        log-probs are those of feeding one token per step: every sampled token still sees exactly the context
+        before it)."""
         if len(programs) != self.batch_size:
             raise ValueError(f"run got {len(programs)} programs for {self.batch_size} rows")
         if self.last_logits is None:
@@ -400,43 +409,38 @@ class DecodeSession(Decoder):
             logp = None
             step_tokens: list[list[int]] = [[] for _ in rows]
             for i, st in enumerate(rows):
-                while not st.done:
-                    if st.piece is None:
-                        st.start_segment()
+                block = step_tokens[i]
+                while True:
+                    self._advance(st)
+                    if st.done:
+                        break
                     seg = st.program[st.seg]
+                    piece = st.piece
                     if isinstance(seg, Force):
-                        if len(st.piece.ids) < len(st.force_ids):
-                            break
-                        st.end_segment()
-                    elif isinstance(seg, Free):
-                        if st.pending_close or (len(st.piece.ids) and st.piece.hit_stop):
-                            st.end_segment()
-                        elif sum(st.piece.policy) >= seg.max_tokens:
-                            if seg.close_with and not st.pending_close:
-                                st.pending_close = list(seg.close_with)
-                                break
-                            st.end_segment()
-                        else:
-                            break
-                    else:  # Choice
-                        if -1 in st.node:
-                            st.piece.choice_index = st.node[-1]
-                            st.end_segment()
-                        else:
-                            break
-                if st.done:
-                    continue
-                seg = st.program[st.seg]
-                piece = st.piece
-                if isinstance(seg, Force):
-                    tok = st.force_ids[len(piece.ids)]
-                    piece.add(tok, 0.0, False)
-                elif isinstance(seg, Free) and st.pending_close:
-                    for tok in st.pending_close:
-                        piece.add(tok, 0.0, False)
-                    step_tokens[i] = list(st.pending_close)
-                    continue
-                else:
+                        rest = st.force_ids[len(piece.ids):]
+                        for tok in rest:
+                            piece.add(tok, 0.0, False)
+                        block.extend(rest)
+                        continue
+                    if isinstance(seg, Free) and st.pending_close:
+                        for tok in st.pending_close:
+                            piece.add(tok, 0.0, False)
+                        block.extend(st.pending_close)
+                        st.close_written = True
+                        continue
+                    if isinstance(seg, Choice):
+                        restriction = st.node.get(-2)  # the node's allowed continuations, built once per node
+                        if restriction is None:
+                            restriction = st.node[-2] = Restriction(tuple(sorted(t for t in st.node if t >= 0)))
+                        if len(restriction.ids) == 1:  # one way on: no choice was made, so no policy token
+                            tok = restriction.ids[0]
+                            piece.add(tok, 0.0, False)
+                            piece.forced += 1
+                            st.node = st.node[tok]
+                            block.append(tok)
+                            continue
+                    if block:  # a sampled token needs the logits after everything before it: next step
+                        break
                     if logp is None:
                         logp = torch.log_softmax(self.last_logits / self.temperature, dim=-1)  # [B, V]
                     if isinstance(seg, Free):
@@ -445,22 +449,38 @@ class DecodeSession(Decoder):
                         if tok in seg.stop_ids:
                             piece.hit_stop = True
                     else:
-                        restriction = st.node.get(-2)  # the node's allowed continuations, built once per node
-                        if restriction is None:
-                            restriction = st.node[-2] = Restriction(tuple(sorted(t for t in st.node if t >= 0)))
-                        if len(restriction.ids) == 1:  # one way on: no choice was made, so no policy token
-                            tok = restriction.ids[0]
-                            piece.add(tok, 0.0, False)
-                            piece.forced += 1
-                        else:
-                            tok, logq, full, used = self._sample(logp[i], restriction)
-                            piece.add(tok, logq, True, used, full)
+                        tok, logq, full, used = self._sample(logp[i], restriction)
+                        piece.add(tok, logq, True, used, full)
                         st.node = st.node[tok]
-                step_tokens[i] = [tok]
+                    block.append(tok)
             if not any(step_tokens):
                 break
             self.feed(step_tokens)
         return [st.pieces for st in rows]
+
+    @staticmethod
+    def _advance(st: _RowState) -> None:
+        """Close the row's finished segments and open the next one, until a segment wants a token (or none is
+        left); a ``Free`` segment that hit its cap without a stop token first asks for its closing tokens."""
+        while not st.done:
+            if st.piece is None:
+                st.start_segment()
+            seg = st.program[st.seg]
+            if isinstance(seg, Force):
+                if len(st.piece.ids) < len(st.force_ids):
+                    return
+            elif isinstance(seg, Free):
+                if not (st.close_written or (st.piece.ids and st.piece.hit_stop)):
+                    if sum(st.piece.policy) < seg.max_tokens:
+                        return
+                    if seg.close_with and not st.pending_close:
+                        st.pending_close = list(seg.close_with)
+                        return
+            elif -1 not in st.node:  # Choice: not at a leaf yet
+                return
+            else:
+                st.piece.choice_index = st.node[-1]
+            st.end_segment()
 
 
 def _cached(tokenizer, key: str, build):
