@@ -113,7 +113,8 @@ def sgl_config(args, out: Path) -> dict:
             # the score gained (0-100 -> 0-1) on top of the sparse success reward, as on the TRL side: a 135M model
             # rarely wins within a few turns, and with every return equal there would be no update to compare
             "reward_terms": [{"class_path": "sglightning.rewards.ScoreGain"}],
-            "grpo": {"kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28, "micro_batch_size": args.micro},
+            "grpo": {"kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28, "micro_batch_size": args.micro,
+                     "skip_zero_advantage": not args.no_skip},
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": args.lr, "weight_decay": 0.0}},
         },
     }
@@ -315,7 +316,8 @@ def summary(res: dict) -> dict:
 def run_worker(arm: str, args, folder: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(HERE), "--worker", arm, "--out", str(folder),
-           *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in PASSED]]
+           *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in PASSED and k != "no_skip"],
+           *(["--no-skip"] if args.no_skip else [])]
     with open(folder / "worker.log", "w") as log:
         res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
     if res.returncode != 0:
@@ -325,7 +327,7 @@ def run_worker(arm: str, args, folder: Path) -> dict:
     return json.loads((folder / "result.json").read_text())
 
 
-PASSED = ("model", "env", "tasks", "group", "turns", "max_new", "micro", "steps", "lr", "threads")
+PASSED = ("model", "env", "tasks", "group", "turns", "max_new", "micro", "steps", "lr", "threads", "no_skip")
 ARMS = ("sglightning", "trl")
 
 
@@ -342,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternations of the two arms")
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both arms")
+    ap.add_argument("--no-skip", action="store_true",
+                    help="sglightning computes zero-advantage samples too, as TRL does (engine against engine; by "
+                         "default it skips them, as it does in training)")
     ap.add_argument("--json", help="write every measurement and the ratios here")
     ap.add_argument("--work", help="folder for the workers' runs (default: a temporary one)")
     ap.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)

@@ -20,7 +20,17 @@ TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 ])
 def test_auto_leaves_one_core_of_each_process_share(cpus, processes, expected, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert threads.resolve("auto", processes, cpus=cpus) == expected
+    assert threads.resolve("auto", processes, cpus=cpus, load=1.5) == expected
+
+
+@pytest.mark.parametrize(("cpus", "processes", "load", "expected"), [
+    (2, 1, 0.1, 2), (2, 1, 0.6, 1), (2, 2, 0.1, 1), (4, 2, 0.1, 1), (4, 1, 0.1, 3), (1, 1, 0.0, 1),
+])
+def test_auto_takes_both_cores_of_an_idle_two_core_share(cpus, processes, load, expected, monkeypatch):
+    """One process on 2 cores of an idle machine uses both (leaving one free cost 1.43x alone); busy, or with
+    sibling ranks, or with more cores, one core stays free."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads.resolve("auto", processes, cpus=cpus, load=load) == expected
 
 
 def test_omp_num_threads_wins_over_auto_and_explicit_counts_win_over_both(monkeypatch):

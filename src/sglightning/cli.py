@@ -133,8 +133,9 @@ class SGLightningCLI(LightningCLI):
         parser.add_argument(
             "--threads", type=PositiveInt | Literal["auto"] | None, default="auto",
             help="torch CPU threads per process: auto = one less than this process's share of the CPUs (at least 1; "
-                 "OMP_NUM_THREADS wins when set), an integer, or null for torch's default (one per core, which "
-                 "collapses when another busy process shares the cores)")
+                 "both cores when one process has 2 cores of an idle machine; OMP_NUM_THREADS wins when set), an "
+                 "integer, or null for torch's default (one per core, which collapses when another busy process "
+                 "shares the cores)")
 
     def before_instantiate_classes(self) -> None:
         """Set the thread budget (before the model and the env workers exist); then ``--ckpt_path last`` on a fresh

@@ -13,8 +13,12 @@ TextWorldExpress' JVMs, the tokenizer) compete for the same cores.
             this machine (``trainer.devices`` under DDP/FSDP on CPU or per GPU)
     threads = max(1, cores - 1)
 
-so a 2-core box runs one torch thread (what survives a neighbour), an 8-core laptop seven, a 16-core GPU node's
-process fifteen. ``OMP_NUM_THREADS`` in the environment wins over ``auto`` (it is the user's explicit choice); an
+so a 2-core box shared with other work runs one torch thread (what survives a neighbour), an 8-core laptop seven, a
+16-core GPU node's process fifteen.  One exception: a single process whose share is exactly 2 cores takes both when
+the machine is idle as it starts (1-minute load average < 0.5) — there, leaving a core free made the quickstart's
+steps 1.43× slower (measured alone on a 2-core box), while the protection matters against neighbours that are
+already running.  A neighbour that starts later still hurts such a run; pass ``--threads 1`` on a shared 2-core box.
+``OMP_NUM_THREADS`` in the environment wins over ``auto`` (it is the user's explicit choice); an
 integer sets the count; ``null`` leaves torch's own default.
 """
 
@@ -62,15 +66,28 @@ def local_processes(trainer: dict[str, Any] | None) -> int:
     return 1
 
 
-def resolve(setting: Threads, processes: int = 1, cpus: int | None = None) -> int | None:
+IDLE_LOAD = 0.5  # 1-minute load average below which the machine counts as idle
+
+
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not available: assume busy (the cautious budget)
+        return float("inf")
+
+
+def resolve(setting: Threads, processes: int = 1, cpus: int | None = None, load: float | None = None) -> int | None:
     """The torch thread count for ``setting`` (``None``: leave torch's default). ``auto`` → max(1, cpus/processes − 1),
-    unless ``OMP_NUM_THREADS`` is set (then torch already follows it)."""
+    or 2 for one process with a share of exactly 2 cores on an idle machine (``load``: the 1-minute load average,
+    read when not given); unless ``OMP_NUM_THREADS`` is set (then torch already follows it)."""
     if setting is None:
         return None
     if setting == "auto":
         if os.environ.get("OMP_NUM_THREADS"):
             return None
         share = (cpus or available_cpus()) // max(1, processes)
+        if share == 2 and processes == 1 and (load_average() if load is None else load) < IDLE_LOAD:
+            return 2
         return max(1, share - 1)
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
         raise ValueError(f"threads: must be auto, null or an integer >= 1, got {setting!r}")
