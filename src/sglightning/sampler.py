@@ -138,8 +138,9 @@ class _RowState:
         self.force_ids: list[int] = []
         self.node: dict | None = None  # trie node (Choice)
         self.banned: Restriction | None = None  # a Free segment's banned tokens, as a restriction
-        self.pending_close: list[int] = []  # a capped Free segment's closing tokens, to be written
-        self.close_written = False  # ... and written: the segment ends
+        # a capped Free segment's closing tokens: set when the cap is hit and written in the same step, so once set
+        # the segment ends at the next advance
+        self.pending_close: list[int] = []
         self.done = not program
 
     def start_segment(self) -> None:
@@ -152,7 +153,29 @@ class _RowState:
         elif isinstance(seg, Free):
             self.banned = Restriction(tuple(sorted(seg.banned_ids)), exclude=True) if seg.banned_ids else None
         self.pending_close = []
-        self.close_written = False
+
+    def advance(self) -> None:
+        """Close finished segments and open the next one, until a segment wants a token (or none is left); a
+        ``Free`` segment that hit its cap without a stop token first asks for its closing tokens (``pending_close``)."""
+        while not self.done:
+            if self.piece is None:
+                self.start_segment()
+            seg = self.program[self.seg]
+            if isinstance(seg, Force):
+                if len(self.piece.ids) < len(self.force_ids):
+                    return
+            elif isinstance(seg, Free):
+                if not (self.pending_close or (self.piece.ids and self.piece.hit_stop)):
+                    if sum(self.piece.policy) < seg.max_tokens:
+                        return
+                    if seg.close_with:
+                        self.pending_close = list(seg.close_with)
+                        return
+            elif -1 not in self.node:  # Choice: not at a leaf yet
+                return
+            else:
+                self.piece.choice_index = self.node[-1]
+            self.end_segment()
 
     def end_segment(self) -> None:
         assert self.piece is not None
@@ -411,7 +434,7 @@ class DecodeSession(Decoder):
             for i, st in enumerate(rows):
                 block = step_tokens[i]
                 while True:
-                    self._advance(st)
+                    st.advance()
                     if st.done:
                         break
                     seg = st.program[st.seg]
@@ -426,7 +449,6 @@ class DecodeSession(Decoder):
                         for tok in st.pending_close:
                             piece.add(tok, 0.0, False)
                         block.extend(st.pending_close)
-                        st.close_written = True
                         continue
                     if isinstance(seg, Choice):
                         restriction = st.node.get(-2)  # the node's allowed continuations, built once per node
@@ -457,30 +479,6 @@ class DecodeSession(Decoder):
                 break
             self.feed(step_tokens)
         return [st.pieces for st in rows]
-
-    @staticmethod
-    def _advance(st: _RowState) -> None:
-        """Close the row's finished segments and open the next one, until a segment wants a token (or none is
-        left); a ``Free`` segment that hit its cap without a stop token first asks for its closing tokens."""
-        while not st.done:
-            if st.piece is None:
-                st.start_segment()
-            seg = st.program[st.seg]
-            if isinstance(seg, Force):
-                if len(st.piece.ids) < len(st.force_ids):
-                    return
-            elif isinstance(seg, Free):
-                if not (st.close_written or (st.piece.ids and st.piece.hit_stop)):
-                    if sum(st.piece.policy) < seg.max_tokens:
-                        return
-                    if seg.close_with and not st.pending_close:
-                        st.pending_close = list(seg.close_with)
-                        return
-            elif -1 not in st.node:  # Choice: not at a leaf yet
-                return
-            else:
-                st.piece.choice_index = st.node[-1]
-            st.end_segment()
 
 
 def _cached(tokenizer, key: str, build):
