@@ -15,12 +15,14 @@ Arms (each is the config plus a few overrides; validation plays the arm's own gu
     adaptive    the paper schedule × the labels' measured reliability (grpo.trust_adaptive)
 
 A seed sets ``seed_everything`` (adapter initialisation) and ``model.rollout.seed`` (training tasks and sampling).
-Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k,
-preceded by one ``sglightning validate`` of the untrained model (step 0).  A cut run is resumed with
-``--ckpt_path last``; a finished one (``done.json``) is skipped, so the same command line continues a study over
-several sittings.  Writes ``<out>/curves.json`` (every evaluation), ``<out>/curves.md`` (success at step 0 and at the
-last step, mean ± std over seeds, per arm) and ``<out>/curves.png`` (success vs step, mean ± std band per arm; needs
-matplotlib: ``pip install -e ".[curves]"``).
+Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k;
+its step 0 is one ``sglightning validate`` of the untrained model, shared by the arms that validate alike
+(``zero_shot-<kind>-seed<s>.json``).  A cut run is resumed with ``--ckpt_path last``; a finished one (``done.json``)
+is skipped, so the same command line continues a study over several sittings.  ``<out>/.gitignore`` keeps only these
+small JSON files and the artefacts below under version control, so a study committed from one machine continues on
+another (a cut run there starts over).  Writes ``<out>/curves.json`` (every evaluation), ``<out>/curves.md``
+(success at step 0 and at the last step, mean ± std over seeds, per arm) and ``<out>/curves.png`` (success vs step,
+mean ± std band per arm; needs matplotlib: ``pip install -e ".[curves]"``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ METRIC = "rollout/success_rate"
 
 def mode_of(arm: str) -> str:
     return "nosg" if arm == "grpo" else "sg"
+
+
+def zero_shot_kind(arm: str) -> str:
+    """Arms whose untrained model plays the same validation share one zero-shot evaluation per seed: λ only acts in
+    training, so sg, sg_gr, full_trust and adaptive validate identically at step 0 (guidance from the model)."""
+    return {"grpo": "noguide", "oracle": "oracle"}.get(arm, "model")
+
+
+# Written into <out>: git keeps the study's small results (a cut study continues in a fresh checkout from them) and
+# ignores the TensorBoard events, checkpoints and logs.
+KEEP_RESULTS_ONLY = "*\n!.gitignore\n!*/\n!*/done.json\n!zero_shot-*.json\n!curves.json\n!curves.md\n!curves.png\n"
 
 
 def run_cli(args: list[str], log: Path) -> None:
@@ -88,19 +101,25 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
     log = folder / "run.log"
     common = ["--config", config, *ARMS[arm], f"--seed_everything={seed}", f"--model.rollout.seed={seed}",
               "--trainer.logger.class_path=lightning.pytorch.loggers.TensorBoardLogger",
-              f"--trainer.logger.init_args.save_dir={out}", "--trainer.enable_progress_bar=false", *extra]
-    zero = folder / "zero_shot.json"
+              f"--trainer.logger.init_args.save_dir={out}", "--trainer.enable_progress_bar=false",
+              "--model.evaluation.before_fit=false", *extra]  # step 0 is the shared zero-shot evaluation
+    zero = out / f"zero_shot-{zero_shot_kind(arm)}-seed{seed}.json"
     if not zero.is_file():
-        run_cli(["validate", *common, f"--trainer.logger.init_args.name={name}-zeroshot"], log)
-        reports = sorted((out / f"{name}-zeroshot").glob("version_*/validation_report.json"))
+        zname = zero.stem
+        run_cli(["validate", *common, f"--trainer.logger.init_args.name={zname}"], log)
+        reports = sorted((out / zname).glob("version_*/validation_report.json"))
         report = json.loads(reports[-1].read_text())
-        zero.write_text(json.dumps({"success": report["modes"][mode_of(arm)][METRIC]}))
+        zero.write_text(json.dumps({"success": report["modes"][mode_of(arm)][METRIC], "by": arm}))
     fit = ["fit", *common, f"--trainer.logger.init_args.name={name}", f"--trainer.val_check_interval={every}",
            "--ckpt_path=last"]
     if steps is not None:
         fit.append(f"--trainer.max_steps={steps}")
     run_cli(fit, log)
-    curve = [(0, json.loads(zero.read_text())["success"])] + val_curve(out / name, mode_of(arm))
+    trained = val_curve(out / name, mode_of(arm))
+    if not trained or trained[-1][0] == 0:
+        raise SystemExit(f"learning_curves: {name}: the fit recorded no validation after training (log {log}); "
+                         "nothing written for it")
+    curve = [(0, json.loads(zero.read_text())["success"])] + trained
     result = {"arm": arm, "seed": seed, "curve": curve}
     done.write_text(json.dumps(result))
     return result
@@ -181,6 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--config: no such file: {args.config}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / ".gitignore").exists():
+        (out / ".gitignore").write_text(KEEP_RESULTS_ONLY)
     results = []
     for seed in args.seeds:  # seed-major: a cut study has whole seeds of every arm first
         for arm in args.arms:

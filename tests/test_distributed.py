@@ -269,3 +269,30 @@ def test_sigterm_under_ddp_saves_a_whole_step_and_resumes(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert load_checkpoint_file(ckpt)["global_step"] == done + 1
     assert not (tmp_path / "tiny" / "version_1").exists()
+
+
+def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
+    """`--ckpt_path last` with a named logger looks only in that logger's run folders: a checkpoint of a run with
+    another name — in the same save_dir, or anywhere under default_root_dir — is not taken (a study of several arms
+    in one folder must not continue arm B from arm A's adapters)."""
+    from sglightning.cli import find_last_checkpoint
+
+    other = tmp_path / "runs" / "arm_a" / "version_0" / "checkpoints"
+    other.mkdir(parents=True)
+    (other / "last.ckpt").write_bytes(b"arm a")
+    named = {"default_root_dir": str(tmp_path),
+             "logger": {"init_args": {"save_dir": str(tmp_path / "runs"), "name": "arm_b"}}}
+    assert find_last_checkpoint({"trainer": named}) is None
+    mine = tmp_path / "runs" / "arm_b" / "version_1" / "checkpoints"
+    mine.mkdir(parents=True)
+    (mine / "last.ckpt").write_bytes(b"arm b")
+    assert find_last_checkpoint({"trainer": named}) == ((mine / "last.ckpt").resolve(), "version_1")
+    # no logger: default_root_dir's own checkpoints/ (Lightning's folder when logger=False), not deeper
+    plain = tmp_path / "plain"
+    (plain / "deep" / "x" / "y" / "checkpoints").mkdir(parents=True)
+    (plain / "deep" / "x" / "y" / "checkpoints" / "last.ckpt").write_bytes(b"deep")
+    cfg = {"trainer": {"default_root_dir": str(plain), "logger": False}}
+    assert find_last_checkpoint(cfg) is None
+    (plain / "checkpoints").mkdir()
+    (plain / "checkpoints" / "last.ckpt").write_bytes(b"plain")
+    assert find_last_checkpoint(cfg) == ((plain / "checkpoints" / "last.ckpt").resolve(), None)

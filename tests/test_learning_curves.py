@@ -63,3 +63,26 @@ def test_runner_rejects_a_missing_config(tmp_path, capsys):
     with pytest.raises(SystemExit) as err:
         lc.main(["--config", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)])
     assert err.value.code == 2 and "--config: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_arms_that_validate_alike_share_one_zero_shot_and_git_keeps_only_the_results(tmp_path):
+    import subprocess
+
+    lc = _runner()
+    out = tmp_path / "curves"
+    lc.main(["--config", TINY, "--arms", "sg", "full_trust", "--seeds", "0", "--steps", "1", "--eval-every", "1",
+             "--out", str(out), "--", "--model.rollout.max_steps=2", "--model.evaluation.num_tasks=2",
+             "--model.evaluation.tasks_per_batch=2"])
+    logs = [(out / f"{arm}-seed0" / "run.log").read_text() for arm in ("sg", "full_trust")]
+    assert sum(log.count("$ sglightning validate") for log in logs) == 1  # λ differs, step 0 does not
+    curves = {r["arm"]: r["curve"] for r in json.loads((out / "curves.json").read_text())["runs"]}
+    assert curves["sg"][0] == curves["full_trust"][0] and len(curves["sg"]) == 2
+    # the study folder under git: the small results are kept, the run folders (events, checkpoints, logs) are not
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    listed = subprocess.run(["git", "-C", str(tmp_path), "status", "--porcelain", "-uall"], capture_output=True,
+                            text=True, check=True).stdout
+    kept = sorted(line[3:] for line in listed.splitlines())
+    assert kept == sorted(["curves/.gitignore", "curves/curves.json", "curves/curves.md", "curves/curves.png",
+                           "curves/full_trust-seed0/done.json", "curves/sg-seed0/done.json",
+                           "curves/zero_shot-model-seed0.json"]), kept

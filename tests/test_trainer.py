@@ -507,3 +507,27 @@ def test_a_tiny_fit_prints_only_its_progress_bar_and_summary(tmp_path):
     bar = [p for p in res.stdout.replace("\r", "\n").splitlines() if p.strip().startswith("fit:")]
     assert any("2/2" in p and "s/step" in p and "success=" in p and "lam=" in p for p in bar), bar
     assert "sglightning fit: 2 GRPO steps" in res.stdout
+
+
+def test_validation_before_fit_is_logged_and_summarised_before_and_after(tmp_path, capsys):
+    """evaluation.before_fit: the untrained adapters are validated before step 1 (same tasks as the end-of-fit
+    validation), at logger step 0, and the summary reads "before … -> after …"."""
+    cli = cli_main([
+        "fit", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.max_steps=1",
+        "--trainer.enable_progress_bar=false", "--model.evaluation.before_fit=true",
+        "--model.evaluation.num_tasks=2", "--model.evaluation.tasks_per_batch=2", "--model.evaluation.self_guidance=on",
+    ])
+    before, after = cli.model.val_report_before, cli.model.val_report
+    assert before is not None and after is not None
+    assert before["step"] == 0 and after["step"] == 1
+    assert [e["seed"] for e in before["episodes"]["sg"]] == [e["seed"] for e in after["episodes"]["sg"]]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(cli.trainer.log_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [int(ev.value) for ev in acc.Scalars("val/global_step")] == [0, 1]
+    assert len(acc.Scalars("val/sg/success_rate")) == 2
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "validation [self-guidance on]" in x)
+    b, a = before["modes"]["sg"]["rollout/success_rate"], after["modes"]["sg"]["rollout/success_rate"]
+    assert f"before {b:.3f} -> after {a:.3f} over 2 episodes" in line, line

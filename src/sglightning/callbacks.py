@@ -314,17 +314,32 @@ def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
         f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {pl_module.skipped_updates}",
         f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
     ]
-    report = getattr(pl_module, "val_report", None)
-    if report:
-        for mode, stats in report["modes"].items():
-            lines.append(
-                f"  validation [{'self-guidance on' if mode == 'sg' else 'self-guidance off'}] success "
-                f"{stats.get('rollout/success_rate', float('nan')):.3f} over {stats.get('episodes', 0)} episodes"
-            )
+    lines += _validation_lines(getattr(pl_module, "val_report_before", None), getattr(pl_module, "val_report", None))
     lines.append(f"  TensorBoard       tensorboard --logdir {run_dir(trainer)}")
     adapter = getattr(pl_module, "adapter_dir", None)
     lines.append(f"  adapter           {adapter or run_dir(trainer) / 'adapter'}")
     return "\n".join(lines)
+
+
+def _validation_lines(before: dict | None, after: dict | None) -> list[str]:
+    """One summary line per guidance mode: the success of the end-of-fit validation, preceded by the one before
+    training when ``evaluation.before_fit`` ran it ("before 0.125 -> after 0.406", same held-out tasks)."""
+    lines = []
+    for mode in dict.fromkeys([*(before or {}).get("modes", {}), *(after or {}).get("modes", {})]):
+        parts, episodes = [], 0
+        for rep, word in ((before, "before"), (after, "after")):
+            stats = (rep or {}).get("modes", {}).get(mode)
+            if stats is None:
+                continue
+            rate = f"{stats.get('rollout/success_rate', float('nan')):.3f}"
+            if before is not None:  # label the two numbers; a lone end-of-fit validation needs no label
+                at = f" (step {rep['step']})" if word == "before" and rep.get("step") else ""
+                rate = f"{word}{at} {rate}"
+            parts.append(rate)
+            episodes = stats.get("episodes", 0)
+        guidance = "self-guidance on" if mode == "sg" else "self-guidance off"
+        lines.append(f"  validation [{guidance}] success {' -> '.join(parts)} over {episodes} episodes")
+    return lines
 
 
 def default_callbacks(trainer: Trainer | None) -> list[Callback]:

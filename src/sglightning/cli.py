@@ -146,6 +146,10 @@ class SGLightningCLI(LightningCLI):
         threads.apply(cfg.get("threads", "auto"), cfg.get("trainer"))
         if self.subcommand != "fit":
             return
+        if cfg.get("model.evaluation.before_fit") and cfg.get("trainer") is not None:
+            # Lightning's sanity check over every validation batch is the "before" validation (the module keeps its
+            # report; Lightning itself discards what a sanity check logs)
+            cfg["trainer"]["num_sanity_val_steps"] = -1
         if cfg.get("ckpt_path") != "last":
             return
         found = find_last_checkpoint(cfg)
@@ -229,27 +233,28 @@ class SGLightningCLI(LightningCLI):
 
 
 def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
-    """The newest ``last.ckpt`` of runs made with this config's TensorBoard logger (``save_dir/name/version_*``) or,
-    without such a logger, under ``trainer.default_root_dir``; with the version folder name to continue in."""
+    """The newest ``last.ckpt`` of this config's runs, with the version folder name to continue in: with a logger
+    that has a ``save_dir``, only under ``save_dir/name/version_*/checkpoints/`` (another run's checkpoints — another
+    logger name in the same folder — are never taken); without one, under ``trainer.default_root_dir`` (its
+    ``checkpoints/`` and ``<logger name>/version_*/checkpoints/``, not deeper)."""
     trainer = cfg.get("trainer") or {}
     logger = trainer.get("logger")
-    roots: list[tuple[Path, bool]] = []
     mapping = logger is not None and not isinstance(logger, (bool, list)) and hasattr(logger, "get")
     init = logger.get("init_args") if mapping else None
     if init is not None and init.get("save_dir") is not None:
-        roots.append((Path(str(init.get("save_dir"))) / str(init.get("name") or "lightning_logs"), True))
-    roots.append((Path(str(trainer.get("default_root_dir") or ".")), False))
+        root = Path(str(init.get("save_dir"))) / str(init.get("name") or "lightning_logs")
+        patterns = [("version_*/checkpoints", True)]
+    else:
+        root = Path(str(trainer.get("default_root_dir") or "."))
+        patterns = [("checkpoints", False), ("*/version_*/checkpoints", True)]
     best: tuple[float, Path, str | None] | None = None
-    for root, versioned in roots:
-        for folder in root.glob("version_*/checkpoints" if versioned else "**/checkpoints"):
+    for pattern, versioned in patterns:
+        for folder in root.glob(pattern):
             recover_swapped_checkpoints(folder)  # a distributed save killed between its two renames
-        pattern = "version_*/checkpoints/last*.ckpt" if versioned else "**/checkpoints/last*.ckpt"
-        for path in root.glob(pattern):
-            mtime = path.stat().st_mtime
-            if best is None or mtime > best[0]:
-                best = (mtime, path.resolve(), path.parent.parent.name if versioned else None)
-        if best is not None:
-            break
+            for path in folder.glob("last*.ckpt"):
+                mtime = path.stat().st_mtime
+                if best is None or mtime > best[0]:
+                    best = (mtime, path.resolve(), path.parent.parent.name if versioned else None)
     return None if best is None else (best[1], best[2])
 
 

@@ -54,6 +54,10 @@ class StepProgressBar(TQDMProgressBar):
     """One bar for the whole run: ``fit  k/N`` in optimiser steps (right after a resume too), seconds per step, and
     the last step's success rate and trust weight λ."""
 
+    @property
+    def sanity_check_description(self) -> str:
+        return "Validation before training"  # evaluation.before_fit runs as Lightning's sanity check
+
     def init_train_tqdm(self):
         bar = super().init_train_tqdm()
         bar.unit = "step"

@@ -40,6 +40,9 @@ class EvalConfig:
     """evaluation task seeds are ``seed_offset + i`` (disjoint from training seeds, which are < seed_offset)"""
     split: str = "dev"
     """the env split evaluated (e.g. dev/test; ALFWorld: valid_seen/valid_unseen)"""
+    before_fit: bool = False
+    """fit: also validate before the first step (the untrained adapters; on a resume, the resumed ones), so the
+    end-of-fit summary and TensorBoard show validation before and after training; costs one more validation"""
 
     def __post_init__(self) -> None:
         if self.self_guidance not in ("on", "off", "both"):

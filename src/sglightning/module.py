@@ -100,6 +100,7 @@ class SelfGuideModule(LightningModule):
         self.val_metrics = torch.nn.ModuleDict({"sg": EpisodeMetrics(), "nosg": EpisodeMetrics()})
         self.val_episodes: dict[str, list] = {"sg": [], "nosg": []}
         self.val_report: dict[str, Any] | None = None
+        self.val_report_before: dict[str, Any] | None = None  # evaluation.before_fit
         self.trust_meter = rewards.TrustMeter(grpo.trust_window)
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -412,8 +413,16 @@ class SelfGuideModule(LightningModule):
             episodes = sorted(distributed.gather_objects(light, self._world()[1]), key=lambda e: (e.seed, e.index))
             self.val_episodes[mode] = episodes
             modes[mode] = (self.val_metrics[mode].compute(), episodes)
-        self.val_report = report.build_report(int(self.global_step), self._world()[1], self.eval_cfg.split,
-                                              self.package_versions(), modes)
+        built = report.build_report(int(self.global_step), self._world()[1], self.eval_cfg.split,
+                                    self.package_versions(), modes)
+        if self.trainer.sanity_checking:
+            # evaluation.before_fit: Lightning discards what a sanity check logs, so the "before" validation goes to
+            # the loggers directly, at the step it evaluated (0, or the resumed step)
+            self.val_report_before = built
+            for logger in self.trainer.loggers:
+                logger.log_metrics(report.scalars(built), step=int(self.global_step))
+            return
+        self.val_report = built
         for key, value in report.scalars(self.val_report).items():
             self.log(key, value, on_epoch=True, batch_size=1, sync_dist=distributed.is_distributed())
 
