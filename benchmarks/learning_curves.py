@@ -16,13 +16,13 @@ Arms (each is the config plus a few overrides; validation plays the arm's own gu
 
 A seed sets ``seed_everything`` (adapter initialisation) and ``model.rollout.seed`` (training tasks and sampling).
 Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k;
-its step 0 is one ``sglightning validate`` of the untrained model, shared by the arms that validate alike
-(``zero_shot-<kind>-seed<s>.json``).  A cut run is resumed with ``--ckpt_path last``; a finished one (``done.json``)
-is skipped, so the same command line continues a study over several sittings.  ``<out>/.gitignore`` keeps only these
-small JSON files and the artefacts below under version control, so a study committed from one machine continues on
-another (a cut run there starts over).  Writes ``<out>/curves.json`` (every evaluation), ``<out>/curves.md``
-(success at step 0 and at the last step, mean ± std over seeds, per arm) and ``<out>/curves.png`` (success vs step,
-mean ± std band per arm; needs matplotlib: ``pip install -e ".[curves]"``).
+its step 0 is one ``sglightning validate`` of the untrained model, shared by every seed and by the arms that
+validate alike (``zero_shot-<kind>.json``).  A cut run is resumed with ``--ckpt_path last``; a finished one
+(``done.json``) is skipped, so the same command line continues a study over several sittings.  ``<out>/.gitignore``
+keeps only these small JSON files and the artefacts below under version control, so a study committed from one
+machine continues on another (a cut run there starts over).  Writes ``<out>/curves.json`` (every evaluation),
+``<out>/curves.md`` (success at step 0 and at the last step, mean ± std over seeds, per arm) and ``<out>/curves.png``
+(success vs step, mean ± std band per arm; needs matplotlib: ``pip install -e ".[curves]"``).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def mode_of(arm: str) -> str:
 
 
 def zero_shot_kind(arm: str) -> str:
-    """Arms whose untrained model plays the same validation share one zero-shot evaluation per seed: λ only acts in
-    training, so sg, sg_gr, full_trust and adaptive validate identically at step 0 (guidance from the model)."""
+    """Arms whose untrained model plays the same validation share one zero-shot evaluation: λ only acts in training,
+    so sg, sg_gr, full_trust and adaptive validate identically at step 0 (guidance from the model), and the
+    evaluation's random draws do not depend on the training seed (``evaluation.seed``)."""
     return {"grpo": "noguide", "oracle": "oracle"}.get(arm, "model")
 
 
@@ -103,7 +104,8 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
               "--trainer.logger.class_path=lightning.pytorch.loggers.TensorBoardLogger",
               f"--trainer.logger.init_args.save_dir={out}", "--trainer.enable_progress_bar=false",
               "--model.evaluation.before_fit=false", *extra]  # step 0 is the shared zero-shot evaluation
-    zero = out / f"zero_shot-{zero_shot_kind(arm)}-seed{seed}.json"
+    # evaluation draws do not depend on the training seed: an untrained model scores the same for every seed
+    zero = out / f"zero_shot-{zero_shot_kind(arm)}.json"
     if not zero.is_file():
         zname = zero.stem
         run_cli(["validate", *common, f"--trainer.logger.init_args.name={zname}"], log)

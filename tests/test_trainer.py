@@ -366,6 +366,7 @@ def test_quickstart_config_trains_smollm2_for_one_step(tmp_path):
     assert h["tokens/policy"] > 0 and math.isfinite(h["loss/total"])
     assert h["policy/logprob_gap_sampler_trainer"] < 1e-4
     assert (Path(cli.trainer.log_dir) / "adapter" / "adapter_model.safetensors").is_file()
+    assert module.val_report_before["step"] == 0 and module.val_report["step"] == 1  # evaluation.before_fit
 
 
 def test_cli_validate_from_a_lightning_checkpoint(cli_run, tmp_path):
@@ -531,3 +532,19 @@ def test_validation_before_fit_is_logged_and_summarised_before_and_after(tmp_pat
     line = next(x for x in out.splitlines() if "validation [self-guidance on]" in x)
     b, a = before["modes"]["sg"]["rollout/success_rate"], after["modes"]["sg"]["rollout/success_rate"]
     assert f"before {b:.3f} -> after {a:.3f} over 2 episodes" in line, line
+
+
+def test_validation_draws_do_not_depend_on_the_training_seed(tmp_path):
+    """Runs trained with different rollout.seed are validated on the same episodes with the same random draws (an
+    untrained model scores the same in all of them); evaluation.seed changes the draws."""
+
+    def played(*over):
+        cli = cli_main(["validate", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+                        f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                        "--model.evaluation.num_tasks=3", "--model.evaluation.self_guidance=on",
+                        "--model.evaluation.temperature=1.0", *over])
+        return [(e["seed"], e["actions"], e["labels"]) for e in cli.model.val_report["episodes"]["sg"]]
+
+    base = played("--model.rollout.seed=0")
+    assert played("--model.rollout.seed=7", "--seed_everything=7") == base
+    assert played("--model.evaluation.seed=3") != base

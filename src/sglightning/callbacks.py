@@ -143,9 +143,9 @@ class RolloutCallback(Callback):
                 if not batch.seeds:  # a padding batch (ranks run equally many batches): nothing to play
                     batch.rollouts[mode] = RolloutBatch(episodes=[], group_size=cfg.episodes_per_task)
                     continue
-                # seeded by task, not by batch index; one generator per rank
-                gen = sampling_generator(pl_module.rollout_cfg.seed, 10_000_000 + int(batch.seeds[0]),
-                                         trainer.global_rank, salt=1)
+                # seeded by evaluation.seed and the task, not by the training seed or the batch index; one
+                # generator per rank
+                gen = sampling_generator(cfg.seed, 10_000_000 + int(batch.seeds[0]), trainer.global_rank, salt=1)
                 batch.rollouts[mode] = self.engine_for(pl_module).run(
                     batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature, guided=mode == "sg",
                     generator=gen, split=cfg.split)

@@ -38,6 +38,10 @@ class EvalConfig:
     """on, off or both (side by side on the same episodes)"""
     seed_offset: int = 1_000_000
     """evaluation task seeds are ``seed_offset + i`` (disjoint from training seeds, which are < seed_offset)"""
+    seed: int = 0
+    """seed of the evaluation episodes' sampling — not the training seed (``rollout.seed``), so that runs trained
+    with different seeds are validated on the same tasks with the same random draws, and an untrained model scores
+    the same in every one of them"""
     split: str = "dev"
     """the env split evaluated (e.g. dev/test; ALFWorld: valid_seen/valid_unseen)"""
     before_fit: bool = False
