@@ -185,7 +185,7 @@ class PreemptionCheckpoint(Callback):
         has_dir = cb is not None and getattr(cb, "dirpath", None)
         folder = Path(cb.dirpath) if has_dir else run_dir(trainer) / "checkpoints"
         path = folder / "last.ckpt"
-        trainer.save_checkpoint(path)
+        trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
         if trainer.is_global_zero:
             print(
                 f"sglightning: SIGTERM received; stopped after {pl_module.rollouts_done} completed steps, "

@@ -383,7 +383,7 @@ class SelfGuideModule(LightningModule):
         if limit and self.consecutive_skips >= limit:
             path = run_dir(self.trainer) / "checkpoints" / "nonfinite-stop.ckpt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.trainer.save_checkpoint(path)
+            self.trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
             self.stop_reason = (
                 f"stopped after {limit} consecutive non-finite updates (grpo.max_consecutive_skips={limit}) at step "
                 f"{self.rollouts_done + 1}; last good adapters saved in {path}. Lower the learning rate, set "
