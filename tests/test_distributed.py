@@ -111,14 +111,16 @@ def _cli(tmp_path: Path, *args: str, command: str = "fit", timeout: int = 600, d
 
 
 def test_cli_fit_under_ddp_writes_one_run_folder(tmp_path):
-    """The CLI path under DDP: config, checkpoint, adapter and validation (one rank has only a padding batch)."""
-    res = _cli(tmp_path, "--trainer.strategy=ddp", "--trainer.max_steps=2")
+    """The CLI path under DDP: config, checkpoint, adapter and validation before and after training (one rank has
+    only a padding batch)."""
+    res = _cli(tmp_path, "--trainer.strategy=ddp", "--trainer.max_steps=2", "--model.evaluation.before_fit=true")
     assert res.returncode == 0, res.stderr[-4000:]
     run = tmp_path / "tiny" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "adapter" / "adapter_config.json").is_file()
     assert "# package versions of this run" in (run / "config.yaml").read_text()
     assert not (tmp_path / "tiny" / "version_1").exists()  # rank 1 wrote nothing of its own
-    assert "validation [self-guidance on] success" in res.stdout
+    line = next(x for x in res.stdout.splitlines() if "validation [self-guidance on] success" in x)
+    assert "success before " in line and " -> after " in line, line
 
 
 # the shipped multi-GPU configs on 2 CPU processes (bf16 base, fp32 LoRA, bf16-mixed, gradient checkpointing, sharded
