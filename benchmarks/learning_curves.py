@@ -92,12 +92,44 @@ def val_curve(run: Path, mode: str) -> list[tuple[int, float]]:
     return sorted(points.items())
 
 
+# training scalars averaged over a run's steps: is the guide informative, what does the reward channel pay?
+GUIDE_TAGS = {
+    "train_success": "rollout/success_rate",
+    "label_accuracy": "guidance/label_accuracy",  # label vs the progress the env measured for the previous action
+    "label_auroc": "guidance/label_auroc_success",  # labels vs the episode's success (0.5: uninformative)
+    "positive": "guidance/label_positive",
+    "negative": "guidance/label_negative",
+    "lambda": "reward/lambda",
+    "episode_length": "rollout/episode_length",
+}
+
+
+def guide_stats(run: Path) -> dict[str, float]:
+    """Means over the training steps of :data:`GUIDE_TAGS` (those the run logged; NaN steps left out)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values: dict[str, dict[int, float]] = {}
+    for version in sorted(run.glob("version_*")):
+        acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
+        acc.Reload()
+        tags = set(acc.Tags().get("scalars", []))
+        for key, tag in GUIDE_TAGS.items():
+            if tag in tags:
+                values.setdefault(key, {}).update(
+                    {ev.step: float(ev.value) for ev in acc.Scalars(tag) if ev.value == ev.value})
+    return {k: statistics.mean(v.values()) for k, v in values.items() if v}
+
+
 def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out: Path, extra: list[str]) -> dict:
     name = f"{arm}-seed{seed}"
     folder = out / name
     done = folder / "done.json"
     if done.is_file():
-        return json.loads(done.read_text())
+        result = json.loads(done.read_text())
+        if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
+            result["guide"] = guide_stats(folder)
+            done.write_text(json.dumps(result))
+        return result
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "run.log"
     common = ["--config", config, *ARMS[arm], f"--seed_everything={seed}", f"--model.rollout.seed={seed}",
@@ -122,26 +154,36 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
         raise SystemExit(f"learning_curves: {name}: the fit recorded no validation after training (log {log}); "
                          "nothing written for it")
     curve = [(0, json.loads(zero.read_text())["success"])] + trained
-    result = {"arm": arm, "seed": seed, "curve": curve}
+    result = {"arm": arm, "seed": seed, "curve": curve, "guide": guide_stats(out / name)}
     done.write_text(json.dumps(result))
     return result
 
 
 def summarise(results: list[dict]) -> tuple[dict, str]:
-    """curves.json content and the Markdown table (step 0 and last step: mean ± std over seeds)."""
+    """curves.json content and the Markdown table: validation success at step 0 and at the last step (mean ± std
+    over seeds), then training means over steps and seeds — training success, the labels' accuracy against measured
+    progress, their AUROC against success, the share of positive labels, the mean trust weight λ ("–": not logged,
+    e.g. no labels in plain GRPO)."""
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
-    rows = ["| arm | seeds | success at step 0 | success at the last step | last step |", "|---|---|---|---|---|"]
+    rows = ["| arm | seeds | success at step 0 | success at the last step | last step | train success | "
+            "label accuracy | label AUROC | positive labels | mean λ |", "|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(vals: list[float]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         return f"{statistics.mean(vals):.3f} ± {sd:.3f}"
 
+    def guide(runs: list[dict], key: str) -> str:
+        vals = [r["guide"][key] for r in runs if key in r.get("guide", {})]
+        return f"{statistics.mean(vals):.2f}" if vals else "–"
+
     for arm, runs in by_arm.items():
         first = [r["curve"][0][1] for r in runs]
         last = [r["curve"][-1][1] for r in runs]
-        rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {runs[0]['curve'][-1][0]} |")
+        cells = [guide(runs, k) for k in ("train_success", "label_accuracy", "label_auroc", "positive", "lambda")]
+        rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {runs[0]['curve'][-1][0]} | "
+                    + " | ".join(cells) + " |")
     return {"metric": METRIC, "runs": results}, "\n".join(rows) + "\n"
 
 
@@ -195,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, help="trainer.max_steps (default: the config's)")
     ap.add_argument("--eval-every", type=int, default=5, help="validate every k GRPO steps")
     ap.add_argument("--out", default="runs/curves")
+    ap.add_argument("--no-run", action="store_true",
+                    help="run nothing: write the artefacts from the finished runs (a partial study, or one "
+                         "that another process is still running)")
     args = ap.parse_args(argv)
     if args.eval_every < 1:
         ap.error("--eval-every: must be >= 1")
@@ -207,8 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for seed in args.seeds:  # seed-major: a cut study has whole seeds of every arm first
         for arm in args.arms:
+            if args.no_run:
+                if (out / f"{arm}-seed{seed}" / "done.json").is_file():
+                    results.append(one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra))
+                continue
             print(f"learning_curves: {arm} seed {seed}", flush=True)
             results.append(one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra))
+    if not results:
+        raise SystemExit(f"learning_curves: no finished run in {out}")
     data, table = summarise(results)
     (out / "curves.json").write_text(json.dumps(data, indent=1))
     (out / "curves.md").write_text(table)

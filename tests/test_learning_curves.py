@@ -30,6 +30,8 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
     data = json.loads((out / "curves.json").read_text())
     (run,) = data["runs"]
     assert run["arm"] == "oracle" and [s for s, _ in run["curve"]] == [0, 1, 2]  # zero-shot, then every step
+    # the oracle's labels are the env's measured progress: they agree with it wherever it could tell
+    assert run["guide"]["label_accuracy"] == 1.0 and 0.0 <= run["guide"]["train_success"] <= 1.0
     assert all(0.0 <= v <= 1.0 for _, v in run["curve"])
     assert "| oracle | 1 |" in (out / "curves.md").read_text()
     png = (out / "curves.png").read_bytes()
@@ -39,6 +41,9 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
     before = log.read_text()
     lc.main([*args, "--steps", "2", *extra])
     assert log.read_text() == before
+    (out / "curves.md").unlink()
+    lc.main([*args, "--no-run"])  # artefacts from what is finished, nothing run
+    assert log.read_text() == before and "| oracle | 1 |" in (out / "curves.md").read_text()
     # a cut run (no done.json) continues from its last checkpoint instead of starting over
     (out / "oracle-seed0" / "done.json").unlink()
     lc.main([*args, "--steps", "3", *extra])
@@ -49,13 +54,22 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
 
 def test_summary_table_and_figure_over_arms_and_seeds(tmp_path):
     lc = _runner()
-    results = [{"arm": "grpo", "seed": s, "curve": [[0, 0.1], [5, v]]} for s, v in ((0, 0.2), (1, 0.4))]
-    results.append({"arm": "oracle", "seed": 0, "curve": [[0, 0.1], [5, 0.5]]})
+    results = [{"arm": "grpo", "seed": s, "curve": [[0, 0.1], [5, v]], "guide": {"train_success": v, "lambda": 0.5}}
+               for s, v in ((0, 0.2), (1, 0.4))]
+    results.append({"arm": "oracle", "seed": 0, "curve": [[0, 0.1], [5, 0.5]],
+                    "guide": {"train_success": 0.6, "label_accuracy": 1.0, "label_auroc": 0.75, "positive": 0.3,
+                              "lambda": 0.25}})
     data, table = lc.summarise(results)
     assert data["runs"] == results
-    assert "| grpo | 2 | 0.100 ± 0.000 | 0.300 ± 0.141 | 5 |" in table
-    assert "| oracle | 1 | 0.100 ± 0.000 | 0.500 ± 0.000 | 5 |" in table
+    assert "| grpo | 2 | 0.100 ± 0.000 | 0.300 ± 0.141 | 5 | 0.30 | – | – | – | 0.50 |" in table
+    assert "| oracle | 1 | 0.100 ± 0.000 | 0.500 ± 0.000 | 5 | 0.60 | 1.00 | 0.75 | 0.30 | 0.25 |" in table
     assert lc.plot(results, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_no_run_with_nothing_finished_says_so(tmp_path):
+    lc = _runner()
+    with pytest.raises(SystemExit, match="no finished run"):
+        lc.main(["--config", TINY, "--out", str(tmp_path), "--no-run"])
 
 
 def test_runner_rejects_a_missing_config(tmp_path, capsys):
