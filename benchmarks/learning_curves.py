@@ -117,7 +117,11 @@ def guide_stats(run: Path) -> dict[str, float]:
             if tag in tags:
                 values.setdefault(key, {}).update(
                     {ev.step: float(ev.value) for ev in acc.Scalars(tag) if ev.value == ev.value})
-    return {k: statistics.mean(v.values()) for k, v in values.items() if v}
+    stats = {k: statistics.mean(v.values()) for k, v in values.items() if v}
+    if not stats.get("positive") and not stats.get("negative"):  # no labels (plain GRPO): λ weighs nothing
+        for key in ("positive", "negative", "lambda"):
+            stats.pop(key, None)
+    return stats
 
 
 def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out: Path, extra: list[str]) -> dict:
