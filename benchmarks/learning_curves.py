@@ -73,22 +73,31 @@ def run_cli(args: list[str], log: Path) -> None:
                          f"log {log}:\n{tail}")
 
 
-def val_curve(run: Path, mode: str) -> list[tuple[int, float]]:
-    """(step, success) of every validation in the run's TensorBoard events (all versions, a resumed run's too)."""
+def run_scalars(run: Path) -> list[dict[str, dict[int, float]]]:
+    """Every scalar of the run's TensorBoard events, one ``{tag: {logger step: value}}`` per version folder (a
+    resumed run's too), read once for :func:`val_curve` and :func:`guide_stats`."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tag = f"val/{mode}/success_rate"
-    points: dict[int, float] = {}
+    versions = []
     for version in sorted(run.glob("version_*")):
         acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
         acc.Reload()
-        tags = acc.Tags().get("scalars", [])
-        if tag in tags and "val/global_step" in tags:
+        versions.append({tag: {ev.step: float(ev.value) for ev in acc.Scalars(tag)}
+                         for tag in acc.Tags().get("scalars", [])})
+    return versions
+
+
+def val_curve(scalars: list[dict[str, dict[int, float]]], mode: str) -> list[tuple[int, float]]:
+    """(step, success) of every validation in a run's scalars (:func:`run_scalars`)."""
+    tag = f"val/{mode}/success_rate"
+    points: dict[int, float] = {}
+    for version in scalars:
+        if tag in version and "val/global_step" in version:
             # the logger's step is Lightning's count at logging time; val/global_step says how many GRPO steps the
             # evaluated adapters had taken
-            trained = {ev.step: int(ev.value) for ev in acc.Scalars("val/global_step")}
-            for ev in acc.Scalars(tag):
-                points[trained[ev.step]] = float(ev.value)
+            trained = {step: int(value) for step, value in version["val/global_step"].items()}
+            for step, value in version[tag].items():
+                points[trained[step]] = value
     return sorted(points.items())
 
 
@@ -104,19 +113,14 @@ GUIDE_TAGS = {
 }
 
 
-def guide_stats(run: Path) -> dict[str, float]:
-    """Means over the training steps of :data:`GUIDE_TAGS` (those the run logged; NaN steps left out)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
+def guide_stats(scalars: list[dict[str, dict[int, float]]]) -> dict[str, float]:
+    """Means over the training steps of :data:`GUIDE_TAGS` in a run's scalars (:func:`run_scalars`; those the run
+    logged, NaN steps left out)."""
     values: dict[str, dict[int, float]] = {}
-    for version in sorted(run.glob("version_*")):
-        acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
-        acc.Reload()
-        tags = set(acc.Tags().get("scalars", []))
+    for version in scalars:
         for key, tag in GUIDE_TAGS.items():
-            if tag in tags:
-                values.setdefault(key, {}).update(
-                    {ev.step: float(ev.value) for ev in acc.Scalars(tag) if ev.value == ev.value})
+            if tag in version:
+                values.setdefault(key, {}).update({k: v for k, v in version[tag].items() if v == v})
     stats = {k: statistics.mean(v.values()) for k, v in values.items() if v}
     if not stats.get("positive") and not stats.get("negative"):  # no labels (plain GRPO): λ weighs nothing
         for key in ("positive", "negative", "lambda"):
@@ -131,7 +135,7 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
     if done.is_file():
         result = json.loads(done.read_text())
         if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
-            result["guide"] = guide_stats(folder)
+            result["guide"] = guide_stats(run_scalars(folder))
             done.write_text(json.dumps(result))
         return result
     folder.mkdir(parents=True, exist_ok=True)
@@ -153,12 +157,13 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
     if steps is not None:
         fit.append(f"--trainer.max_steps={steps}")
     run_cli(fit, log)
-    trained = val_curve(out / name, mode_of(arm))
+    scalars = run_scalars(out / name)
+    trained = val_curve(scalars, mode_of(arm))
     if not trained or trained[-1][0] == 0:
         raise SystemExit(f"learning_curves: {name}: the fit recorded no validation after training (log {log}); "
                          "nothing written for it")
     curve = [(0, json.loads(zero.read_text())["success"])] + trained
-    result = {"arm": arm, "seed": seed, "curve": curve, "guide": guide_stats(out / name)}
+    result = {"arm": arm, "seed": seed, "curve": curve, "guide": guide_stats(scalars)}
     done.write_text(json.dumps(result))
     return result
 
@@ -256,11 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for seed in args.seeds:  # seed-major: a cut study has whole seeds of every arm first
         for arm in args.arms:
-            if args.no_run:
-                if (out / f"{arm}-seed{seed}" / "done.json").is_file():
-                    results.append(one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra))
-                continue
-            print(f"learning_curves: {arm} seed {seed}", flush=True)
+            if args.no_run and not (out / f"{arm}-seed{seed}" / "done.json").is_file():
+                continue  # --no-run: finished runs only (one_run returns their done.json)
+            if not args.no_run:
+                print(f"learning_curves: {arm} seed {seed}", flush=True)
             results.append(one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra))
     if not results:
         raise SystemExit(f"learning_curves: no finished run in {out}")

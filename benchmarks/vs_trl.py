@@ -316,7 +316,7 @@ def summary(res: dict) -> dict:
 def run_worker(arm: str, args, folder: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(HERE), "--worker", arm, "--out", str(folder),
-           *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in PASSED and k != "no_skip"],
+           *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k in PASSED],
            *(["--no-skip"] if args.no_skip else [])]
     with open(folder / "worker.log", "w") as log:
         res = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -327,7 +327,8 @@ def run_worker(arm: str, args, folder: Path) -> dict:
     return json.loads((folder / "result.json").read_text())
 
 
-PASSED = ("model", "env", "tasks", "group", "turns", "max_new", "micro", "steps", "lr", "threads", "no_skip")
+# options a worker gets as --key=value (--no-skip is a flag: passed on its own)
+PASSED = ("model", "env", "tasks", "group", "turns", "max_new", "micro", "steps", "lr", "threads")
 ARMS = ("sglightning", "trl")
 
 
