@@ -9,7 +9,9 @@ Three arms, alternated ``--repeats`` times in one process (ratios are taken with
   cache across turns, and a group's common prompt is computed once and its cache copied to the G rows;
 * ``batched``: the same without prefix sharing (every row prefills its own prompt);
 * ``naive``: one ``model.generate`` call per episode per step (no batching across episodes, the whole conversation
-  re-encoded every turn, HF's own KV cache only inside a call).
+  re-encoded every turn, HF's own KV cache only inside a call);
+* ``help_once``: ``shared`` with ``guidance.action_help_every_turn: false`` (the env's action help only in the first
+  user turn).  Its prompts differ, so its episodes differ too: compare prefill positions per episode, and tokens/s.
 
 All write guidance + action freely with the same token budget per turn, so they do comparable work.  Prints generated
 tokens/s, episodes/s, the prefill positions computed, and the speed-ups over ``naive``.
@@ -64,9 +66,10 @@ def naive(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, i
     return tokens, episodes, time.perf_counter() - t0, prefill
 
 
-def batched(model, tok, env_factory, seeds, group, steps, max_new, share=True) -> tuple[int, int, float, int]:
+def batched(model, tok, env_factory, seeds, group, steps, max_new, share=True,
+            help_every_turn=True) -> tuple[int, int, float, int]:
     gc = GuidanceConfig(decoding="free", action_decoding="free", max_guidance_tokens=max_new // 2,
-                        max_action_tokens=max_new - max_new // 2)
+                        max_action_tokens=max_new - max_new // 2, action_help_every_turn=help_every_turn)
     r = Rollout(model, tok, env_factory, gc, RolloutConfig(group_size=group, max_steps=steps),
                 decoder=functools.partial(DecodeSession, share_prefix=share))
     t0 = time.perf_counter()
@@ -78,6 +81,7 @@ ARMS = {
     "shared": functools.partial(batched, share=True),
     "batched": functools.partial(batched, share=False),
     "naive": naive,
+    "help_once": functools.partial(batched, share=True, help_every_turn=False),
 }
 
 
@@ -90,6 +94,8 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=32, help="new tokens per turn")
     ap.add_argument("--repeats", type=int, default=1, help="rounds of the three arms, alternated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    ap.add_argument("--arms", nargs="+", default=["shared", "batched", "naive"], choices=list(ARMS),
+                    help="arms to alternate (ratios are printed for the pairs present)")
     ap.add_argument("--json", help="write every measurement and the ratios here")
     args = ap.parse_args()
     quiet()
@@ -106,9 +112,9 @@ def main() -> None:
         cfg = PolicyConfig(name_or_path=EMBEDDED_TINY if name == "tiny" else EMBEDDED_SMOLLM2)
         model, tok = load_policy(cfg)
         model.eval()
-        speed: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        speed: dict[str, list[float]] = {arm: [] for arm in args.arms}
         for rnd in range(args.repeats):
-            order = list(ARMS) if rnd % 2 == 0 else list(reversed(ARMS))
+            order = list(args.arms) if rnd % 2 == 0 else list(reversed(args.arms))
             for arm in order:
                 torch.manual_seed(0)
                 with torch.no_grad():
@@ -120,17 +126,16 @@ def main() -> None:
                 print(f"{name:8} {arm:8} {rnd:5d} {n_tok:7d} {n_ep:8d} {prefill:8d} {sec:8.1f} {n_tok / sec:8.1f} "
                       f"{n_ep / sec:10.3f}", flush=True)
         ratios = {}
-        for arm in ("shared", "batched"):
-            per_round = [a / b for a, b in zip(speed[arm], speed["naive"])]
-            ratios[f"{arm}_vs_naive"] = statistics.median(per_round)
-            ratios[f"{arm}_vs_naive_range"] = [min(per_round), max(per_round)]
-        per_round = [a / b for a, b in zip(speed["shared"], speed["batched"])]
-        ratios["shared_vs_batched"] = statistics.median(per_round)
+        pairs = [("shared", "naive"), ("batched", "naive"), ("shared", "batched"), ("help_once", "shared")]
+        for a, b in pairs:
+            if a in speed and b in speed:
+                per_round = [x / y for x, y in zip(speed[a], speed[b])]
+                ratios[f"{a}_vs_{b}"] = statistics.median(per_round)
+                ratios[f"{a}_vs_{b}_range"] = [min(per_round), max(per_round)]
         report["ratios"][name] = ratios
-        print(f"{name}: generated tokens/s, median over rounds: shared / naive {ratios['shared_vs_naive']:.2f}x "
-              f"(range {ratios['shared_vs_naive_range'][0]:.2f}-{ratios['shared_vs_naive_range'][1]:.2f}), "
-              f"batched / naive {ratios['batched_vs_naive']:.2f}x, shared / batched "
-              f"{ratios['shared_vs_batched']:.2f}x", flush=True)
+        shown = ", ".join(f"{k.replace('_vs_', ' / ')} {v:.2f}x (range {ratios[k + '_range'][0]:.2f}-"
+                          f"{ratios[k + '_range'][1]:.2f})" for k, v in ratios.items() if not k.endswith("_range"))
+        print(f"{name}: generated tokens/s, median over rounds: {shown}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -540,3 +540,29 @@ def test_forced_runs_ride_along_with_the_sampled_token_and_log_probs_match_a_cle
         last = len(ids) - 1  # the Choice's sampled token
         torch.testing.assert_close(torch.tensor(pcs[3].full_logprobs[2]), logp[last - 1, ids[last]], atol=1e-5,
                                    rtol=1e-5)
+
+
+def test_action_help_first_turn_only_keeps_trajectories_and_cuts_repeats(tok):
+    """guidance.action_help_every_turn=false: the env's help is in the first user turn only, the admissible list in
+    every turn; a scripted policy plays the same steps, on a shorter context."""
+    texts, actions = {}, {}
+    for every in (True, False):
+        lm = ScriptedLM(tok, scripted_reply("positive"))
+        r = Rollout(lm, tok, ENV, GuidanceConfig(action_help_every_turn=every), RolloutConfig(group_size=2,
+                                                                                              max_steps=4))
+        batch = r.run([3, 11])
+        texts[every] = [tok.decode(ep.samples[0].ids) for ep in batch.episodes]
+        actions[every] = [[s.action for s in ep.steps] for ep in batch.episodes]
+    assert actions[True] == actions[False]
+    for text_on, text_off, acts in zip(texts[True], texts[False], actions[True]):
+        assert len(acts) >= 2  # several turns, so the help could repeat
+        help_text = HouseholdEnv.action_help
+        assert text_on.count(help_text) == text_on.count("Admissible actions: ") >= 2  # every user turn
+        assert text_off.count(help_text) == 1
+        assert text_off.count("Admissible actions: ") == text_on.count("Admissible actions: ")
+        assert len(text_off) < len(text_on)
+
+
+def test_action_help_first_turn_only_needs_the_single_stream():
+    with pytest.raises(ValueError, match=r"guidance.action_help_every_turn: .*single_stream"):
+        GuidanceConfig(prompt_mode="two_call", action_help_every_turn=False)

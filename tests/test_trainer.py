@@ -234,6 +234,8 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.policy.name_or_path=embedded:gpt9"], "name_or_path"),
         (["--model.policy.quantization=8bit"], "quantization"),
         (["--model.guidance.prompt_mode=three_call"], "prompt_mode"),
+        (["--model.guidance.prompt_mode=two_call", "--model.guidance.action_help_every_turn=false"],
+         "guidance.action_help_every_turn: false needs guidance.prompt_mode single_stream"),
         (["--model.rollout.max_steps=0"], "max_steps"),
         (["--model.evaluation.self_guidance=maybe"], "self_guidance"),
         (["--model.grpo.clip_high=0"], "clip_high"),

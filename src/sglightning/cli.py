@@ -11,29 +11,25 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any, Literal
 
-# third-party import-time noise that says nothing about the run (set before lightning imports bitsandbytes)
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # "no `kernels` package" on CPU
+from jsonargparse import set_parsing_settings
+from jsonargparse.typing import PositiveInt
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from jsonargparse import set_parsing_settings  # noqa: E402
-from jsonargparse.typing import PositiveInt  # noqa: E402
-from lightning.pytorch import Trainer  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback  # noqa: E402
-
-from sglightning import threads  # noqa: E402
-from sglightning.callbacks import run_dir  # noqa: E402
-from sglightning.checkpointing import CheckpointError, load_checkpoint_file  # noqa: E402
-from sglightning.console import StepProgressBar, quiet  # noqa: E402
-from sglightning.errors import ConfigError  # noqa: E402
-from sglightning.module import SelfGuideModule  # noqa: E402
-from sglightning.report import report_markdown  # noqa: E402
-from sglightning.strategies import recover_swapped_checkpoints  # noqa: E402
+from sglightning import threads
+from sglightning.callbacks import run_dir
+from sglightning.checkpointing import CheckpointError, load_checkpoint_file
+from sglightning.console import StepProgressBar, quiet
+from sglightning.errors import ConfigError
+from sglightning.module import SelfGuideModule
+from sglightning.report import report_markdown
+from sglightning.strategies import recover_swapped_checkpoints
 
 quiet()
 

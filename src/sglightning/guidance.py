@@ -144,6 +144,11 @@ class GuidanceConfig:
     rate_history_length: int | None = None
     """steps the two_call rate prompt shows; null = the whole trajectory so far (the paper).  Either way the oldest
     steps are cut when the prompt would exceed rollout.max_context_tokens (counted: guidance/rate_history_truncated)"""
+    action_help_every_turn: bool = True
+    """single_stream: repeat the environment's action help (e.g. "Answer with exactly one of the admissible actions…",
+    ScienceWorld's grammar) in every user turn (true) or only in the first one, which stays in the context (false:
+    fewer positions to prefill per turn — 23 of the household's 77 tokens; the admissible actions are listed every
+    turn either way).  two_call builds each actor prompt afresh, so it always shows the help"""
 
     def __post_init__(self) -> None:
         _check_choice("guidance.prompt_mode", self.prompt_mode, ("single_stream", "two_call"))
@@ -156,6 +161,9 @@ class GuidanceConfig:
                 raise ValueError(f"guidance.{key}: must be >= 1, got {getattr(self, key)}")
         if self.history_length < 0:
             raise ValueError(f"guidance.history_length: must be >= 0, got {self.history_length}")
+        if not self.action_help_every_turn and self.prompt_mode == "two_call":
+            raise ValueError("guidance.action_help_every_turn: false needs guidance.prompt_mode single_stream "
+                             "(two_call builds each actor prompt afresh, so the help is always shown)")
         if self.rate_history_length is not None and self.rate_history_length < 0:
             raise ValueError(f"guidance.rate_history_length: must be >= 0 or null (whole trajectory), got "
                              f"{self.rate_history_length}")
@@ -389,9 +397,8 @@ class StepView:
 
 
 def _admissible_block(admissible: list[str] | None, action_help: str) -> str:
-    if admissible:
-        return "Admissible actions: " + "; ".join(admissible) + "\n" + action_help
-    return action_help
+    lines = ["Admissible actions: " + "; ".join(admissible)] if admissible else []
+    return "\n".join(lines + ([action_help] if action_help else []))
 
 
 def _window(steps: list[StepView], history_length: int | None) -> list[StepView]:
@@ -471,4 +478,6 @@ def stream_first_messages(
 
 
 def stream_next_user(observation: str, admissible: list[str] | None, action_help: str) -> str:
-    return f"Observation: {observation}\n{_admissible_block(admissible, action_help)}"
+    """A later user turn of the single stream (``action_help`` "" = not repeated)."""
+    block = _admissible_block(admissible, action_help)
+    return f"Observation: {observation}\n{block}" if block else f"Observation: {observation}"

@@ -541,6 +541,7 @@ class Rollout:
         if not live:
             return
         env_help = {ep.index: ep.action_help for ep in live}
+        repeat_help = self.guidance.action_help_every_turn
         session = self.decoder(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
         blocks = []
         for ep in live:
@@ -586,7 +587,8 @@ class Rollout:
                     continue
                 last = ep.samples[0].ids[-1]
                 ids = self.chat.next_turn_ids(
-                    stream_next_user(ep.observation, ep.admissible, env_help[ep.index]), turn_closed=last in self.eot
+                    stream_next_user(ep.observation, ep.admissible, env_help[ep.index] if repeat_help else ""),
+                    turn_closed=last in self.eot
                 )
                 ep.samples[0].extend_context(ids, t + 1)  # the observation that opens step t + 1
                 keep.append(row)
