@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,27 @@ def test_help_documents_the_thread_budget():
                          timeout=300)
     assert res.returncode == 0
     assert "--threads" in res.stdout and "one less than this process's share" in " ".join(res.stdout.split())
+
+
+def test_busy_cpus_sees_a_spinning_process_now(monkeypatch):
+    """The idle test measures the CPUs busy now (a job that ended a moment ago does not count, as it would in the
+    1-minute load average); a process spinning during the window counts as at least half a CPU."""
+    if threads.busy_cpus(0.05) is None:
+        pytest.skip("no /proc/stat on this platform")
+    spin = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 20: pass"])
+    try:
+        time.sleep(0.3)  # the interpreter is up and spinning
+        assert threads.busy_cpus(0.5) >= 0.5
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert threads.resolve("auto", 1, cpus=2) == 1  # busy now: one core stays free
+    finally:
+        spin.kill()
+        spin.wait()
+
+
+def test_load_falls_back_to_the_load_average_without_proc_stat(monkeypatch):
+    monkeypatch.setattr(threads, "_cpu_counters", lambda: None)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.25, 0.0, 0.0))
+    assert threads.load_average() == 0.25
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (_ for _ in ()).throw(OSError("none")))
+    assert threads.load_average() == float("inf")

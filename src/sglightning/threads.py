@@ -15,7 +15,9 @@ TextWorldExpress' JVMs, the tokenizer) compete for the same cores.
 
 so a 2-core box shared with other work runs one torch thread (what survives a neighbour), an 8-core laptop seven, a
 16-core GPU node's process fifteen.  One exception: a single process whose share is exactly 2 cores takes both when
-the machine is idle as it starts (1-minute load average < 0.5) — there, leaving a core free made the quickstart's
+the machine is idle as it starts (fewer than 0.5 CPUs busy over 0.3 s, read from ``/proc/stat``; the 1-minute load
+average where that file is missing — it stays high for a minute after a job ends, so it would give a run started
+right after another one a single thread) — there, leaving a core free made the quickstart's
 steps 1.43× slower (measured alone on a 2-core box), while the protection matters against neighbours that are
 already running.  A neighbour that starts later still hurts such a run; pass ``--threads 1`` on a shared 2-core box.
 ``OMP_NUM_THREADS`` in the environment wins over ``auto`` (it is the user's explicit choice); an
@@ -25,6 +27,7 @@ integer sets the count; ``null`` leaves torch's own default.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,20 +69,53 @@ def local_processes(trainer: dict[str, Any] | None) -> int:
     return 1
 
 
-IDLE_LOAD = 0.5  # 1-minute load average below which the machine counts as idle
+IDLE_LOAD = 0.5  # busy cores (measured now, else the 1-minute load average) below which the machine counts as idle
+BUSY_WINDOW_S = 0.3  # how long the CPU counters are watched
+
+
+def _cpu_counters() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, from ``/proc/stat`` (None where there is none)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 5:
+        return None
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - fields[3] - fields[4], total
+
+
+def busy_cpus(window: float = BUSY_WINDOW_S) -> float | None:
+    """How many CPUs are busy right now: the machine's busy share over ``window`` seconds × its CPU count (None where
+    ``/proc/stat`` is missing).  Unlike the 1-minute load average it is not still high a minute after a job ended."""
+    a = _cpu_counters()
+    if a is None:
+        return None
+    time.sleep(window)
+    b = _cpu_counters()
+    if b is None or b[1] <= a[1]:
+        return None
+    return (b[0] - a[0]) / (b[1] - a[1]) * (os.cpu_count() or 1)
 
 
 def load_average() -> float:
+    """Busy CPUs now (:func:`busy_cpus`), else the 1-minute load average, else infinity (assume busy: the cautious
+    budget)."""
+    busy = busy_cpus()
+    if busy is not None:
+        return busy
     try:
         return os.getloadavg()[0]
-    except (AttributeError, OSError):  # not available: assume busy (the cautious budget)
+    except (AttributeError, OSError):
         return float("inf")
 
 
 def resolve(setting: Threads, processes: int = 1, cpus: int | None = None, load: float | None = None) -> int | None:
     """The torch thread count for ``setting`` (``None``: leave torch's default). ``auto`` → max(1, cpus/processes − 1),
-    or 2 for one process with a share of exactly 2 cores on an idle machine (``load``: the 1-minute load average,
-    read when not given); unless ``OMP_NUM_THREADS`` is set (then torch already follows it)."""
+    or 2 for one process with a share of exactly 2 cores on an idle machine (``load``: the busy CPUs,
+    :func:`load_average`, measured when not given); unless ``OMP_NUM_THREADS`` is set (then torch already follows
+    it)."""
     if setting is None:
         return None
     if setting == "auto":
