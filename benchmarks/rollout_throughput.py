@@ -3,7 +3,8 @@
     python benchmarks/rollout_throughput.py                      # tiny model + SmolLM2 (short)
     python benchmarks/rollout_throughput.py --models smollm2 --group 8 --repeats 3 --json out.json
 
-Three arms, alternated ``--repeats`` times in one process (ratios are taken within a repeat, then the median):
+The arms (``--arms``; default shared, batched, naive), alternated ``--repeats`` times in one process (ratios are
+taken within a repeat, then the median):
 
 * ``shared``: sglightning's default — all live episodes advance in one batch, the single-stream context keeps its KV
   cache across turns, and a group's common prompt is computed once and its cache copied to the G rows;
@@ -14,7 +15,8 @@ Three arms, alternated ``--repeats`` times in one process (ratios are taken with
   user turn).  Its prompts differ, so its episodes differ too: compare prefill positions per episode, and tokens/s.
 
 All write guidance + action freely with the same token budget per turn, so they do comparable work.  Prints generated
-tokens/s, episodes/s, the prefill positions computed, and the speed-ups over ``naive``.
+tokens/s, episodes/s, the prefill positions computed, and the ratios of the pairs present (shared / naive, batched /
+naive, shared / batched, help_once / shared).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=4, help="episodes per task")
     ap.add_argument("--steps", type=int, default=3, help="env steps per episode")
     ap.add_argument("--max-new", type=int, default=32, help="new tokens per turn")
-    ap.add_argument("--repeats", type=int, default=1, help="rounds of the three arms, alternated")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of the arms, alternated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--arms", nargs="+", default=["shared", "batched", "naive"], choices=list(ARMS),
                     help="arms to alternate (ratios are printed for the pairs present)")

@@ -121,6 +121,6 @@ def test_busy_cpus_sees_a_spinning_process_now(monkeypatch):
 def test_load_falls_back_to_the_load_average_without_proc_stat(monkeypatch):
     monkeypatch.setattr(threads, "_cpu_counters", lambda: None)
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.25, 0.0, 0.0))
-    assert threads.load_average() == 0.25
+    assert threads.machine_load() == 0.25
     monkeypatch.setattr(threads.os, "getloadavg", lambda: (_ for _ in ()).throw(OSError("none")))
-    assert threads.load_average() == float("inf")
+    assert threads.machine_load() == float("inf")

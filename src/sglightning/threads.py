@@ -99,7 +99,7 @@ def busy_cpus(window: float = BUSY_WINDOW_S) -> float | None:
     return (b[0] - a[0]) / (b[1] - a[1]) * (os.cpu_count() or 1)
 
 
-def load_average() -> float:
+def machine_load() -> float:
     """Busy CPUs now (:func:`busy_cpus`), else the 1-minute load average, else infinity (assume busy: the cautious
     budget)."""
     busy = busy_cpus()
@@ -114,7 +114,7 @@ def load_average() -> float:
 def resolve(setting: Threads, processes: int = 1, cpus: int | None = None, load: float | None = None) -> int | None:
     """The torch thread count for ``setting`` (``None``: leave torch's default). ``auto`` → max(1, cpus/processes − 1),
     or 2 for one process with a share of exactly 2 cores on an idle machine (``load``: the busy CPUs,
-    :func:`load_average`, measured when not given); unless ``OMP_NUM_THREADS`` is set (then torch already follows
+    :func:`machine_load`, measured when not given); unless ``OMP_NUM_THREADS`` is set (then torch already follows
     it)."""
     if setting is None:
         return None
@@ -122,7 +122,7 @@ def resolve(setting: Threads, processes: int = 1, cpus: int | None = None, load:
         if os.environ.get("OMP_NUM_THREADS"):
             return None
         share = (cpus or available_cpus()) // max(1, processes)
-        if share == 2 and processes == 1 and (load_average() if load is None else load) < IDLE_LOAD:
+        if share == 2 and processes == 1 and (machine_load() if load is None else load) < IDLE_LOAD:
             return 2
         return max(1, share - 1)
     if isinstance(setting, bool) or not isinstance(setting, int) or setting < 1:
