@@ -12,11 +12,18 @@ taken within a repeat, then the median):
 * ``naive``: one ``model.generate`` call per episode per step (no batching across episodes, the whole conversation
   re-encoded every turn, HF's own KV cache only inside a call);
 * ``help_once``: ``shared`` with ``guidance.action_help_every_turn: false`` (the env's action help only in the first
-  user turn).  Its prompts differ, so its episodes differ too: compare prefill positions per episode, and tokens/s.
+  user turn).  Its prompts differ, so its episodes differ too: compare prefill positions per episode, and tokens/s;
+* ``one_pass``: ``shared`` with every context block fed in one pass padded to the longest row's block, instead of in
+  stages where the rows' lengths jump (``DecodeSession(staged_prefill=False)``) — the same tokens up to float rounding.
 
-All write guidance + action freely with the same token budget per turn, so they do comparable work.  Prints generated
+``--env twc`` plays TextWorldExpress twc (1 room, 1 object; needs ``pip install -e ".[twx]"`` and Java 17), whose
+observations vary more in length than the household's.
+
+All write guidance + action freely with the same token budget per turn, so they do comparable work
+(``--decoding constrained``, without the naive arm: the trainer's default decoding, whose valid actions give
+observations of more varied lengths).  Prints generated
 tokens/s, episodes/s, the prefill positions computed, and the ratios of the pairs present (shared / naive, batched /
-naive, shared / batched, help_once / shared).
+naive, shared / batched, help_once / shared, shared / one_pass).
 """
 
 from __future__ import annotations
@@ -69,11 +76,13 @@ def naive(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, i
 
 
 def batched(model, tok, env_factory, seeds, group, steps, max_new, share=True,
-            help_every_turn=True) -> tuple[int, int, float, int]:
-    gc = GuidanceConfig(decoding="free", action_decoding="free", max_guidance_tokens=max_new // 2,
-                        max_action_tokens=max_new - max_new // 2, action_help_every_turn=help_every_turn)
+            help_every_turn=True, staged=True, constrained=False) -> tuple[int, int, float, int]:
+    decoding = "constrained" if constrained else "free"
+    gc = GuidanceConfig(decoding=decoding, action_decoding="admissible" if constrained else "free",
+                        max_guidance_tokens=max_new // 2, max_action_tokens=max_new - max_new // 2,
+                        action_help_every_turn=help_every_turn)
     r = Rollout(model, tok, env_factory, gc, RolloutConfig(group_size=group, max_steps=steps),
-                decoder=functools.partial(DecodeSession, share_prefix=share))
+                decoder=functools.partial(DecodeSession, share_prefix=share, staged_prefill=staged))
     t0 = time.perf_counter()
     b = r.run(seeds, generator=torch.Generator().manual_seed(0))
     return b.generated_tokens, len(b.episodes), time.perf_counter() - t0, b.prefill_positions
@@ -84,6 +93,7 @@ ARMS = {
     "batched": functools.partial(batched, share=False),
     "naive": naive,
     "help_once": functools.partial(batched, share=True, help_every_turn=False),
+    "one_pass": functools.partial(batched, share=True, staged=False),
 }
 
 
@@ -98,14 +108,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--arms", nargs="+", default=["shared", "batched", "naive"], choices=list(ARMS),
                     help="arms to alternate (ratios are printed for the pairs present)")
+    ap.add_argument("--env", default="household", choices=["household", "twc"])
+    ap.add_argument("--decoding", default="free", choices=["free", "constrained"],
+                    help="constrained: the trainer's default (forced Reason/Label lines, actions chosen among the "
+                         "admissible ones); the naive arm only writes freely")
     ap.add_argument("--json", help="write every measurement and the ratios here")
     args = ap.parse_args()
+    if args.decoding == "constrained" and "naive" in args.arms:
+        ap.error("--decoding constrained: the naive arm writes freely; leave it out of --arms")
     quiet()
     if args.threads:
         torch.set_num_threads(args.threads)
-    env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
+    if args.env == "twc":
+        from sglightning.envs.textworld_express import TextWorldExpressEnv
+
+        env = functools.partial(TextWorldExpressEnv, game="twc",
+                                game_params="numLocations=1,numItemsToPutAway=1,includeDoors=0,limitInventorySize=0")
+    else:
+        env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
     seeds = list(range(args.tasks))
-    print(f"{args.tasks} tasks x {args.group} episodes x <= {args.steps} steps, <= {args.max_new} new tokens/turn, "
+    print(f"{args.env}: {args.tasks} tasks x {args.group} episodes x <= {args.steps} steps, "
+          f"<= {args.max_new} new tokens/turn, "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}")
     print(f"{'model':8} {'arm':8} {'round':>5} {'tokens':>7} {'episodes':>8} {'prefill':>8} {'seconds':>8} "
           f"{'tok/s':>8} {'episodes/s':>10}")
@@ -120,15 +143,17 @@ def main() -> None:
             for arm in order:
                 torch.manual_seed(0)
                 with torch.no_grad():
+                    kw = {"constrained": True} if args.decoding == "constrained" else {}
                     n_tok, n_ep, sec, prefill = ARMS[arm](model, tok, env, seeds, args.group, args.steps,
-                                                          args.max_new)
+                                                          args.max_new, **kw)
                 speed[arm].append(n_tok / sec)
                 report["runs"].append({"model": name, "arm": arm, "round": rnd, "tokens": n_tok, "episodes": n_ep,
                                        "prefill_positions": prefill, "seconds": sec})
                 print(f"{name:8} {arm:8} {rnd:5d} {n_tok:7d} {n_ep:8d} {prefill:8d} {sec:8.1f} {n_tok / sec:8.1f} "
                       f"{n_ep / sec:10.3f}", flush=True)
         ratios = {}
-        pairs = [("shared", "naive"), ("batched", "naive"), ("shared", "batched"), ("help_once", "shared")]
+        pairs = [("shared", "naive"), ("batched", "naive"), ("shared", "batched"), ("help_once", "shared"),
+                 ("shared", "one_pass")]
         for a, b in pairs:
             if a in speed and b in speed:
                 per_round = [x / y for x, y in zip(speed[a], speed[b])]

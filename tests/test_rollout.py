@@ -566,3 +566,60 @@ def test_action_help_first_turn_only_keeps_trajectories_and_cuts_repeats(tok):
 def test_action_help_first_turn_only_needs_the_single_stream():
     with pytest.raises(ValueError, match=r"guidance.action_help_every_turn: .*single_stream"):
         GuidanceConfig(prompt_mode="two_call", action_help_every_turn=False)
+
+
+def test_plan_stages_cuts_where_lengths_jump_and_keeps_decode_steps_in_one_pass():
+    from sglightning.sampler import plan_stages
+
+    assert plan_stages([1] * 13 + [4, 4, 4], cached=400) == [4]  # decode-sized blocks: one pass
+    assert plan_stages([50] * 12 + [180] * 4, cached=400) == [50, 180]  # 16x180 padded vs 16x50 + 4x130 (+ copies)
+    assert plan_stages([30, 30], cached=0) == [30]
+    lens = [47, 50, 59, 59, 76, 83, 137, 166, 0, 3]
+    cuts = plan_stages(lens, cached=300)
+    assert cuts[-1] == max(lens) and cuts == sorted(set(cuts))
+    computed = len(lens) * cuts[0] + sum(sum(x > lo for x in lens) * (hi - lo) for lo, hi in zip(cuts, cuts[1:]))
+    assert computed < len(lens) * max(lens)
+
+
+def test_staged_prefill_gives_the_one_pass_logits_and_computes_fewer_positions(tiny):
+    """Blocks of very different lengths fed in stages (rows still longer than a cut, on a copy of their cache) leave
+    every row's next-token logits and the rest of the decode as one padded pass does, with fewer positions."""
+    model, _ = tiny
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    prompt = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (12, 7, 9, 12)]
+    turn = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (90, 4, 6, 5)]
+    sessions = {staged: DecodeSession(model, 0, share_prefix=False, staged_prefill=staged) for staged in (True, False)}
+    for s in sessions.values():
+        s.feed(prompt)
+        s.feed([[3], [4], [5], [6]])
+        before = (s.forward_calls, s.fed_positions)
+        s.feed(turn)
+        s.turn_cost = (s.forward_calls - before[0], s.fed_positions - before[1])
+        s.feed([[7], [8], [9], [10]])
+    staged, plain = sessions[True], sessions[False]
+    assert DecodeSession(model, 0).staged_prefill  # the default on a CPU
+    assert staged.turn_cost == (2, 4 * 6 + 1 * 84) and plain.turn_cost == (1, 4 * 90)
+    torch.testing.assert_close(staged.last_logits, plain.last_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(staged.attn.sum(1), plain.attn.sum(1)) and torch.equal(staged.next_pos, plain.next_pos)
+    for row in range(4):  # the cache: a clean forward of the row's whole sequence gives the same last logits
+        ids = prompt[row] + [3 + row] + turn[row] + [7 + row]
+        with torch.no_grad():
+            ref = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+        torch.testing.assert_close(staged.last_logits[row], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["single_stream", "two_call"])
+def test_staged_prefill_rollouts_equal_one_pass_rollouts(tiny, mode):
+    model, tok = tiny
+    gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="admissible", max_guidance_tokens=5)
+    runs = {}
+    for staged in (True, False):
+        decoder = functools.partial(DecodeSession, staged_prefill=staged)
+        r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=4, temperature=1.0), decoder=decoder)
+        runs[staged] = r.run([1, 2, 3], generator=torch.Generator().manual_seed(0))
+    assert len(runs[True].samples) == len(runs[False].samples) > 0
+    for a, b in zip(runs[True].samples, runs[False].samples):
+        assert a.ids == b.ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    assert runs[True].prefill_positions <= runs[False].prefill_positions
