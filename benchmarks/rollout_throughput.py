@@ -21,9 +21,9 @@ observations vary more in length than the household's.
 
 All write guidance + action freely with the same token budget per turn, so they do comparable work
 (``--decoding constrained``, without the naive arm: the trainer's default decoding, whose valid actions give
-observations of more varied lengths).  Prints generated
-tokens/s, episodes/s, the prefill positions computed, and the ratios of the pairs present (shared / naive, batched /
-naive, shared / batched, help_once / shared, shared / one_pass).
+observations of more varied lengths).  Prints generated tokens/s, episodes/s, the prefill positions computed, and
+the ratios of the pairs present (shared / naive, batched / naive, shared / batched, help_once / shared,
+shared / one_pass).
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def main() -> None:
     else:
         env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
     seeds = list(range(args.tasks))
+    kw = {"constrained": True} if args.decoding == "constrained" else {}  # naive is refused with constrained
     print(f"{args.env}: {args.tasks} tasks x {args.group} episodes x <= {args.steps} steps, "
           f"<= {args.max_new} new tokens/turn, "
           f"torch {torch.__version__}, threads {torch.get_num_threads()}")
@@ -143,7 +144,6 @@ def main() -> None:
             for arm in order:
                 torch.manual_seed(0)
                 with torch.no_grad():
-                    kw = {"constrained": True} if args.decoding == "constrained" else {}
                     n_tok, n_ep, sec, prefill = ARMS[arm](model, tok, env, seeds, args.group, args.steps,
                                                           args.max_new, **kw)
                 speed[arm].append(n_tok / sec)

@@ -494,22 +494,29 @@ def test_shared_prefixes_groups_rows_by_their_common_prompt():
     assert shared_prefixes([a, a[:3] + [5]]) is None  # 3 common tokens: below the minimum
 
 
+def same_rollouts_with_and_without(tiny, mode: str, option: str, seeds: list[int], max_steps: int):
+    """Play the same constrained rollouts with ``DecodeSession(option=True)`` and ``(option=False)``; assert identical
+    tokens and log-probs (beyond float rounding); return both batches (on, off)."""
+    model, tok = tiny
+    gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="admissible", max_guidance_tokens=5)
+    runs = {}
+    for on in (True, False):
+        decoder = functools.partial(DecodeSession, **{option: on})
+        r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=max_steps, temperature=1.0),
+                    decoder=decoder)
+        runs[on] = r.run(seeds, generator=torch.Generator().manual_seed(0))
+    assert len(runs[True].samples) == len(runs[False].samples) > 0
+    for a, b in zip(runs[True].samples, runs[False].samples):
+        assert a.ids == b.ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+    return runs[True], runs[False]
+
+
 @pytest.mark.parametrize("mode", ["single_stream", "two_call"])
 def test_shared_prefix_rollouts_equal_unshared_ones_and_compute_less(tiny, mode):
     """Sharing a group's prompt changes no token and no log-prob (beyond float rounding); it computes fewer
     prefill positions."""
-    model, tok = tiny
-    gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="admissible", max_guidance_tokens=5)
-    runs = {}
-    for share in (True, False):
-        decoder = functools.partial(DecodeSession, share_prefix=share)
-        r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=3, temperature=1.0), decoder=decoder)
-        runs[share] = r.run([1, 2], generator=torch.Generator().manual_seed(0))
-    shared, plain = runs[True], runs[False]
-    assert len(shared.samples) == len(plain.samples) > 0
-    for s, p in zip(shared.samples, plain.samples):
-        assert s.ids == p.ids
-        assert s.logprobs == pytest.approx(p.logprobs, abs=1e-5)
+    shared, plain = same_rollouts_with_and_without(tiny, mode, "share_prefix", [1, 2], max_steps=3)
     assert 0 < shared.prefill_positions < plain.prefill_positions
 
 
@@ -611,15 +618,5 @@ def test_staged_prefill_gives_the_one_pass_logits_and_computes_fewer_positions(t
 
 @pytest.mark.parametrize("mode", ["single_stream", "two_call"])
 def test_staged_prefill_rollouts_equal_one_pass_rollouts(tiny, mode):
-    model, tok = tiny
-    gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="admissible", max_guidance_tokens=5)
-    runs = {}
-    for staged in (True, False):
-        decoder = functools.partial(DecodeSession, staged_prefill=staged)
-        r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=4, temperature=1.0), decoder=decoder)
-        runs[staged] = r.run([1, 2, 3], generator=torch.Generator().manual_seed(0))
-    assert len(runs[True].samples) == len(runs[False].samples) > 0
-    for a, b in zip(runs[True].samples, runs[False].samples):
-        assert a.ids == b.ids
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
-    assert runs[True].prefill_positions <= runs[False].prefill_positions
+    staged, one_pass = same_rollouts_with_and_without(tiny, mode, "staged_prefill", [1, 2, 3], max_steps=4)
+    assert staged.prefill_positions <= one_pass.prefill_positions
