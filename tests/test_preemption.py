@@ -174,3 +174,94 @@ def test_resume_extends_a_finished_run(tmp_path):
     assert "not resumable" not in out.stderr
     state = load_checkpoint_file(tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt")
     assert state["sglightning"]["rollouts_done"] == 3 and state["global_step"] == 3
+
+
+STOPPED_AT = """
+import os, signal, sys
+import sglightning.callbacks as cb
+SIG, STEP, BATCH = getattr(signal, os.environ["KILL_SIGNAL"]), int(os.environ["KILL_AT_STEP"]), os.environ["KILL_AT"]
+real_val, real_train = cb.RolloutCallback.on_validation_batch_start, cb.RolloutCallback.on_train_batch_start
+def val_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+    # the signal arrives as validation batch KILL_AT of the evaluation at step KILL_AT_STEP (validate: step 0)
+    # starts, before its first round
+    if not trainer.sanity_checking and pl_module.rollouts_done == STEP and BATCH == str(batch_idx):
+        os.kill(os.getpid(), SIG)
+    return real_val(self, trainer, pl_module, batch, batch_idx, dataloader_idx)
+def train_start(self, trainer, pl_module, batch, batch_idx):
+    # KILL_AT=train: as the rollout of the step after KILL_AT_STEP starts
+    if pl_module.rollouts_done == STEP and BATCH == "train":
+        os.kill(os.getpid(), SIG)
+    return real_train(self, trainer, pl_module, batch, batch_idx)
+cb.RolloutCallback.on_validation_batch_start = val_start
+cb.RolloutCallback.on_train_batch_start = train_start
+from sglightning.cli import main
+sys.argv = ["sglightning", *sys.argv[1:]]
+main()
+"""
+
+
+def _stopped_at(tmp_path: Path, args: list[str], signal_name: str, step: int, at: str):
+    script = tmp_path / "stopped.py"
+    script.write_text(STOPPED_AT)
+    env = dict(_env(), KILL_SIGNAL=signal_name, KILL_AT_STEP=str(step), KILL_AT=at)
+    return subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=600)
+
+
+def _val_scalars(version: Path, tag: str) -> list[float]:
+    """Every value the run logged under ``tag``, in logging order (all event files of the version folder)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = []
+    for events in sorted(version.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            values += [e.value for e in acc.Scalars(tag)]
+    return values
+
+
+def test_sigterm_during_validate_stops_within_a_round_and_exits_143(tmp_path):
+    """A standalone validate stops at the rollout's next round check (not after playing its batch out), reports
+    nothing partial, and exits 143."""
+    args = ["validate", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+            "--model.rollout.max_steps=2", "--model.evaluation.num_tasks=2", "--model.evaluation.tasks_per_batch=2"]
+    out = _stopped_at(tmp_path, args, "SIGTERM", 0, "0")
+    assert out.returncode == 143, out.stderr[-3000:]
+    assert "SIGTERM received; validation stopped before it finished" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not list(tmp_path.rglob("validation_report.json"))  # nothing partial reported
+    assert not list(tmp_path.rglob("*.ckpt"))  # and nothing saved: validate trains nothing
+
+
+VAL = ["--trainer.val_check_interval=2", "--model.evaluation.num_tasks=4", "--model.evaluation.tasks_per_batch=2",
+       "--model.evaluation.self_guidance=on", "--trainer.limit_val_batches=1.0"]
+
+
+@pytest.mark.parametrize("signal_name, at",
+                         [("SIGTERM", "0"), ("SIGTERM", "1"), ("SIGKILL", "1"), ("SIGKILL", "train")])
+def test_a_validation_cut_short_in_fit_runs_again_on_resume_and_only_then(tmp_path, signal_name, at):
+    """Fit validates after steps 2 and 4 (2 batches each).  Stopped as batch 0 or 1 of the validation at step 2 starts
+    (SIGTERM: saved at once, the evaluation abandoned rather than played out; SIGKILL: nothing runs), the resume plays
+    that whole validation again before training on; stopped after it (SIGKILL as step 3's rollout starts), the resume
+    does not play it twice."""
+    out = _stopped_at(tmp_path, _fit_cmd(tmp_path, 4, *VAL)[3:], signal_name, 2, at)
+    version = tmp_path / "tiny" / "version_0"
+    ckpt = version / "checkpoints" / "last.ckpt"
+    if signal_name == "SIGTERM":
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert "SIGTERM received; stopped after 2 completed steps" in out.stderr
+        assert "the validation at step 2 runs again" in out.stderr
+    else:
+        assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    assert load_checkpoint_file(ckpt)["sglightning"]["rollouts_done"] == 2
+    done_before = [2] if at == "train" else []  # an abandoned validation logs nothing
+    assert _val_scalars(version, "val/global_step") == done_before
+
+    out = subprocess.run(_fit_cmd(tmp_path, 4, "--ckpt_path=last", *VAL), env=_env(), capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the validation at step 2 exactly once over both runs, whole (both batches: 4 tasks x 1 episode); then step 4's
+    assert _val_scalars(version, "val/global_step") == [2, 4]
+    assert _val_scalars(version, "val/sg/episodes") == [4, 4]
+    assert load_checkpoint_file(ckpt)["sglightning"]["rollouts_done"] == 4

@@ -81,7 +81,7 @@ class RolloutCallback(Callback):
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         seeds = task_seeds(cfg.seed, step, cfg.groups_per_step, rank, world, pl_module.eval_cfg.seed_offset)
         gen = sampling_generator(cfg.seed, step, rank, device=pl_module.device)
-        stop = (lambda: bool(getattr(trainer, "received_sigterm", False))) if trainer is not None else None
+        stop = _sigterm_check(trainer)
         with pl_module.generation_weights():
             rb = self.engine_for(pl_module).run(
                 seeds, generator=gen, policy_version=pl_module.global_step, should_stop=stop)
@@ -146,9 +146,15 @@ class RolloutCallback(Callback):
                 # seeded by evaluation.seed and the task, not by the training seed or the batch index; one
                 # generator per rank
                 gen = sampling_generator(cfg.seed, 10_000_000 + int(batch.seeds[0]), trainer.global_rank, salt=1)
-                batch.rollouts[mode] = self.engine_for(pl_module).run(
-                    batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature, guided=mode == "sg",
-                    generator=gen, split=cfg.split)
+                try:
+                    batch.rollouts[mode] = self.engine_for(pl_module).run(
+                        batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature,
+                        guided=mode == "sg", generator=gen, split=cfg.split, should_stop=_sigterm_check(trainer))
+                except RolloutAborted:
+                    # SIGTERM mid-evaluation: stop within a round rather than play the batch out.  In fit the saved
+                    # checkpoint has this validation pending (Lightning runs it again on resume); a standalone
+                    # validate stops with nothing reported (PreemptionCheckpoint says so)
+                    raise SIGTERMException() from None
             _none_started(batch.rollouts[mode], "evaluation.split", cfg.split)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -159,6 +165,29 @@ class RolloutCallback(Callback):
     @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         print(format_summary(trainer, pl_module))
+
+
+def _validation_pending(checkpoint: dict) -> None:
+    """Edit a checkpoint being written so that its validation-loop progress reads "stopped mid-evaluation": the state
+    in which Lightning's resume plays that validation again (from its first batch: the epoch hooks reset what the
+    module accumulates) before training on.  Saved as they stand (a validation not yet started, or stopped in a
+    batch's start hook, or between batches), the counters read "validation finished" and the resume would skip it.
+    The current counts say "first batch started" so that the replay covers every batch (otherwise Lightning counts the
+    batches done before the stop as fetched and ends the replay early)."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress")
+    if progress is None:
+        return
+    for key, ready in (("total", max(int(progress["total"]["ready"]), 1)), ("current", 1)):
+        progress[key].update(ready=ready, started=ready, processed=ready - 1, completed=ready - 1)
+    progress["is_last_batch"] = False
+
+
+def _sigterm_check(trainer: Trainer | None):
+    """What a rollout asks before each round: has this process received SIGTERM (Lightning's handler sets the flag;
+    the default handler is replaced while the trainer runs)?"""
+    if trainer is None:
+        return None
+    return lambda: bool(getattr(trainer, "received_sigterm", False))
 
 
 def _none_started(rb: RolloutBatch, key: str, split: str) -> None:
@@ -173,7 +202,36 @@ def _none_started(rb: RolloutBatch, key: str, split: str) -> None:
 class PreemptionCheckpoint(Callback):
     """SIGTERM (preemption): Lightning stops at the end of the current step, or the rollout abandons its step; then
     this saves ``last.ckpt`` (atomically) where ``--ckpt_path last`` finds it, exports the adapter, says how to
-    resume, and the process exits 0."""
+    resume, and the process exits 0.
+
+    Validations inside fit are made resumable too: ``last.ckpt`` is written again as each one starts, marked
+    "validation pending", and once more when it ends, unmarked.  A run stopped in between (SIGTERM, ``kill -9``,
+    Ctrl-C) resumes by playing that validation again, so a learning curve loses no evaluation point; a run stopped
+    after it does not play it twice."""
+
+    def __init__(self) -> None:
+        self._validating_in_fit = False
+
+    def _save_last(self, trainer: Trainer) -> None:
+        """Write ``last.ckpt`` where ModelCheckpoint keeps it (only when it keeps one: ``save_last``)."""
+        cb = trainer.checkpoint_callback
+        if cb is None or not getattr(cb, "save_last", None) or not getattr(cb, "dirpath", None):
+            return
+        trainer.save_checkpoint(Path(cb.dirpath) / "last.ckpt", weights_only=False)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._validating_in_fit = True
+            self._save_last(trainer)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._validating_in_fit:
+            self._validating_in_fit = False
+            self._save_last(trainer)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        if self._validating_in_fit:
+            _validation_pending(checkpoint)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, KeyboardInterrupt):
@@ -181,26 +239,43 @@ class PreemptionCheckpoint(Callback):
             return
         if not isinstance(exception, SIGTERMException):
             return
+        if trainer.state.fn != "fit" or trainer.sanity_checking:
+            self._stopped_evaluating(trainer, pl_module)
+            return
         cb = trainer.checkpoint_callback
         has_dir = cb is not None and getattr(cb, "dirpath", None)
         folder = Path(cb.dirpath) if has_dir else run_dir(trainer) / "checkpoints"
         path = folder / "last.ckpt"
         trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
         if trainer.is_global_zero:
+            step = pl_module.rollouts_done
+            pending = f" (the validation at step {step} runs again)" if self._validating_in_fit else ""
             print(
                 f"sglightning: SIGTERM received; stopped after {pl_module.rollouts_done} completed steps, "
                 f"saved {path}. "
-                "Resume with the same command plus --ckpt_path last",
+                f"Resume with the same command plus --ckpt_path last{pending}",
                 file=sys.stderr,
                 flush=True,
             )
+
+    @staticmethod
+    def _stopped_evaluating(trainer: Trainer, pl_module: LightningModule) -> None:
+        """SIGTERM while evaluating outside training (``validate``, or fit's evaluation before the first step):
+        nothing was trained, so nothing is saved and no partial result is reported.  ``validate`` exits 143 (the
+        evaluation did not finish); fit exits 0 like any preemption."""
+        if trainer.state.fn != "fit":
+            pl_module.interrupted = 128 + 15
+        if trainer.is_global_zero:
+            what = "validation" if trainer.state.fn != "fit" else "the evaluation before the first step"
+            print(f"sglightning: SIGTERM received; {what} stopped before it finished: nothing was saved or reported. "
+                  "Run the same command again to start over", file=sys.stderr, flush=True)
 
 
     @staticmethod
     def _interrupted(trainer: Trainer, pl_module: LightningModule) -> None:
         """Ctrl-C: the interrupted step may be half done, so nothing new is saved; ``last.ckpt`` (written after every
         completed step) is where ``--ckpt_path last`` resumes.  The CLI exits 130."""
-        pl_module.interrupted = True
+        pl_module.interrupted = 130
         if not trainer.is_global_zero or trainer.state.fn != "fit":
             return
         last = run_dir(trainer) / "checkpoints" / "last.ckpt"

@@ -190,8 +190,9 @@ class SGLightningCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except SystemExit:
-            if getattr(self.model, "interrupted", False):  # Ctrl-C: the callback said where to resume
-                sys.exit(130)
+            code = getattr(self.model, "interrupted", 0)  # Ctrl-C (130) or SIGTERM in validate (143): the
+            if code:  # callback said what happened
+                sys.exit(code)
             raise
         except (CheckpointError, ConfigError) as err:  # one line naming the file / config key, no traceback wall
             _remove_unstarted_run(self.trainer)

@@ -90,7 +90,7 @@ class SelfGuideModule(LightningModule):
         self.policy = None
         self.tokenizer = None
         self._env_checked = False
-        self.interrupted = False  # Ctrl-C (set by PreemptionCheckpoint; the CLI exits 130)
+        self.interrupted = 0  # exit code set by PreemptionCheckpoint: 130 Ctrl-C, 143 SIGTERM in validate
         self.rollouts_done = 0
         self.skipped_updates = 0
         self.consecutive_skips = 0

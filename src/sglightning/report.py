@@ -45,7 +45,7 @@ def scalars(report: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {"val/global_step": float(report["step"])}  # the optimiser steps the adapters had taken
     for mode, stats in report["modes"].items():
         for k, v in stats.items():
-            if isinstance(v, float) and v == v:  # not NaN
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v:  # not NaN; `episodes` is int
                 out[f"val/{mode}/{k.split('/', 1)[-1]}"] = v
         for k, v in stats["failure_patterns"].items():
             if k != "failed_episodes":
