@@ -620,3 +620,24 @@ def test_staged_prefill_gives_the_one_pass_logits_and_computes_fewer_positions(t
 def test_staged_prefill_rollouts_equal_one_pass_rollouts(tiny, mode):
     staged, one_pass = same_rollouts_with_and_without(tiny, mode, "staged_prefill", [1, 2, 3], max_steps=4)
     assert staged.prefill_positions <= one_pass.prefill_positions
+
+
+def test_a_fed_block_runs_the_lm_head_as_one_matrix_product(tiny):
+    """Feeding a block (several tokens per row) computes the LM head on one [rows, H] matrix: no batched product
+    over a copy of the [H, V] head weight per row (what a strided last-position slice makes torch's matmul do), and
+    the logits are those of a clean forward."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, _ = tiny
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    blocks = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (9, 9, 9)]
+    s = DecodeSession(model, 0, share_prefix=False, staged_prefill=False)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        s.feed(blocks)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    head_bmm = [e for e in prof.events() if e.name == "aten::bmm" and any(vocab in shape for shape in e.input_shapes)]
+    assert not head_bmm, [e.input_shapes for e in head_bmm]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(blocks)).logits[:, -1].float()
+    torch.testing.assert_close(s.last_logits, ref, atol=1e-5, rtol=1e-5)
