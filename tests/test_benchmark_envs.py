@@ -195,3 +195,14 @@ def test_pool_closes_scienceworld_jvms():
     assert len(set(live_java_processes()) - before) == 2
     pool.close()
     assert not set(_wait_no_java()) - before
+
+
+def test_twx_close_ends_the_jvm_so_the_engines_own_finaliser_stays_quiet():
+    """After ``close()`` the JVM has exited, so the engine's ``__del__`` (which closes again at garbage collection)
+    writes nothing to a dead pipe — it printed a BrokenPipeError traceback at the end of every twc run."""
+    env = TextWorldExpressEnv("twc")
+    env.reset(0, "train")
+    proc = env._env._gateway.java_process
+    env.close()
+    assert proc.poll() is not None
+    env._env.close()  # what the engine's __del__ does: no error

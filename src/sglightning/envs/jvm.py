@@ -40,7 +40,17 @@ class JvmGoldPathEnv(TextEnv):
         return getattr(proc, "pid", None)
 
     def close(self) -> None:
+        """End the JVM and wait for it: the engine's own ``__del__`` closes again at garbage collection and writes to
+        the JVM's stdin while it still runs; a JVM that is shutting down has closed that pipe, and the write printed a
+        ``BrokenPipeError`` traceback at interpreter exit."""
         if self._closed:
             return
         self._closed = True
         self._env.close()
+        proc = getattr(getattr(self._env, "_gateway", None), "java_process", None)
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - a JVM that will not exit is killed, never waited on forever
+                proc.kill()
+                proc.wait(timeout=10)
