@@ -212,12 +212,16 @@ class PreemptionCheckpoint(Callback):
     def __init__(self) -> None:
         self._validating_in_fit = False
 
+    @staticmethod
+    def _last_path(trainer: Trainer) -> Path:
+        """Where ``--ckpt_path last`` finds ``last.ckpt``: ModelCheckpoint's folder, else the run's ``checkpoints``."""
+        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+        return (Path(dirpath) if dirpath else run_dir(trainer) / "checkpoints") / "last.ckpt"
+
     def _save_last(self, trainer: Trainer) -> None:
-        """Write ``last.ckpt`` where ModelCheckpoint keeps it (only when it keeps one: ``save_last``)."""
-        cb = trainer.checkpoint_callback
-        if cb is None or not getattr(cb, "save_last", None) or not getattr(cb, "dirpath", None):
-            return
-        trainer.save_checkpoint(Path(cb.dirpath) / "last.ckpt", weights_only=False)
+        """Rewrite ``last.ckpt`` (only when ModelCheckpoint keeps one: ``save_last``)."""
+        if getattr(trainer.checkpoint_callback, "save_last", None):
+            trainer.save_checkpoint(self._last_path(trainer), weights_only=False)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
@@ -242,16 +246,13 @@ class PreemptionCheckpoint(Callback):
         if trainer.state.fn != "fit" or trainer.sanity_checking:
             self._stopped_evaluating(trainer, pl_module)
             return
-        cb = trainer.checkpoint_callback
-        has_dir = cb is not None and getattr(cb, "dirpath", None)
-        folder = Path(cb.dirpath) if has_dir else run_dir(trainer) / "checkpoints"
-        path = folder / "last.ckpt"
+        path = self._last_path(trainer)
         trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
         if trainer.is_global_zero:
             step = pl_module.rollouts_done
             pending = f" (the validation at step {step} runs again)" if self._validating_in_fit else ""
             print(
-                f"sglightning: SIGTERM received; stopped after {pl_module.rollouts_done} completed steps, "
+                f"sglightning: SIGTERM received; stopped after {step} completed steps, "
                 f"saved {path}. "
                 f"Resume with the same command plus --ckpt_path last{pending}",
                 file=sys.stderr,
@@ -270,7 +271,6 @@ class PreemptionCheckpoint(Callback):
             print(f"sglightning: SIGTERM received; {what} stopped before it finished: nothing was saved or reported. "
                   "Run the same command again to start over", file=sys.stderr, flush=True)
 
-
     @staticmethod
     def _interrupted(trainer: Trainer, pl_module: LightningModule) -> None:
         """Ctrl-C: the interrupted step may be half done, so nothing new is saved; ``last.ckpt`` (written after every
@@ -278,7 +278,7 @@ class PreemptionCheckpoint(Callback):
         pl_module.interrupted = 130
         if not trainer.is_global_zero or trainer.state.fn != "fit":
             return
-        last = run_dir(trainer) / "checkpoints" / "last.ckpt"
+        last = PreemptionCheckpoint._last_path(trainer)
         if last.exists():
             msg = (f"interrupted after {pl_module.rollouts_done} completed steps; {last} holds the last of them. "
                    "Resume with the same command plus --ckpt_path last")

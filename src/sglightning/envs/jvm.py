@@ -3,6 +3,7 @@ closing it once, and an expert that replays the engine's gold path while the age
 
 from __future__ import annotations
 
+import subprocess
 from typing import Any
 
 from sglightning.envs.base import TextEnv
@@ -51,6 +52,6 @@ class JvmGoldPathEnv(TextEnv):
         if proc is not None:
             try:
                 proc.wait(timeout=10)
-            except Exception:  # noqa: BLE001 - a JVM that will not exit is killed, never waited on forever
+            except subprocess.TimeoutExpired:  # a JVM that will not exit is killed, never waited on forever
                 proc.kill()
                 proc.wait(timeout=10)
