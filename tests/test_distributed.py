@@ -158,7 +158,8 @@ def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     assert restored.keys() == first.keys() and all(torch.equal(restored[k], first[k]) for k in first)
     res = _cli(tmp_path, *base, "--trainer.max_steps=3", "--ckpt_path=last")
     assert res.returncode == 0, res.stderr[-4000:]
-    assert "resuming from" in res.stderr and "Restored all states" in res.stdout + res.stderr
+    # one line of ours says where the run continues; Lightning's two restore lines are dropped as noise
+    assert "resuming from" in res.stderr and "Restored all states" not in res.stdout + res.stderr
     assert json.loads((run / "adapter" / "sglightning.json").read_text())["global_step"] == 3
     second = _adapter(run)
     # peft's own names, no FSDP wrapper prefixes; the third step changed the restored adapter

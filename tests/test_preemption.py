@@ -80,6 +80,7 @@ def test_sigterm_saves_exits_zero_and_resume_matches_a_straight_run(tmp_path, st
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resuming from {ckpt.resolve()}" in out.stderr
+    assert "Restor" not in out.stdout + out.stderr  # our one line, not Lightning's two more
     assert not (tmp_path / "tiny" / "version_1").exists()
     final = load_checkpoint_file(ckpt)
     assert final["sglightning"]["rollouts_done"] == 6 and final["global_step"] == 6

@@ -147,6 +147,8 @@ class SGLightningCLI(LightningCLI):
             # report; Lightning itself discards what a sanity check logs)
             cfg["trainer"]["num_sanity_val_steps"] = -1
         if cfg.get("ckpt_path") != "last":
+            if cfg.get("ckpt_path"):
+                print(f"sglightning: resuming from {cfg['ckpt_path']}", file=sys.stderr)
             return
         found = find_last_checkpoint(cfg)
         if found is None:

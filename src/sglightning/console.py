@@ -26,11 +26,12 @@ _EXPECTED_WARNINGS = (
 )
 
 #: Lightning's info lines that say nothing about this run: advertisements for its cloud products, accelerators that are
-#: not in use (the device is in the config), the seed and the mixed precision (both in the config), and why fit stopped
-#: (the summary says it)
+#: not in use (the device is in the config), the seed and the mixed precision (both in the config), why fit stopped
+#: (the summary says it), and the two lines of a resume (``sglightning fit`` prints one "resuming from" line itself)
 _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "HPU available:", "Seed set to ",
           "`Trainer.fit` stopped: `max_steps=", "Automatic Mixed Precision (AMP)",
-          "was configured so validation will run")
+          "was configured so validation will run", "Restoring states from the checkpoint path at",
+          "Restored all states from the checkpoint at")
 
 
 class _DropNoise(logging.Filter):
