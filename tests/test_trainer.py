@@ -403,6 +403,11 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
     summary = format_summary(cli.trainer, cli.model)
     assert "2 GRPO steps" in summary and str(run_dir / "adapter") in summary and "tensorboard --logdir" in summary
     assert "label calibration accuracy" in summary and "by trust phase" in summary
+    # each step logs the peak memory of its two phases, and the summary shows the largest
+    hist = cli.model.history
+    assert all(r["memory/rollout_peak_rss_gb"] > 0.05 and r["memory/update_peak_rss_gb"] > 0.05 for r in hist)
+    top = max(r["memory/update_peak_rss_gb"] for r in hist)
+    assert f"update {top:.1f} GB" in summary and "peak memory" in summary
 
 
 def test_summary_splits_labels_and_episode_length_by_trust_phase():

@@ -21,6 +21,7 @@ from sglightning import distributed, rewards
 from sglightning.data import sampling_generator, task_seeds
 from sglightning.distributed import clean_name
 from sglightning.errors import ConfigError
+from sglightning.memory import PhasePeak
 from sglightning.rollout import Episode, Rollout, RolloutAborted, RolloutBatch
 
 
@@ -82,12 +83,15 @@ class RolloutCallback(Callback):
         seeds = task_seeds(cfg.seed, step, cfg.groups_per_step, rank, world, pl_module.eval_cfg.seed_offset)
         gen = sampling_generator(cfg.seed, step, rank, device=pl_module.device)
         stop = _sigterm_check(trainer)
+        peak = PhasePeak(pl_module.device)
+        peak.start()
         with pl_module.generation_weights():
             rb = self.engine_for(pl_module).run(
                 seeds, generator=gen, policy_version=pl_module.global_step, should_stop=stop)
         for extra_round in range(1, cfg.dynamic_sampling_rounds + 1):
             if not self._top_up(pl_module, rb, step, extra_round, rank, world, stop):
                 break
+        rb.peak_memory = peak.read("rollout")
         return rb
 
     def _top_up(self, pl_module, rb: RolloutBatch, step: int, extra_round: int, rank: int, world: int, stop) -> bool:
@@ -388,12 +392,31 @@ def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
         *_phase_lines(hist, mean),
         f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {pl_module.skipped_updates}",
         f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
+        *_memory_lines(hist),
     ]
     lines += _validation_lines(getattr(pl_module, "val_report_before", None), getattr(pl_module, "val_report", None))
     lines.append(f"  TensorBoard       tensorboard --logdir {run_dir(trainer)}")
     adapter = getattr(pl_module, "adapter_dir", None)
     lines.append(f"  adapter           {adapter or run_dir(trainer) / 'adapter'}")
     return "\n".join(lines)
+
+
+def _memory_lines(hist: list[dict]) -> list[str]:
+    """The largest per-phase peak of the run (host RSS of the trainer process; accelerator memory on CUDA)."""
+    def peak(key: str) -> float | None:
+        vals = [r[key] for r in hist if key in r]
+        return max(vals) if vals else None
+
+    parts = [f"{phase} {v:.1f} GB" for phase in ("rollout", "update")
+             if (v := peak(f"memory/{phase}_peak_rss_gb")) is not None]
+    if not parts and (v := peak("memory/lifetime_peak_rss_gb")) is not None:
+        parts = [f"{v:.1f} GB (process lifetime; this system cannot reset the peak per phase)"]
+    lines = [f"  peak memory       {'  '.join(parts)} (RSS of this process)"] if parts else []
+    acc = [f"{phase} {v:.1f} GB" for phase in ("rollout", "update")
+           if (v := peak(f"memory/{phase}_peak_accelerator_gb")) is not None]
+    if acc:
+        lines.append(f"  peak accelerator  {'  '.join(acc)} (allocated by torch)")
+    return lines
 
 
 def _validation_lines(before: dict | None, after: dict | None) -> list[str]:

@@ -128,8 +128,9 @@ def finish_gradients(policy: torch.nn.Module, params: list[torch.nn.Parameter], 
 
 
 def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int) -> dict[str, float]:
-    """Merge the ranks' step logs (one ``all_gather_object``): keys in ``sum_keys`` summed, the rest averaged over the
-    ranks that have them (episode means come from torchmetrics and are global already).  No key is dropped."""
+    """Merge the ranks' step logs (one ``all_gather_object``): keys in ``sum_keys`` summed, peak memory
+    (``memory/…``) the maximum over ranks, the rest averaged over the ranks that have them (episode means come from
+    torchmetrics and are global already).  No key is dropped."""
     if not is_distributed():
         return logs
     sums = set(sum_keys)
@@ -138,7 +139,7 @@ def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int
     merged: dict[str, float] = {}
     for key in sorted({k for g in gathered if g for k in g}):
         vals = [float(g[key]) for g in gathered if g and key in g]
-        merged[key] = sum(vals) if key in sums else sum(vals) / len(vals)
+        merged[key] = sum(vals) if key in sums else max(vals) if key.startswith("memory/") else sum(vals) / len(vals)
     return merged
 
 

@@ -109,6 +109,7 @@ def step_logs(batch: RolloutBatch, lam: float, returns: torch.Tensor, internal: 
         "tokens/generated_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
         "tokens/prefill_positions": float(batch.prefill_positions),
         "rollout/dynamic_sampling_groups": float(batch.extra_groups),
+        **batch.peak_memory,
     }
 
 

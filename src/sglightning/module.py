@@ -36,6 +36,7 @@ from sglightning.envs.household import HouseholdEnv
 from sglightning.errors import ConfigError
 from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig
+from sglightning.memory import PhasePeak
 from sglightning.metrics import SUM_KEYS, EpisodeMetrics, batch_stats, step_logs
 from sglightning.models import PolicyConfig, check_model_source, load_policy, warn_low_precision_adapters
 from sglightning.rewards import RewardTerm
@@ -238,6 +239,8 @@ class SelfGuideModule(LightningModule):
             raise RuntimeError("no rollout on this step's batch (is RolloutCallback installed?)")
         c = self.grpo_cfg
         t0 = time.perf_counter()
+        peak = PhasePeak(self.device)
+        peak.start()
         lam = schedule = self.trust_lambda()
         if c.trust_adaptive:  # λ(u) × the labels' measured reliability (the same on every rank)
             lam = schedule * self.trust_meter.update(rb.episodes, lambda t: distributed.all_reduce(t.to(self.device)))
@@ -295,6 +298,7 @@ class SelfGuideModule(LightningModule):
         for epoch in range(c.ppo_epochs):
             logs.update(self._update(step_data, tok_adv, totals, bool(skipped), opt, first_epoch=epoch == 0))
         logs["time/update_s"] = time.perf_counter() - t0
+        logs.update(peak.read("update"))
         logs["train/skipped_updates"] = float(self.skipped_updates)
         self.rollouts_done += 1
         logs = distributed.reduce_logs(logs, SUM_KEYS, self._world()[1])

@@ -280,6 +280,8 @@ class RolloutBatch:
     policy_version: int = 0  # the trainer step whose weights sampled this batch (logged as rollout/policy_lag)
     guided: bool = True
     extra_groups: int = 0  # informative groups added by dynamic sampling (rollout.dynamic_sampling_rounds)
+    #: the rollout's peak memory ({"memory/rollout_peak_rss_gb": GB, ...}; filled by the trainer: sglightning.memory)
+    peak_memory: dict[str, float] = field(default_factory=dict)
 
     def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:
         """Append ``other``'s groups ``groups`` (renumbered after this batch's groups and episodes) and its costs."""
