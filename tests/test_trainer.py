@@ -385,6 +385,7 @@ def test_cli_validate_from_a_lightning_checkpoint(cli_run, tmp_path):
     assert trained.keys() == loaded.keys() and trained
     assert all(torch.equal(trained[n].detach(), loaded[n].detach()) for n in trained)
     assert set(cli.model.val_report["modes"]) == {"sg"}
+    assert cli.model.val_report["modes"]["sg"]["memory/validation_peak_rss_gb"] > 0.05  # the evaluation's own peak
 
 
 def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):

@@ -150,6 +150,8 @@ class RolloutCallback(Callback):
                 # seeded by evaluation.seed and the task, not by the training seed or the batch index; one
                 # generator per rank
                 gen = sampling_generator(cfg.seed, 10_000_000 + int(batch.seeds[0]), trainer.global_rank, salt=1)
+                peak = PhasePeak(pl_module.device)
+                peak.start()
                 try:
                     batch.rollouts[mode] = self.engine_for(pl_module).run(
                         batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature,
@@ -159,6 +161,7 @@ class RolloutCallback(Callback):
                     # checkpoint has this validation pending (Lightning runs it again on resume); a standalone
                     # validate stops with nothing reported (PreemptionCheckpoint says so)
                     raise SIGTERMException() from None
+                batch.rollouts[mode].peak_memory = peak.read("validation")
             _none_started(batch.rollouts[mode], "evaluation.split", cfg.split)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:

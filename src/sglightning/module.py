@@ -100,6 +100,7 @@ class SelfGuideModule(LightningModule):
         self.train_metrics = EpisodeMetrics()
         self.val_metrics = torch.nn.ModuleDict({"sg": EpisodeMetrics(), "nosg": EpisodeMetrics()})
         self.val_episodes: dict[str, list] = {"sg": [], "nosg": []}
+        self.val_peak_memory: dict[str, dict[str, float]] = {"sg": {}, "nosg": {}}  # peak memory per mode (GB)
         self.val_report: dict[str, Any] | None = None
         self.val_report_before: dict[str, Any] | None = None  # evaluation.before_fit
         self.trust_meter = rewards.TrustMeter(grpo.trust_window)
@@ -403,11 +404,15 @@ class SelfGuideModule(LightningModule):
         for k in self.val_metrics:
             self.val_metrics[k].reset()
             self.val_episodes[k] = []
+            self.val_peak_memory[k] = {}
 
     def validation_step(self, batch: data.EvalBatch, batch_idx):
         for mode, rb in batch.rollouts.items():
             self.val_metrics[mode].update(rb)
             self.val_episodes[mode].extend(rb.episodes)
+            peaks = self.val_peak_memory.setdefault(mode, {})
+            for key, gb in rb.peak_memory.items():
+                peaks[key] = max(peaks.get(key, 0.0), gb)
 
     def on_validation_epoch_end(self) -> None:
         modes = {}
@@ -416,7 +421,8 @@ class SelfGuideModule(LightningModule):
             light = [e.without_samples() for e in self.val_episodes[mode]]
             episodes = sorted(distributed.gather_objects(light, self._world()[1]), key=lambda e: (e.seed, e.index))
             self.val_episodes[mode] = episodes
-            modes[mode] = (self.val_metrics[mode].compute(), episodes)
+            means = {**self.val_metrics[mode].compute(), **self._peak_over_ranks(self.val_peak_memory.get(mode, {}))}
+            modes[mode] = (means, episodes)
         built = report.build_report(int(self.global_step), self._world()[1], self.eval_cfg.split,
                                     self.package_versions(), modes)
         if self.trainer.sanity_checking:
@@ -429,6 +435,14 @@ class SelfGuideModule(LightningModule):
         self.val_report = built
         for key, value in report.scalars(self.val_report).items():
             self.log(key, value, on_epoch=True, batch_size=1, sync_dist=distributed.is_distributed())
+
+    def _peak_over_ranks(self, peaks: dict[str, float]) -> dict[str, float]:
+        """A validation's peak memory (:mod:`sglightning.memory`), the maximum over ranks (a rank that played only
+        padding batches has none: -1 stands for "absent" in the reduction)."""
+        keys = ("memory/validation_peak_rss_gb", "memory/lifetime_peak_rss_gb", "memory/validation_peak_accelerator_gb")
+        vals = torch.tensor([peaks.get(k, -1.0) for k in keys], dtype=torch.float32, device=self.device)
+        vals = distributed.all_reduce(vals, op=torch.distributed.ReduceOp.MAX).tolist()
+        return {k: v for k, v in zip(keys, vals) if v >= 0}
 
     # ------------------------------------------------------------------------------------------------------------------
     # checkpoints: adapters (trainable parameters) only, plus the counters
