@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from sglightning import grpo
 from sglightning.grpo import (
     blend_returns,
     broadcast_advantages,
@@ -494,3 +495,34 @@ def test_grpo_estimator_is_the_episode_advantage_at_every_policy_token():
     adv = group_advantages(returns, groups, eps=0.0)
     expected = torch.where(mask, adv[torch.tensor([0, 1, 2])][:, None].expand(3, 3), torch.zeros(()))
     torch.testing.assert_close(grpo_advantages(x), expected)
+
+
+@pytest.mark.parametrize("w", [0.0, 0.3])
+def test_scaled_guidance_advantages_scale_exactly_those_tokens_policy_gradient(w):
+    """-min(ρ·wÂ, clip(ρ)·wÂ) = w · -min(ρÂ, clip(ρ)Â) for w ≥ 0: the guidance tokens' gradient is w times the
+    unscaled one (clipped tokens included), the action tokens' is unchanged."""
+    g = torch.Generator().manual_seed(0)
+    S, L = 3, 6
+    logp0 = torch.randn(S, L, generator=g) - 2.0
+    old = logp0 + 0.4 * torch.randn(S, L, generator=g)  # ratios both inside and outside the clip band
+    mask = torch.rand(S, L, generator=g) > 0.2
+    guidance = torch.rand(S, L, generator=g) > 0.5
+    adv = torch.tensor([1.5, -0.7, 0.9])[:, None].expand(S, L) * mask
+
+    def grad(a):
+        lp = logp0.clone().requires_grad_(True)
+        loss, _ = grpo.grpo_loss(lp, old, a, mask, clip_low=0.2, clip_high=0.28)
+        loss.backward()
+        return lp.grad
+
+    plain = grad(adv)
+    scaled = grad(grpo.scale_guidance_advantages(adv, guidance, w))
+    assert torch.allclose(scaled[guidance & mask], w * plain[guidance & mask], atol=1e-7)
+    assert torch.equal(scaled[~guidance & mask], plain[~guidance & mask])
+    assert (plain[guidance & mask] != 0).any() and grpo.scale_guidance_advantages(adv, guidance, 1.0) is adv
+
+
+def test_a_negative_or_nonfinite_guidance_advantage_scale_names_the_key():
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="grpo.guidance_advantage_scale: must be a finite number >= 0"):
+            grpo.GRPOConfig(guidance_advantage_scale=bad)

@@ -19,6 +19,7 @@ from sglightning.guidance import GuidanceConfig
 from sglightning.models import PolicyConfig
 from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
 from sglightning.rollout import RolloutConfig
+from sglightning.sampler import KIND_GUIDANCE
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -100,10 +101,20 @@ def test_trainer_logprobs_match_sampler_logprobs(tmp_path):
     assert torch.allclose(logp[m], data["old_logp"][m], atol=1e-5), float((logp[m] - data["old_logp"][m]).abs().max())
 
 
-def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch):
-    """The advantage tensor handed to the loss is the episode's Â_i at every policy token."""
+@pytest.mark.parametrize("guidance_scale", [1.0, 0.25])
+def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch, guidance_scale):
+    """The advantage tensor handed to the loss is the episode's Â_i at every policy token (w·Â_i at the guidance
+    tokens with grpo.guidance_advantage_scale w)."""
     seen = {}
     real = grpo.grpo_loss
+    real_collate = scoring.collate
+
+    def collate_spy(samples, pad_id):
+        out = real_collate(samples, pad_id)
+        seen["kinds"] = out["kinds"].clone()
+        return out
+
+    monkeypatch.setattr(scoring, "collate", collate_spy)
 
     def spy(logp, old_logp, advantages, mask, **kw):
         seen.setdefault("adv", []).append((advantages.detach().clone(), mask.clone()))
@@ -114,22 +125,30 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch)
     orig_adv = grpo.group_advantages
 
     def adv_spy(returns, groups, **kw):
-        out = orig_adv(returns, groups, **kw)
+        orig_adv(returns, groups, **kw)
+        # distinct non-zero advantages (a tiny random policy's groups are often all-equal, Â = 0, which would make
+        # the checks below vacuous)
+        out = torch.linspace(-1.0, 1.0, returns.shape[0]) + 0.1
         captured["adv"] = out
         return out
 
     monkeypatch.setattr(grpo, "group_advantages", adv_spy)
     # rows in episode order, every row computed (zero-advantage skipping and prefix sorting would drop or reorder)
     module = tiny_module(grpo=GRPOConfig(kl_coef=0.0, micro_batch_size=100, skip_zero_advantage=False,
-                                         share_prefix=False))
+                                         share_prefix=False, guidance_advantage_scale=guidance_scale))
     tiny_trainer(tmp_path, steps=1).fit(module)
     (adv_tok, mask), = seen["adv"]
     per_episode = captured["adv"]
+    guidance = seen["kinds"] == KIND_GUIDANCE  # [S, L]
     assert adv_tok.shape == mask.shape and adv_tok.shape[0] == len(per_episode)  # single stream: 1 sample/episode
+    assert (guidance & mask).any() and (~guidance & mask).any()
     for i in range(adv_tok.shape[0]):
-        vals = adv_tok[i][mask[i]]
-        assert vals.numel() > 0 and torch.all(vals == per_episode[i])
+        g, a = mask[i] & guidance[i], mask[i] & ~guidance[i]
+        assert torch.all(adv_tok[i][a] == per_episode[i])
+        assert torch.allclose(adv_tok[i][g], guidance_scale * per_episode[i].expand(int(g.sum())))
         assert torch.all(adv_tok[i][~mask[i]] == 0)
+    share = module.history[0]["tokens/guidance_share"]
+    assert share == pytest.approx(float((guidance & mask).sum() / mask.sum()))
 
 
 def test_nonfinite_loss_skips_the_update(tmp_path, monkeypatch):
@@ -259,6 +278,7 @@ def test_every_shipped_config_parses(cfg, capsys):
          "env.init_args.task_names: unknown task"),
         # mistakes a newcomer makes (each used to print a usage dump, a traceback, or retry a download for a minute)
         (["--model.rollout.grup_size=4"], "--model.rollout.grup_size"),
+        (["--model.grpo.guidance_advantage_scale=-0.5"], "grpo.guidance_advantage_scale: must be a finite number >= 0"),
         (["--model.rollout.group_size=four"], 'model.rollout.group_size": Expected a <class \'int\'>. Got value: four'),
         (["--config", "/no/such/config.yaml"], "File does not exist: '/no/such/config.yaml'"),
         (["--model.guidance.actor_format=xml"], "Literal['action_line', 'json', 'think_tags']"),

@@ -41,7 +41,7 @@ from sglightning.metrics import SUM_KEYS, EpisodeMetrics, batch_stats, step_logs
 from sglightning.models import PolicyConfig, check_model_source, load_policy, warn_low_precision_adapters
 from sglightning.rewards import RewardTerm
 from sglightning.rollout import Rollout, RolloutConfig
-from sglightning.sampler import DecoderFactory, DecodeSession
+from sglightning.sampler import KIND_GUIDANCE, DecoderFactory, DecodeSession
 
 quiet()
 
@@ -276,7 +276,10 @@ class SelfGuideModule(LightningModule):
                                               self.rollout_cfg.invalid_action_penalty)
             tok_adv = estimator(inputs).to(self.device)  # [S, L]
             step_data = {k: v.to(self.device) for k, v in step_data.items()}
+            guidance_tokens = step_data["mask"] & (step_data["kinds"] == KIND_GUIDANCE)  # [S, L]
+            tok_adv = grpo.scale_guidance_advantages(tok_adv, guidance_tokens, c.guidance_advantage_scale)
             logs["tokens/policy"] = float(step_data["mask"].sum())
+            logs["tokens/guidance_share"] = float(guidance_tokens.sum()) / max(logs["tokens/policy"], 1.0)
             # choice tokens with one allowed continuation: no choice was made, so no loss and no place in the mean
             logs["tokens/forced_choice"] = float(sum(s.forced for s in samples))
             logs["tokens/total"] = float(step_data["attn"].sum())
