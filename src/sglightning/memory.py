@@ -3,7 +3,9 @@
 * Host: the peak resident set of this process (Linux: ``VmHWM`` in ``/proc/self/status``), reset to the current
   resident set when the phase starts by writing ``5`` to ``/proc/self/clear_refs``.  Where that file cannot be written
   (not Linux, a locked-down container) no phase peak can be taken: the process's lifetime peak (``ru_maxrss``) is
-  reported instead, under its own key, so a number is never passed off as what it is not.
+  reported instead, under its own key, so a number is never passed off as what it is not.  A phase's peak is at
+  least the resident set it starts with, which includes memory the allocator kept after an earlier phase freed it
+  (glibc keeps large freed blocks): after the first update, the rollout's peak is mostly the update's leftovers.
 * Accelerator (CUDA): torch's peak of allocated memory on the module's device, reset the same way
   (``torch.cuda.reset_peak_memory_stats``); the caching allocator's reserve is not included.
 
