@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from sglightning import distributed, rewards
+from sglightning import distributed, memory, rewards
 from sglightning.data import sampling_generator, task_seeds
 from sglightning.distributed import clean_name
 from sglightning.errors import ConfigError
@@ -410,13 +410,14 @@ def _memory_lines(hist: list[dict]) -> list[str]:
         vals = [r[key] for r in hist if key in r]
         return max(vals) if vals else None
 
-    parts = [f"{phase} {v:.1f} GB" for phase in ("rollout", "update")
-             if (v := peak(f"memory/{phase}_peak_rss_gb")) is not None]
-    if not parts and (v := peak("memory/lifetime_peak_rss_gb")) is not None:
+    def per_phase(key_of) -> list[str]:
+        return [f"{phase} {v:.1f} GB" for phase in ("rollout", "update") if (v := peak(key_of(phase))) is not None]
+
+    parts = per_phase(memory.rss_key)
+    if not parts and (v := peak(memory.LIFETIME_RSS)) is not None:
         parts = [f"{v:.1f} GB (process lifetime; this system cannot reset the peak per phase)"]
     lines = [f"  peak memory       {'  '.join(parts)} (RSS of this process)"] if parts else []
-    acc = [f"{phase} {v:.1f} GB" for phase in ("rollout", "update")
-           if (v := peak(f"memory/{phase}_peak_accelerator_gb")) is not None]
+    acc = per_phase(memory.accelerator_key)
     if acc:
         lines.append(f"  peak accelerator  {'  '.join(acc)} (allocated by torch)")
     return lines

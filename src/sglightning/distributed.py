@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from sglightning import memory
 from sglightning.errors import ConfigError
 
 
@@ -139,7 +140,8 @@ def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int
     merged: dict[str, float] = {}
     for key in sorted({k for g in gathered if g for k in g}):
         vals = [float(g[key]) for g in gathered if g and key in g]
-        merged[key] = sum(vals) if key in sums else max(vals) if key.startswith("memory/") else sum(vals) / len(vals)
+        merged[key] = (sum(vals) if key in sums else max(vals) if key.startswith(memory.PREFIX)
+                       else sum(vals) / len(vals))
     return merged
 
 

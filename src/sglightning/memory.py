@@ -26,6 +26,19 @@ import torch
 _CLEAR_REFS = "/proc/self/clear_refs"
 _STATUS = "/proc/self/status"
 
+#: every key this module writes starts with it (the step logs take the maximum over ranks of these)
+PREFIX = "memory/"
+#: the process's lifetime peak, where no per-phase peak can be taken
+LIFETIME_RSS = PREFIX + "lifetime_peak_rss_gb"
+
+
+def rss_key(phase: str) -> str:
+    return f"{PREFIX}{phase}_peak_rss_gb"
+
+
+def accelerator_key(phase: str) -> str:
+    return f"{PREFIX}{phase}_peak_accelerator_gb"
+
 
 def _vm_hwm_kb() -> int | None:
     try:
@@ -60,7 +73,7 @@ class PhasePeak:
         self._reset = False
 
     def start(self) -> None:
-        self._reset = _reset_hwm() and _vm_hwm_kb() is not None
+        self._reset = _reset_hwm()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -68,9 +81,9 @@ class PhasePeak:
         out: dict[str, float] = {}
         hwm = _vm_hwm_kb() if self._reset else None
         if hwm is not None:
-            out[f"memory/{phase}_peak_rss_gb"] = hwm * 1024 / 1e9
+            out[rss_key(phase)] = hwm * 1024 / 1e9
         else:
-            out["memory/lifetime_peak_rss_gb"] = _lifetime_peak_gb()
+            out[LIFETIME_RSS] = _lifetime_peak_gb()
         if self.device.type == "cuda":
-            out[f"memory/{phase}_peak_accelerator_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
+            out[accelerator_key(phase)] = torch.cuda.max_memory_allocated(self.device) / 1e9
         return out

@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from sglightning import data, distributed, grpo, report, rewards, scoring
+from sglightning import data, distributed, grpo, memory, report, rewards, scoring
 from sglightning.callbacks import default_callbacks, run_dir
 from sglightning.checkpointing import use_atomic_io
 from sglightning.console import quiet
@@ -413,7 +413,7 @@ class SelfGuideModule(LightningModule):
         for mode, rb in batch.rollouts.items():
             self.val_metrics[mode].update(rb)
             self.val_episodes[mode].extend(rb.episodes)
-            peaks = self.val_peak_memory.setdefault(mode, {})
+            peaks = self.val_peak_memory[mode]
             for key, gb in rb.peak_memory.items():
                 peaks[key] = max(peaks.get(key, 0.0), gb)
 
@@ -424,7 +424,7 @@ class SelfGuideModule(LightningModule):
             light = [e.without_samples() for e in self.val_episodes[mode]]
             episodes = sorted(distributed.gather_objects(light, self._world()[1]), key=lambda e: (e.seed, e.index))
             self.val_episodes[mode] = episodes
-            means = {**self.val_metrics[mode].compute(), **self._peak_over_ranks(self.val_peak_memory.get(mode, {}))}
+            means = {**self.val_metrics[mode].compute(), **self._peak_over_ranks(self.val_peak_memory[mode])}
             modes[mode] = (means, episodes)
         built = report.build_report(int(self.global_step), self._world()[1], self.eval_cfg.split,
                                     self.package_versions(), modes)
@@ -442,7 +442,7 @@ class SelfGuideModule(LightningModule):
     def _peak_over_ranks(self, peaks: dict[str, float]) -> dict[str, float]:
         """A validation's peak memory (:mod:`sglightning.memory`), the maximum over ranks (a rank that played only
         padding batches has none: -1 stands for "absent" in the reduction)."""
-        keys = ("memory/validation_peak_rss_gb", "memory/lifetime_peak_rss_gb", "memory/validation_peak_accelerator_gb")
+        keys = (memory.rss_key("validation"), memory.LIFETIME_RSS, memory.accelerator_key("validation"))
         vals = torch.tensor([peaks.get(k, -1.0) for k in keys], dtype=torch.float32, device=self.device)
         vals = distributed.all_reduce(vals, op=torch.distributed.ReduceOp.MAX).tolist()
         return {k: v for k, v in zip(keys, vals) if v >= 0}
