@@ -18,21 +18,31 @@ A seed sets ``seed_everything`` (adapter initialisation) and ``model.rollout.see
 Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k;
 its step 0 is one ``sglightning validate`` of the untrained model, shared by every seed and by the arms that
 validate alike (``zero_shot-<kind>.json``).  A cut run is resumed with ``--ckpt_path last``; a finished one
-(``done.json``) is skipped, so the same command line continues a study over several sittings.  ``<out>/.gitignore``
-keeps only these small JSON files and the artefacts below under version control, so a study committed from one
-machine continues on another (a cut run there starts over).  Writes ``<out>/curves.json`` (every evaluation),
-``<out>/curves.md`` (success at step 0 and at the last step, mean ± std over seeds, per arm) and ``<out>/curves.png``
-(success vs step, mean ± std band per arm; needs matplotlib: ``pip install -e ".[curves]"``).
+(``done.json``) is skipped, so the same command line continues a study over several sittings; a larger ``--steps``
+trains finished runs on from their last checkpoint.  A run counts as
+finished only when its last validation is at the run's ``trainer.max_steps``: a fit stopped early (SIGTERM exits 0,
+like any preemption) is left to resume.  SIGTERM to this runner is passed to the fit it is running, which saves its
+last step; the runner then exits 143.  Every run records its settings (config, steps, evaluation interval, the
+overrides after ``--`` except ``--threads``); a command whose settings differ from a run already in ``<out>`` stops
+with one line naming the run and both settings instead of reusing it.  ``<out>/.gitignore`` keeps only the small JSON
+files and the artefacts below under version control, so a study committed from one machine continues on another (a
+cut run there starts over).  Writes, over every finished run in ``<out>`` (also those of earlier commands with other
+``--arms``/``--seeds``), ``<out>/curves.json`` (every evaluation), ``<out>/curves.md`` (success at step 0 and at the
+last step, mean ± std over seeds, per arm) and ``<out>/curves.png`` (success vs step, mean ± std band per arm; needs
+matplotlib: ``pip install -e ".[curves]"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 ARMS: dict[str, list[str]] = {
     "grpo": ["--model.guidance.enabled=false", "--model.evaluation.self_guidance=off"],
@@ -61,15 +71,36 @@ def zero_shot_kind(arm: str) -> str:
 KEEP_RESULTS_ONLY = "*\n!.gitignore\n!*/\n!*/done.json\n!zero_shot-*.json\n!curves.json\n!curves.md\n!curves.png\n"
 
 
-def run_cli(args: list[str], log: Path) -> None:
-    """One ``sglightning`` command; its output goes to ``log``; a failure stops the study with the log's tail."""
+SGLIGHTNING = [sys.executable, "-m", "sglightning.cli"]
+
+
+def run_cli(args: list[str], log: Path, program: list[str] = SGLIGHTNING) -> None:
+    """One ``sglightning`` command; its output goes to ``log``; a failure stops the study with the log's tail.
+    SIGTERM received meanwhile is passed on to the command (a fit saves its last step and exits 0); the study then
+    stops with exit 143, recording nothing for the run."""
+    stopped = []
+
+    def forward(signum, frame):  # the child may have exited already: then there is nothing to forward
+        stopped.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+
     with open(log, "a") as f:
         f.write("$ sglightning " + " ".join(args) + "\n")
         f.flush()
-        res = subprocess.run([sys.executable, "-m", "sglightning.cli", *args], stdout=f, stderr=subprocess.STDOUT)
-    if res.returncode != 0:
+        proc = subprocess.Popen([*program, *args], stdout=f, stderr=subprocess.STDOUT)
+        previous = signal.signal(signal.SIGTERM, forward)
+        try:
+            code = proc.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    if stopped:
+        print(f"learning_curves: SIGTERM: stopped `sglightning {args[0]}` (exit {code}); run the same command "
+              "again to continue the study", file=sys.stderr)
+        raise SystemExit(143)
+    if code != 0:
         tail = log.read_text()[-3000:]
-        raise SystemExit(f"learning_curves: `sglightning {' '.join(args[:3])} …` failed (exit {res.returncode}); "
+        raise SystemExit(f"learning_curves: `sglightning {' '.join(args[:3])} …` failed (exit {code}); "
                          f"log {log}:\n{tail}")
 
 
@@ -128,17 +159,67 @@ def guide_stats(scalars: list[dict[str, dict[int, float]]]) -> dict[str, float]:
     return stats
 
 
+# extra options that change how fast a run goes, not what it computes: left out of the recorded settings
+SPEED_ONLY = ("--threads",)
+
+
+def settings_of(config: str, steps: int | None, every: int, extra: list[str]) -> dict:
+    """What makes two runs of one arm and seed comparable: recorded in ``done.json``, checked before reusing a run."""
+    kept, skip = [], False
+    for a in extra:
+        if skip:
+            skip = False
+        elif a.split("=")[0] in SPEED_ONLY:
+            skip = "=" not in a  # `--threads 2`: its value is the next argument
+        else:
+            kept.append(a)
+    return {"config": Path(config).as_posix(), "steps": steps, "eval_every": every, "overrides": kept}
+
+
+def check_settings(folder: Path, recorded: dict | None, wanted: dict) -> None:
+    """A run made with other settings is not this command's run: say so rather than mix it into the study (runs
+    recorded before settings existed are taken as they are).  More steps are not other settings: the run goes on."""
+    def same(d: dict) -> dict:
+        return {k: v for k, v in d.items() if k != "steps"}
+
+    if recorded is not None and same(recorded) != same(wanted):
+        raise SystemExit(f"learning_curves: {folder} was run with {json.dumps(recorded)}; this command asks for "
+                         f"{json.dumps(wanted)}: use another --out (or delete {folder} to run it again)")
+
+
+def load_done(folder: Path) -> dict:
+    """A finished run's ``done.json`` (the guide statistics filled in from its events if it predates them)."""
+    done = folder / "done.json"
+    result = json.loads(done.read_text())
+    if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
+        result["guide"] = guide_stats(run_scalars(folder))
+        done.write_text(json.dumps(result))
+    return result
+
+
+def max_steps_of(run: Path) -> int | None:
+    """``trainer.max_steps`` of a run's newest version, from the config.yaml the CLI saved there."""
+    configs = sorted(run.glob("version_*/config.yaml"))
+    if not configs:
+        return None
+    return (yaml.safe_load(configs[-1].read_text()).get("trainer") or {}).get("max_steps")
+
+
 def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out: Path, extra: list[str]) -> dict:
     name = f"{arm}-seed{seed}"
     folder = out / name
-    done = folder / "done.json"
-    if done.is_file():
-        result = json.loads(done.read_text())
-        if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
-            result["guide"] = guide_stats(run_scalars(folder))
-            done.write_text(json.dumps(result))
-        return result
+    wanted = settings_of(config, steps, every, extra)
+    started = folder / "settings.json"  # written when a run starts, so a cut run is checked too
+    if (folder / "done.json").is_file():
+        result = load_done(folder)
+        check_settings(folder, result.get("settings"), wanted)
+        if steps is None or result["curve"][-1][0] >= steps:
+            return result
+        # asked for more steps than it ran: the run continues from its last checkpoint
+    else:
+        check_settings(folder, json.loads(started.read_text()) if started.is_file() else None, wanted)
     folder.mkdir(parents=True, exist_ok=True)
+    started.write_text(json.dumps(wanted))
     log = folder / "run.log"
     common = ["--config", config, *ARMS[arm], f"--seed_everything={seed}", f"--model.rollout.seed={seed}",
               "--trainer.logger.class_path=lightning.pytorch.loggers.TensorBoardLogger",
@@ -146,12 +227,16 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
               "--model.evaluation.before_fit=false", *extra]  # step 0 is the shared zero-shot evaluation
     # evaluation draws do not depend on the training seed: an untrained model scores the same for every seed
     zero = out / f"zero_shot-{zero_shot_kind(arm)}.json"
-    if not zero.is_file():
+    untrained = {k: wanted[k] for k in ("config", "overrides")}  # steps and interval do not touch step 0
+    if zero.is_file():
+        check_settings(zero, json.loads(zero.read_text()).get("settings"), untrained)
+    else:
         zname = zero.stem
         run_cli(["validate", *common, f"--trainer.logger.init_args.name={zname}"], log)
         reports = sorted((out / zname).glob("version_*/validation_report.json"))
         report = json.loads(reports[-1].read_text())
-        zero.write_text(json.dumps({"success": report["modes"][mode_of(arm)][METRIC], "by": arm}))
+        zero.write_text(json.dumps({"success": report["modes"][mode_of(arm)][METRIC], "by": arm,
+                                    "settings": untrained}))
     fit = ["fit", *common, f"--trainer.logger.init_args.name={name}", f"--trainer.val_check_interval={every}",
            "--ckpt_path=last"]
     if steps is not None:
@@ -162,10 +247,24 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
     if not trained or trained[-1][0] == 0:
         raise SystemExit(f"learning_curves: {name}: the fit recorded no validation after training (log {log}); "
                          "nothing written for it")
+    target = max_steps_of(out / name)
+    if target is not None and trained[-1][0] < target:  # stopped early (SIGTERM to the fit alone): not finished
+        raise SystemExit(f"learning_curves: {name}: the fit stopped after step {trained[-1][0]} of {target} "
+                         f"(log {log}); nothing written for it: the same command resumes it")
     curve = [(0, json.loads(zero.read_text())["success"])] + trained
-    result = {"arm": arm, "seed": seed, "curve": curve, "guide": guide_stats(scalars)}
-    done.write_text(json.dumps(result))
+    result = {"arm": arm, "seed": seed, "curve": curve, "guide": guide_stats(scalars), "settings": wanted}
+    (folder / "done.json").write_text(json.dumps(result))
     return result
+
+
+def finished_runs(out: Path) -> list[dict]:
+    """Every finished run in ``out``, arms in :data:`ARMS` order, then by seed."""
+    found = []
+    for done in out.glob("*-seed*/done.json"):
+        arm, _, seed = done.parent.name.rpartition("-seed")
+        if arm in ARMS and seed.isdigit():
+            found.append((list(ARMS).index(arm), int(seed), done.parent))
+    return [load_done(folder) for _, _, folder in sorted(found)]
 
 
 def summarise(results: list[dict]) -> tuple[dict, str]:
@@ -247,8 +346,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--eval-every", type=int, default=5, help="validate every k GRPO steps")
     ap.add_argument("--out", default="runs/curves")
     ap.add_argument("--no-run", action="store_true",
-                    help="run nothing: write the artefacts from the finished runs (a partial study, or one "
-                         "that another process is still running)")
+                    help="run nothing: write the artefacts from the finished runs in --out (a partial study, or "
+                         "one that another process is still running)")
     args = ap.parse_args(argv)
     if args.eval_every < 1:
         ap.error("--eval-every: must be >= 1")
@@ -258,14 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if not (out / ".gitignore").exists():
         (out / ".gitignore").write_text(KEEP_RESULTS_ONLY)
-    results = []
-    for seed in args.seeds:  # seed-major: a cut study has whole seeds of every arm first
-        for arm in args.arms:
-            if args.no_run and not (out / f"{arm}-seed{seed}" / "done.json").is_file():
-                continue  # --no-run: finished runs only (one_run returns their done.json)
-            if not args.no_run:
+    if not args.no_run:
+        for seed in args.seeds:  # seed-major: a cut study has whole seeds of every arm first
+            for arm in args.arms:
                 print(f"learning_curves: {arm} seed {seed}", flush=True)
-            results.append(one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra))
+                one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra)
+    results = finished_runs(out)  # the whole study, not only this command's arms and seeds
     if not results:
         raise SystemExit(f"learning_curves: no finished run in {out}")
     data, table = summarise(results)

@@ -44,8 +44,13 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
     (out / "curves.md").unlink()
     lc.main([*args, "--no-run"])  # artefacts from what is finished, nothing run
     assert log.read_text() == before and "| oracle | 1 |" in (out / "curves.md").read_text()
-    # a cut run (no done.json) continues from its last checkpoint instead of starting over
-    (out / "oracle-seed0" / "done.json").unlink()
+    # the run is not reused for a command that asks for something else (a thread count changes nothing)
+    assert json.loads((out / "oracle-seed0" / "done.json").read_text())["settings"]["overrides"] == extra[1:]
+    lc.main([*args, "--steps", "2", *extra, "--threads", "1"])
+    with pytest.raises(SystemExit, match=r"oracle-seed0 was run with .*max_steps=2.*use another --out"):
+        lc.main([*args, "--steps", "2", *extra, "--model.grpo.kl_coef=0.5"])
+    assert log.read_text() == before
+    # more steps: the finished run trains on from its last checkpoint instead of starting over
     lc.main([*args, "--steps", "3", *extra])
     assert "resuming from" in log.read_text()
     curve = json.loads((out / "curves.json").read_text())["runs"][0]["curve"]
@@ -100,3 +105,96 @@ def test_arms_that_validate_alike_share_one_zero_shot_and_git_keeps_only_the_res
     assert kept == sorted(["curves/.gitignore", "curves/curves.json", "curves/curves.md", "curves/curves.png",
                            "curves/full_trust-seed0/done.json", "curves/sg-seed0/done.json",
                            "curves/zero_shot-model.json"]), kept
+
+
+def test_settings_leave_out_the_thread_count_only():
+    lc = _runner()
+    a = lc.settings_of("./configs/x.yaml", None, 4, ["--threads", "2", "--model.grpo.kl_coef=0.1"])
+    b = lc.settings_of("configs/x.yaml", None, 4, ["--threads=auto", "--model.grpo.kl_coef=0.1"])
+    assert a == b == {"config": "configs/x.yaml", "steps": None, "eval_every": 4,
+                      "overrides": ["--model.grpo.kl_coef=0.1"]}
+    assert lc.settings_of("configs/x.yaml", 8, 4, []) != lc.settings_of("configs/x.yaml", None, 4, [])
+
+
+def _fake_fit(lc, monkeypatch, out: Path, max_steps: int, validated: list[int]) -> None:
+    """one_run without a model: the fit only leaves a saved config and validations at the given steps."""
+    def fit(args, log, program=None):
+        version = out / "grpo-seed0" / "version_0"
+        version.mkdir(parents=True, exist_ok=True)
+        (version / "config.yaml").write_text(f"# package versions of this run\ntrainer:\n  max_steps: {max_steps}\n")
+
+    scalars = [{"val/nosg/success_rate": {i: 0.25 for i in range(len(validated))},
+                "val/global_step": dict(enumerate(validated)), "rollout/success_rate": {0: 0.5}}]
+    monkeypatch.setattr(lc, "run_cli", fit)
+    monkeypatch.setattr(lc, "run_scalars", lambda run: scalars)
+    (out / "zero_shot-noguide.json").write_text(json.dumps({"success": 0.0, "by": "grpo"}))
+
+
+def test_a_fit_stopped_before_its_last_step_is_not_recorded_as_finished(tmp_path, monkeypatch):
+    """SIGTERM to the fit alone ends it with exit 0 after saving: its curve stops early, and it must resume."""
+    lc = _runner()
+    _fake_fit(lc, monkeypatch, tmp_path, max_steps=8, validated=[4])
+    with pytest.raises(SystemExit, match="stopped after step 4 of 8.*the same command resumes it"):
+        lc.one_run(TINY, "grpo", 0, None, 4, tmp_path, [])
+    assert not (tmp_path / "grpo-seed0" / "done.json").exists()
+    _fake_fit(lc, monkeypatch, tmp_path, max_steps=8, validated=[4, 8])
+    result = lc.one_run(TINY, "grpo", 0, None, 4, tmp_path, [])
+    assert result["curve"] == [(0, 0.0), (4, 0.25), (8, 0.25)]
+    assert json.loads((tmp_path / "grpo-seed0" / "done.json").read_text())["settings"]["eval_every"] == 4
+    # a cut run is checked against the settings it started with
+    (tmp_path / "grpo-seed0" / "done.json").unlink()
+    with pytest.raises(SystemExit, match="grpo-seed0 was run with"):
+        lc.one_run(TINY, "grpo", 0, None, 2, tmp_path, [])
+    # asking for more steps than a finished run took trains it on (the fit runs again) rather than refusing it
+    lc.one_run(TINY, "grpo", 0, None, 4, tmp_path, [])
+    _fake_fit(lc, monkeypatch, tmp_path, max_steps=12, validated=[4, 8, 12])
+    assert lc.one_run(TINY, "grpo", 0, 12, 4, tmp_path, [])["curve"][-1] == (12, 0.25)
+    assert lc.one_run(TINY, "grpo", 0, 8, 4, tmp_path, [])["curve"][-1] == [12, 0.25]  # fewer: it is done
+
+
+def test_artefacts_cover_every_finished_run_in_the_study(tmp_path):
+    """A study continued arm by arm: the table is never narrowed to the last command's arms and seeds."""
+    lc = _runner()
+    for arm, seed in (("oracle", 1), ("grpo", 2), ("grpo", 0), ("sg_gr", 0)):
+        (tmp_path / f"{arm}-seed{seed}").mkdir()
+        (tmp_path / f"{arm}-seed{seed}" / "done.json").write_text(json.dumps(
+            {"arm": arm, "seed": seed, "curve": [[0, 0.0], [4, 0.5]], "guide": {}}))
+    (tmp_path / "notes-seedx").mkdir()  # not a run folder
+    lc.main(["--config", TINY, "--arms", "grpo", "--seeds", "0", "--out", str(tmp_path), "--no-run"])
+    runs = json.loads((tmp_path / "curves.json").read_text())["runs"]
+    assert [(r["arm"], r["seed"]) for r in runs] == [("grpo", 0), ("grpo", 2), ("sg_gr", 0), ("oracle", 1)]
+    assert "| grpo | 2 |" in (tmp_path / "curves.md").read_text()
+
+
+def test_sigterm_to_the_runner_reaches_the_command_and_stops_the_study(tmp_path):
+    """The fit gets the signal (and saves); the runner exits 143 instead of dying with the fit still running."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    lc = _runner()
+    log = tmp_path / "run.log"
+    child = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(0)))\n"
+             "print('ready', flush=True)\ntime.sleep(20)\n")
+
+    def stop_when_ready():
+        deadline = time.time() + 15
+        while time.time() < deadline and not (log.exists() and "ready" in log.read_text()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    seen = []  # the test's own handler: without the runner's, the signal would land here and the child run on
+    previous = signal.signal(signal.SIGTERM, lambda *a: seen.append(a))
+    try:
+        threading.Thread(target=stop_when_ready, daemon=True).start()
+        t0 = time.time()
+        with pytest.raises(SystemExit) as err:
+            lc.run_cli(["fit"], log, program=[sys.executable, "-c", child])
+        assert err.value.code == 143 and time.time() - t0 < 15
+        assert "saved" in log.read_text() and not seen
+        assert signal.getsignal(signal.SIGTERM).__name__ == "<lambda>"  # the handler before run_cli is back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
