@@ -269,14 +269,14 @@ def finished_runs(out: Path) -> list[dict]:
 
 def summarise(results: list[dict]) -> tuple[dict, str]:
     """curves.json content and the Markdown table: validation success at step 0 and at the last step (mean ± std
-    over seeds), then training means over steps and seeds — training success, the labels' accuracy against measured
-    progress, their AUROC against success, the share of positive labels, the mean trust weight λ ("–": not logged,
-    e.g. no labels in plain GRPO)."""
+    over seeds, then each seed's: with few seeds the spread says more than a mean), then training means over steps
+    and seeds — training success, the labels' accuracy against measured progress, their AUROC against success, the
+    share of positive labels, the mean trust weight λ ("–": not logged, e.g. no labels in plain GRPO)."""
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
-    rows = ["| arm | seeds | success at step 0 | success at the last step | last step | train success | "
-            "label accuracy | label AUROC | positive labels | mean λ |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| arm | seeds | success at step 0 | success at the last step | by seed | last step | train success | "
+            "label accuracy | label AUROC | positive labels | mean λ |", "|---" * 11 + "|"]
 
     def ms(vals: list[float]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -290,7 +290,8 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
         first = [r["curve"][0][1] for r in runs]
         last = [r["curve"][-1][1] for r in runs]
         cells = [guide(runs, k) for k in ("train_success", "label_accuracy", "label_auroc", "positive", "lambda")]
-        rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {runs[0]['curve'][-1][0]} | "
+        each = ", ".join(f"{r['seed']}: {r['curve'][-1][1]:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
+        rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | {runs[0]['curve'][-1][0]} | "
                     + " | ".join(cells) + " |")
     return {"metric": METRIC, "runs": results}, "\n".join(rows) + "\n"
 

@@ -60,14 +60,14 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
 def test_summary_table_and_figure_over_arms_and_seeds(tmp_path):
     lc = _runner()
     results = [{"arm": "grpo", "seed": s, "curve": [[0, 0.1], [5, v]], "guide": {"train_success": v, "lambda": 0.5}}
-               for s, v in ((0, 0.2), (1, 0.4))]
+               for s, v in ((1, 0.4), (0, 0.2))]
     results.append({"arm": "oracle", "seed": 0, "curve": [[0, 0.1], [5, 0.5]],
                     "guide": {"train_success": 0.6, "label_accuracy": 1.0, "label_auroc": 0.75, "positive": 0.3,
                               "lambda": 0.25}})
     data, table = lc.summarise(results)
     assert data["runs"] == results
-    assert "| grpo | 2 | 0.100 ± 0.000 | 0.300 ± 0.141 | 5 | 0.30 | – | – | – | 0.50 |" in table
-    assert "| oracle | 1 | 0.100 ± 0.000 | 0.500 ± 0.000 | 5 | 0.60 | 1.00 | 0.75 | 0.30 | 0.25 |" in table
+    assert "| grpo | 2 | 0.100 ± 0.000 | 0.300 ± 0.141 | 0: 0.200, 1: 0.400 | 5 | 0.30 | – | – | – | 0.50 |" in table
+    assert "| oracle | 1 | 0.100 ± 0.000 | 0.500 ± 0.000 | 0: 0.500 | 5 | 0.60 | 1.00 | 0.75 | 0.30 | 0.25 |" in table
     assert lc.plot(results, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
 
 
