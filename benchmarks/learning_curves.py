@@ -19,17 +19,17 @@ Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``t
 its step 0 is one ``sglightning validate`` of the untrained model, shared by every seed and by the arms that
 validate alike (``zero_shot-<kind>.json``).  A cut run is resumed with ``--ckpt_path last``; a finished one
 (``done.json``) is skipped, so the same command line continues a study over several sittings; a larger ``--steps``
-trains finished runs on from their last checkpoint.  A run counts as
-finished only when its last validation is at the run's ``trainer.max_steps``: a fit stopped early (SIGTERM exits 0,
-like any preemption) is left to resume.  SIGTERM to this runner is passed to the fit it is running, which saves its
-last step; the runner then exits 143.  Every run records its settings (config, steps, evaluation interval, the
-overrides after ``--`` except ``--threads``); a command whose settings differ from a run already in ``<out>`` stops
-with one line naming the run and both settings instead of reusing it.  ``<out>/.gitignore`` keeps only the small JSON
-files and the artefacts below under version control, so a study committed from one machine continues on another (a
-cut run there starts over).  Writes, over every finished run in ``<out>`` (also those of earlier commands with other
-``--arms``/``--seeds``), ``<out>/curves.json`` (every evaluation), ``<out>/curves.md`` (success at step 0 and at the
-last step, mean ± std over seeds, per arm) and ``<out>/curves.png`` (success vs step, mean ± std band per arm; needs
-matplotlib: ``pip install -e ".[curves]"``).
+trains finished runs on from their last checkpoint.  A run counts as finished only when its last validation is at
+the run's ``trainer.max_steps``: a fit stopped early (SIGTERM exits 0, like any preemption) is left to resume.
+SIGTERM to this runner is passed to the fit it is running, which saves its last step; the runner then exits 143.
+Every run records its settings (config, steps, evaluation interval, the overrides after ``--`` except
+``--threads``); a command whose settings differ from a run already in ``<out>`` stops with one line naming the run
+and both settings instead of reusing it.  ``<out>/.gitignore`` keeps only the small JSON files and the artefacts
+below under version control, so a study committed from one machine continues on another (a cut run there starts
+over).  Writes, over every finished run in ``<out>`` (also those of earlier commands with other ``--arms`` or
+``--seeds``), ``<out>/curves.json`` (every evaluation), ``<out>/curves.md`` (success at step 0 and at the last step,
+mean ± std over seeds and each seed's, per arm) and ``<out>/curves.png`` (success vs step, mean ± std band per arm;
+needs matplotlib: ``pip install -e ".[curves]"``).
 """
 
 from __future__ import annotations
