@@ -251,7 +251,8 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
     if target is not None and trained[-1][0] < target:  # stopped early (SIGTERM to the fit alone): not finished
         raise SystemExit(f"learning_curves: {name}: the fit stopped after step {trained[-1][0]} of {target} "
                          f"(log {log}); nothing written for it: the same command resumes it")
-    curve = [(0, json.loads(zero.read_text())["success"])] + trained
+    # as lists, the form done.json reads back in: a result is the same object fresh or loaded
+    curve = [[0, json.loads(zero.read_text())["success"]]] + [[step, v] for step, v in trained]
     result = {"arm": arm, "seed": seed, "curve": curve, "guide": guide_stats(scalars), "settings": wanted}
     (folder / "done.json").write_text(json.dumps(result))
     return result

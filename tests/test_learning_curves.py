@@ -139,7 +139,7 @@ def test_a_fit_stopped_before_its_last_step_is_not_recorded_as_finished(tmp_path
     assert not (tmp_path / "grpo-seed0" / "done.json").exists()
     _fake_fit(lc, monkeypatch, tmp_path, max_steps=8, validated=[4, 8])
     result = lc.one_run(TINY, "grpo", 0, None, 4, tmp_path, [])
-    assert result["curve"] == [(0, 0.0), (4, 0.25), (8, 0.25)]
+    assert result["curve"] == [[0, 0.0], [4, 0.25], [8, 0.25]]
     assert json.loads((tmp_path / "grpo-seed0" / "done.json").read_text())["settings"]["eval_every"] == 4
     # a cut run is checked against the settings it started with
     (tmp_path / "grpo-seed0" / "done.json").unlink()
@@ -148,7 +148,7 @@ def test_a_fit_stopped_before_its_last_step_is_not_recorded_as_finished(tmp_path
     # asking for more steps than a finished run took trains it on (the fit runs again) rather than refusing it
     lc.one_run(TINY, "grpo", 0, None, 4, tmp_path, [])
     _fake_fit(lc, monkeypatch, tmp_path, max_steps=12, validated=[4, 8, 12])
-    assert lc.one_run(TINY, "grpo", 0, 12, 4, tmp_path, [])["curve"][-1] == (12, 0.25)
+    assert lc.one_run(TINY, "grpo", 0, 12, 4, tmp_path, [])["curve"][-1] == [12, 0.25]
     assert lc.one_run(TINY, "grpo", 0, 8, 4, tmp_path, [])["curve"][-1] == [12, 0.25]  # fewer: it is done
 
 
@@ -187,7 +187,11 @@ def test_sigterm_to_the_runner_reaches_the_command_and_stops_the_study(tmp_path)
         os.kill(os.getpid(), signal.SIGTERM)
 
     seen = []  # the test's own handler: without the runner's, the signal would land here and the child run on
-    previous = signal.signal(signal.SIGTERM, lambda *a: seen.append(a))
+
+    def ours(*a):
+        seen.append(a)
+
+    previous = signal.signal(signal.SIGTERM, ours)
     try:
         threading.Thread(target=stop_when_ready, daemon=True).start()
         t0 = time.time()
@@ -195,6 +199,6 @@ def test_sigterm_to_the_runner_reaches_the_command_and_stops_the_study(tmp_path)
             lc.run_cli(["fit"], log, program=[sys.executable, "-c", child])
         assert err.value.code == 143 and time.time() - t0 < 15
         assert "saved" in log.read_text() and not seen
-        assert signal.getsignal(signal.SIGTERM).__name__ == "<lambda>"  # the handler before run_cli is back
+        assert signal.getsignal(signal.SIGTERM) is ours  # the handler before run_cli is back
     finally:
         signal.signal(signal.SIGTERM, previous)
