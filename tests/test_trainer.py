@@ -447,6 +447,28 @@ def test_summary_splits_labels_and_episode_length_by_trust_phase():
     assert "λ = 1: 2 steps, positive 0.95, negative 0.05, length 7.0" in line
 
 
+def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):
+    """A run without guidance has no labels: its summary must not print label shares and a calibration of zeros."""
+    from types import SimpleNamespace
+
+    from sglightning.callbacks import format_summary
+
+    row = {"rollout/success_rate": 0.25, "rollout/env_return": 0.25, "rollout/episodes": 16, "reward/lambda": 0.0,
+           "reward/internal_sum": 0.0, "guidance/label_positive": 0.0, "guidance/label_negative": 0.0,
+           "rollout/episode_length": 5.0, "rollout/invalid_action_rate": 0.0}
+    trainer = SimpleNamespace(loggers=[], default_root_dir=str(tmp_path))
+
+    def summary(enabled: bool) -> str:
+        module = SimpleNamespace(history=[row, row], skipped_updates=0,
+                                 guidance_cfg=SimpleNamespace(enabled=enabled))
+        return format_summary(trainer, module)
+
+    plain, guided = summary(False), summary(True)
+    assert "2 GRPO steps, 32 episodes" in plain and "success rate      all 0.250" in plain
+    for line in ("labels ", "label calibration", "by trust phase", "internal sum"):
+        assert line not in plain and line in guided
+
+
 def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
     real = grpo.grpo_loss
     monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("inf"), real(*a, **kw)[1]))

@@ -371,6 +371,17 @@ def _phase_lines(hist: list[dict], mean) -> list[str]:
     return ["  by trust phase    " + " | ".join(cells)] if cells else []
 
 
+def _guidance_lines(hist: list[dict], mean) -> list[str]:
+    """The guidance labels' shares, their calibration against measured progress, and both per trust phase."""
+    return [
+        "  labels            "
+        + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),
+        f"  label calibration accuracy vs measured progress {mean('guidance/label_accuracy'):.2f}   AUROC vs "
+        f"success {mean('guidance/label_auroc_success'):.2f}   (nan: the env or the episodes could not tell)",
+        *_phase_lines(hist, mean),
+    ]
+
+
 def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
     hist = pl_module.history
     if not hist:
@@ -381,18 +392,16 @@ def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
         return sum(vals) / len(vals) if vals else float("nan")
 
     third = max(1, len(hist) // 3)  # the rise: first vs last third of the steps
+    guided = getattr(getattr(pl_module, "guidance_cfg", None), "enabled", True)  # no labels to report without guidance
     lines = [
         "",
         f"sglightning fit: {len(hist)} GRPO steps, {int(sum(r.get('rollout/episodes', 0) for r in hist))} episodes",
         f"  success rate      all {mean('rollout/success_rate'):.3f}"
         f" | first third {mean('rollout/success_rate', hist[:third]):.3f}"
         f" | last third {mean('rollout/success_rate', hist[-third:]):.3f}",
-        f"  mean env return   {mean('rollout/env_return'):.3f}   internal sum {mean('reward/internal_sum'):+.3f}",
-        "  labels            "
-        + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),
-        f"  label calibration accuracy vs measured progress {mean('guidance/label_accuracy'):.2f}   AUROC vs "
-        f"success {mean('guidance/label_auroc_success'):.2f}   (nan: the env or the episodes could not tell)",
-        *_phase_lines(hist, mean),
+        f"  mean env return   {mean('rollout/env_return'):.3f}"
+        + (f"   internal sum {mean('reward/internal_sum'):+.3f}" if guided else ""),
+        *(_guidance_lines(hist, mean) if guided else []),
         f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {pl_module.skipped_updates}",
         f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
         *_memory_lines(hist),
