@@ -6,6 +6,7 @@ DDP); ``batch_stats(batch)`` adds the few batch-level numbers that are not per-e
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -34,6 +35,7 @@ EPISODE_KEYS = (
     "guidance/label_unparsed",
     "guidance/rate_history_truncated",
 )
+LABEL_KEYS = frozenset(k for k in EPISODE_KEYS if k.startswith("guidance/label_"))
 
 
 #: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
@@ -65,8 +67,8 @@ def _episode_values(ep: Episode) -> dict[str, float]:
         "rollout/env_error_rate": float(ep.error is not None),
         "reward/internal_sum": sum(ep.internal_rewards),
     }
-    for lab in (*LABELS, "unparsed"):
-        out[f"guidance/label_{lab}"] = labels[lab] / n if n and ep.guided else 0.0
+    for lab in (*LABELS, "unparsed"):  # an episode without guidance has no labels: NaN, left out of the means
+        out[f"guidance/label_{lab}"] = (labels[lab] / n if n else 0.0) if ep.guided else math.nan
     return out
 
 
@@ -126,7 +128,9 @@ class EpisodeMetrics(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.names = list(EPISODE_KEYS)
-        self.means = torch.nn.ModuleList([MeanMetric() for _ in self.names])
+        # label shares are NaN for episodes played without guidance (no labels): those are skipped, not averaged in
+        self.means = torch.nn.ModuleList([MeanMetric(nan_strategy="ignore" if n in LABEL_KEYS else "warn")
+                                          for n in self.names])
 
     def update(self, batch: RolloutBatch) -> None:
         for ep in batch.episodes:
@@ -138,7 +142,6 @@ class EpisodeMetrics(torch.nn.Module):
         """Means over every rank's episodes.  Every metric is computed on every rank, updated or not (the sync is a
         collective: a rank that played no episode, e.g. a validation padding batch, must still take part); metrics
         with no episode anywhere (NaN) are left out."""
-        import math
         import warnings
 
         out = {}

@@ -81,7 +81,7 @@ def report_markdown(report: dict[str, Any]) -> str:
     modes = report["modes"]
     name = {"sg": "on", "nosg": "off"}
     for mode, stats in modes.items():
-        vals = " | ".join(f"{stats.get(k, float('nan')):.3f}" for _, k in cols)
+        vals = " | ".join(f"{stats[k]:.3f}" if k in stats else "–" for _, k in cols)  # – : not measured
         lines.append(f"| {name.get(mode, mode)} | {stats.get('episodes', 0)} | {vals} |")
     types = sorted({t for st in modes.values() for t in (st.get("per_task_type_success") or {})})
     if types:  # also for a single task type: the table says which type the episodes were
