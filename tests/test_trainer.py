@@ -456,14 +456,13 @@ def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):
     from sglightning.callbacks import format_summary
 
     row = {"rollout/success_rate": 0.25, "rollout/env_return": 0.25, "rollout/episodes": 16, "reward/lambda": 0.0,
-           "reward/internal_sum": 0.0, "guidance/label_positive": 0.0, "guidance/label_negative": 0.0,
-           "rollout/episode_length": 5.0, "rollout/invalid_action_rate": 0.0}
+           "reward/internal_sum": 0.0, "rollout/episode_length": 5.0, "rollout/invalid_action_rate": 0.0}
+    labels = {"guidance/label_positive": 0.0, "guidance/label_negative": 0.0}  # logged only where labels exist
     trainer = SimpleNamespace(loggers=[], default_root_dir=str(tmp_path))
 
     def summary(enabled: bool) -> str:
-        module = SimpleNamespace(history=[row, row], skipped_updates=0,
-                                 guidance_cfg=SimpleNamespace(enabled=enabled))
-        return format_summary(trainer, module)
+        step = {**row, **labels} if enabled else row
+        return format_summary(trainer, SimpleNamespace(history=[step, step], skipped_updates=0))
 
     plain, guided = summary(False), summary(True)
     assert "2 GRPO steps, 32 episodes" in plain and "success rate      all 0.250" in plain

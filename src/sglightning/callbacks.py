@@ -392,7 +392,7 @@ def format_summary(trainer: Trainer, pl_module: LightningModule) -> str:
         return sum(vals) / len(vals) if vals else float("nan")
 
     third = max(1, len(hist) // 3)  # the rise: first vs last third of the steps
-    guided = getattr(getattr(pl_module, "guidance_cfg", None), "enabled", True)  # no labels to report without guidance
+    guided = any("guidance/label_positive" in r for r in hist)  # labels were measured (none without guidance)
     lines = [
         "",
         f"sglightning fit: {len(hist)} GRPO steps, {int(sum(r.get('rollout/episodes', 0) for r in hist))} episodes",

@@ -81,14 +81,15 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
         "rollout/env_errors": float(sum(e.error is not None for e in eps)),
         "rollout/episodes": float(len(eps)),
     }
+    if not batch.guided:  # no labels: nothing below is measured
+        return stats
     # does the guidance know? share of positive labels in won vs lost episodes
     positive = [_episode_values(e)["guidance/label_positive"] for e in eps]
     won = [v for v, e in zip(positive, eps) if e.won]
     lost = [v for v, e in zip(positive, eps) if not e.won]
-    if won and lost and batch.guided:
+    if won and lost:
         stats["guidance/positive_gap_won_minus_lost"] = sum(won) / len(won) - sum(lost) / len(lost)
-    if batch.guided:  # do the labels describe the measured progress, do they know the outcome?
-        stats.update(calibration_stats(eps))
+    stats.update(calibration_stats(eps))  # do the labels describe the measured progress, do they know the outcome?
     return stats
 
 
