@@ -299,3 +299,18 @@ def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
     (plain / "checkpoints").mkdir()
     (plain / "checkpoints" / "last.ckpt").write_bytes(b"plain")
     assert find_last_checkpoint(cfg) == ((plain / "checkpoints" / "last.ckpt").resolve(), None)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_point(tmp_path):
+    """SIGTERM reaching one rank only (here rank 1, not the launcher) is noted by the handler without any collective
+    — Lightning's own handler broadcasts from inside the signal handler, which collides with whatever collective the
+    other rank is in and hangs the run — and every rank learns it at the next agreement point, together."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(HERE / "sigterm_ranks.py"), str(tmp_path), "1"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["before"] is r1["before"] is False  # no signal yet: nobody stops
+    assert r1["own_flag_after_signal"] is False  # noted, not acted on alone (Lightning's loop would stop rank 1 here)
+    assert r0["all_reduce"] == r1["all_reduce"] == 2.0  # the collective after the signal was not disturbed
+    assert r0["agreed"] is r1["agreed"] is True and r0["flag_after_agreement"] is r1["flag_after_agreement"] is True

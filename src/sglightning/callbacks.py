@@ -120,6 +120,8 @@ class RolloutCallback(Callback):
         return True
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if agree_on_sigterm(trainer, pl_module.device):
+            raise SIGTERMException()  # every rank, here, before this step's rollout
         try:
             batch.rollout = self.collect(pl_module, trainer)
         except RolloutAborted:
@@ -140,6 +142,8 @@ class RolloutCallback(Callback):
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0
                                   ) -> None:
         """Play the batch's evaluation tasks in every configured guidance mode, on the same seeds."""
+        if agree_on_sigterm(trainer, pl_module.device):
+            raise SIGTERMException()  # every rank, here (ranks run equally many batches, padding ones included)
         cfg = pl_module.eval_cfg
         for mode in cfg.modes:
             # entered on every rank, padding batches included: under FSDP gathering the weights is a collective
@@ -191,10 +195,53 @@ def _validation_pending(checkpoint: dict) -> None:
 
 def _sigterm_check(trainer: Trainer | None):
     """What a rollout asks before each round: has this process received SIGTERM (Lightning's handler sets the flag;
-    the default handler is replaced while the trainer runs)?"""
-    if trainer is None:
+    the default handler is replaced while the trainer runs)?  Only in a single process: under several, a rank that
+    abandoned its rollout alone would leave the others waiting in the update's collectives, so the ranks stop
+    together at the next step or validation batch (:func:`agree_on_sigterm`) and the rollout in progress plays out."""
+    if trainer is None or trainer.world_size > 1:
         return None
     return lambda: bool(getattr(trainer, "received_sigterm", False))
+
+
+def install_sigterm_notifier(trainer: Trainer) -> None:
+    """Under several processes, replace what Lightning does on SIGTERM with: forward the signal to the processes this
+    one launched (as Lightning does) and note it locally — nothing else.
+
+    Lightning's handler also broadcasts from inside the signal handler, and its loops stop each rank on its own flag
+    at the end of a step.  A signal handler runs between two Python bytecodes of whatever the rank is doing, so that
+    broadcast lands in the middle of the rank's own sequence of collectives (rank 0 may be generating while rank 1
+    waits in the update's gradient all-reduce), and ranks that stop at different steps wait forever on each other's
+    collectives: both ways the run hangs instead of saving.  Here the ranks compare their notes in one all-reduce at
+    points every rank reaches in the same order — the start of each training step and of each validation batch
+    (:func:`agree_on_sigterm`) — and only then set Lightning's flag, so every rank stops at the same place.  Called
+    from ``setup``: Lightning registers the handler afterwards and picks this one up."""
+    conn = trainer._signal_connector
+    conn.sglightning_sigterm = False
+    if trainer.world_size <= 1:
+        conn.__dict__.pop("_sigterm_notifier_fn", None)  # Lightning's own: it sets the flag, no collective
+        return
+
+    def note_sigterm(signum, frame) -> None:
+        if not conn.sglightning_sigterm:
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)  # the ranks this process started (Lightning's subprocess launcher)
+        conn.sglightning_sigterm = True
+
+    conn._sigterm_notifier_fn = note_sigterm
+
+
+def agree_on_sigterm(trainer: Trainer, device: torch.device | str = "cpu") -> bool:
+    """Has any rank received SIGTERM?  Under several processes one all-reduce (max) of the ranks' notes, which every
+    rank must call at the same point; when one has, Lightning's ``received_sigterm`` is set on every rank.  In a
+    single process: Lightning's flag as it stands."""
+    conn = trainer._signal_connector
+    if trainer.world_size <= 1:
+        return bool(conn.received_sigterm)
+    noted = torch.tensor([1.0 if getattr(conn, "sglightning_sigterm", False) else 0.0], device=device)
+    if float(distributed.all_reduce(noted, op=torch.distributed.ReduceOp.MAX).item()) > 0:
+        conn.received_sigterm = True
+    return bool(conn.received_sigterm)
 
 
 def _none_started(rb: RolloutBatch, key: str, split: str) -> None:
@@ -218,6 +265,9 @@ class PreemptionCheckpoint(Callback):
 
     def __init__(self) -> None:
         self._validating_in_fit = False
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        install_sigterm_notifier(trainer)
 
     @staticmethod
     def _last_path(trainer: Trainer) -> Path:
