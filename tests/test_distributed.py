@@ -185,12 +185,33 @@ def _adapter(folder: Path) -> dict[str, torch.Tensor]:
 
 def test_cli_rejects_tensor_parallel_mesh(tmp_path):
     """Lightning's ModelParallelStrategy with its "auto" sizes on one node means tensor parallelism (dp 1 × tp 2),
-    which this trainer does not implement: one line naming trainer.strategy, exit 2 — not a silently replicated run."""
-    res = _cli(tmp_path, "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy",
-               timeout=300)
+    which this trainer does not implement: one line naming trainer.strategy, exit 2 — not a silently replicated run —
+    before any process is launched or run folder written."""
+    mps = "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy"
+    res = _cli(tmp_path, mps, timeout=300)
     assert res.returncode == 2
     assert "trainer.strategy: tensor_parallel_size=2" in res.stderr and "FSDP2Strategy" in res.stderr
     assert "Traceback" not in res.stderr
+    assert not (tmp_path / "tiny").exists()  # refused in the preflight
+
+
+@pytest.mark.parametrize("dp, tp, devices, refused", [
+    ("auto", "auto", 2, True), ("auto", "auto", 1, False), (1, 2, 2, True), (2, 1, 2, False)])
+def test_tensor_parallel_sizes_are_checked_before_launch(dp, tp, devices, refused):
+    """The preflight's reading of ModelParallelStrategy's sizes: "auto" tensor parallelism = one node's processes."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from sglightning.distributed import check_tensor_parallel
+    from sglightning.errors import ConfigError
+
+    strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
+    strategy.parallel_devices = [torch.device("cpu")] * devices
+    if refused:
+        with pytest.raises(ConfigError, match="trainer.strategy: tensor_parallel_size=2"):
+            check_tensor_parallel(strategy)
+    else:
+        check_tensor_parallel(strategy)
+    check_tensor_parallel(None)  # any other strategy: nothing to check
 
 
 def test_cli_rejects_qlora_under_fsdp(tmp_path):

@@ -27,6 +27,7 @@ from sglightning.models import (
     resolve_dtype,
     smollm2_gguf_path,
 )
+from sglightning.sampler import cache_argument_name
 
 TEXT = "Reason: step 1 moved closer.\nLabel: positive\nAction: go to countertop 1"
 
@@ -254,6 +255,41 @@ def test_lora_targets_rank_alpha_respected():
     assert model.get_base_model().model.layers[0].mlp.up_proj.__class__ is torch.nn.Linear  # not adapted
 
 
+
+def _lora_grads(model, ids) -> dict[str, torch.Tensor]:
+    model.train()
+    model.zero_grad()
+    with _perturbed_lora_b(model, scale=0.05):
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return {n: p.grad.clone() for n, p in _lora_params(model).items()}
+
+
+@pytest.mark.parametrize("quantization", [None, "4bit"])
+def test_gradient_checkpointing_is_on_gives_the_same_gradients_and_warns_nothing(quantization, tiny_folder):
+    """policy.gradient_checkpointing recomputes activations in backward (the decoder layers say so), changes no
+    gradient, and prints no deprecation warning (transformers 5 renamed the switch; the old name warns) beyond the
+    one the CLI filters (peft reads the old property)."""
+    import warnings
+
+    from sglightning.console import quiet
+
+    name = str(tiny_folder) if quantization else EMBEDDED_TINY
+    kw = dict(name_or_path=name, quantization=quantization, lora_dropout=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        quiet()  # the CLI's filters
+        model, tok = load_policy(PolicyConfig(gradient_checkpointing=True, **kw))
+        ids = _ids(tok)
+        checkpointed = _lora_grads(model, ids)
+    base = model.get_base_model()
+    assert all(layer.gradient_checkpointing for layer in base.model.layers)
+    base.activation_checkpointing_disable()  # the same weights, activations kept
+    assert not any(layer.gradient_checkpointing for layer in base.model.layers)
+    plain = _lora_grads(model, ids)
+    assert checkpointed.keys() == plain.keys()
+    for n in plain:
+        assert torch.allclose(checkpointed[n], plain[n], atol=1e-6), n
+
 def test_lora_all_linear_skips_tied_lm_head(tiny):
     model, _ = tiny
     assert not any("lm_head" in n for n in _lora_params(model))
@@ -478,7 +514,8 @@ def test_native_gqa_attention_on_cpu_gives_the_same_logits_and_gradients(monkeyp
         monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", flag)
         model.zero_grad()
         first = model(input_ids=ids[:, :7], attention_mask=attn[:, :7], use_cache=True)
-        out = model(input_ids=ids[:, 7:], attention_mask=attn, past_key_values=first.past_key_values)
+        arg = cache_argument_name(model)  # `cache` in transformers 5 (the old name warns), else past_key_values
+        out = model(input_ids=ids[:, 7:], attention_mask=attn, **{arg: getattr(first, arg)})
         logits = torch.cat([first.logits, out.logits], 1)
         logits[attn.bool()].square().mean().backward()
         results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))

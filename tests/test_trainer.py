@@ -542,9 +542,10 @@ def test_paper_configs_are_one_per_table_row_and_differ_only_where_the_rows_do(b
                 in (PAPER / f"{bench}_{arm}.yaml").read_text())
 
 
-def test_a_tiny_fit_prints_only_its_progress_bar_and_summary(tmp_path):
-    """A plain run: nothing on stderr (no warning, tip or notice); on stdout the one progress bar (step k/N, s/step,
-    success, λ) and the summary."""
+@pytest.mark.parametrize("extra", [[], ["--model.policy.gradient_checkpointing=true"]], ids=["plain", "checkpointing"])
+def test_a_tiny_fit_prints_only_its_progress_bar_and_summary(tmp_path, extra):
+    """A plain run, and one with gradient checkpointing: nothing on stderr (no warning, tip or notice); on stdout the
+    one progress bar (step k/N, s/step, success, λ) and the summary."""
     import os
     import subprocess
     import sys
@@ -552,7 +553,7 @@ def test_a_tiny_fit_prints_only_its_progress_bar_and_summary(tmp_path):
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
     res = subprocess.run(
         [sys.executable, "-m", "sglightning.cli", "fit", "--config", TINY, "--trainer.max_steps=2",
-         f"--trainer.logger.init_args.save_dir={tmp_path}"],
+         f"--trainer.logger.init_args.save_dir={tmp_path}", *extra],
         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stderr.strip() == "", res.stderr[-3000:]

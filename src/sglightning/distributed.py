@@ -58,6 +58,29 @@ def check_quantization(quantization: str | None, strategy: Any) -> None:
         )
 
 
+def check_tensor_parallel(strategy: Any) -> None:
+    """Lightning's ``ModelParallelStrategy`` with a tensor-parallel size above 1 — its ``"auto"`` default is one
+    node's process count — is refused before any process starts (``ConfigError`` naming ``trainer.strategy``): this
+    trainer has no tensor-parallel plan, and the run would otherwise replicate the model silently."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    tp = getattr(strategy, "_tensor_parallel_size", 1)
+    if tp == "auto":  # Lightning's rule (ModelParallelStrategy.setup_environment): the processes of one node
+        tp = len(getattr(strategy, "parallel_devices", None) or [None])
+    _refuse_tensor_parallel(int(tp))
+
+
+def _refuse_tensor_parallel(tp: int) -> None:
+    if tp > 1:
+        raise ConfigError(
+            f"trainer.strategy: tensor_parallel_size={tp}, but this trainer only shards with FSDP2 over the data-"
+            f"parallel dimension (no tensor-parallel plan); use sglightning.strategies.FSDP2Strategy, or "
+            f"ModelParallelStrategy with data_parallel_size=<all processes> and tensor_parallel_size=1"
+        )
+
+
 def is_distributed() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -191,13 +214,7 @@ def apply_fully_shard(policy: torch.nn.Module, device_mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     names = device_mesh.mesh_dim_names or ()
-    tp = device_mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1
-    if tp > 1:
-        raise ConfigError(
-            f"trainer.strategy: tensor_parallel_size={tp}, but this trainer only shards with FSDP2 over the data-"
-            f"parallel dimension (no tensor-parallel plan); use sglightning.strategies.FSDP2Strategy, or "
-            f"ModelParallelStrategy with data_parallel_size=<all processes> and tensor_parallel_size=1"
-        )
+    _refuse_tensor_parallel(device_mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1)
     kwargs: dict[str, Any] = {"mesh": device_mesh["data_parallel"]}
     if len({p.dtype for p in policy.parameters()}) > 1:
         frozen = {p.dtype for p in policy.parameters() if not p.requires_grad and p.is_floating_point()}

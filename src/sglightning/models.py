@@ -316,7 +316,9 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
     if cfg.quantization == "4bit":
         from peft import prepare_model_for_kbit_training
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=cfg.gradient_checkpointing)
+        # checkpointing is switched on by add_lora, once, through the current API (peft's call uses the name that
+        # transformers 5 deprecates, and the reentrant variant)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     return model
 
 
@@ -335,9 +337,19 @@ def add_lora(model, cfg: PolicyConfig):
     except ValueError as err:
         raise ConfigError(f"model.policy.lora_target_modules: {err}") from err
     if cfg.gradient_checkpointing:
-        peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(peft_model.get_base_model())
         peft_model.enable_input_require_grads()
     return peft_model
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant).  transformers 5 names it
+    ``activation_checkpointing_enable`` and warns on the old name, which older versions have alone."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _hub_reachable(timeout_s: float = 3.0) -> bool:

@@ -124,9 +124,10 @@ class SelfGuideModule(LightningModule):
     def preflight(self, strategy=None) -> None:
         """Checks that take seconds, run by the CLI before anything starts (so a run that cannot start leaves no run
         folder): the environment and its splits, quantization under the trainer's ``strategy``, where the model comes
-        from, the optimiser's arguments. ``ConfigError`` naming the key."""
+        from, the optimiser's arguments, no tensor parallelism. ``ConfigError`` naming the key."""
         self._check_env()
         distributed.check_quantization(self.policy_cfg.quantization, strategy)
+        distributed.check_tensor_parallel(strategy)
         self.share_prefix(strategy)
         check_model_source(self.policy_cfg)
         try:

@@ -203,7 +203,9 @@ def token_logprobs(
     The LM head runs only on the needed positions (the decoder's hidden states are selected first), except with
     ``whole_model`` (FSDP: the root's forward is what gathers the weights, so the whole model is called and full logits
     are computed).  With ``share_prefix`` the decoder runs through :func:`shared_prefix_hidden` (same values, a prefix
-    shared by several rows computed once).  Returns (logp [B, L], unrestricted entropy [B, L] or None)."""
+    shared by several rows computed once).  No KV cache is built (nothing decodes after a scoring pass; with gradient
+    checkpointing transformers would drop it with a warning).  Returns (logp [B, L], unrestricted entropy [B, L] or
+    None)."""
     sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
     if share_prefix and not whole_model:
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
@@ -211,11 +213,11 @@ def token_logprobs(
         logits = base.get_output_embeddings()(hidden[:, :-1][sel]).float() / temperature  # [M, V]
         return logprobs_from_logits(ids, sel, logits, restrict, entropy)
     if whole_model:
-        logits_all = policy(input_ids=ids, attention_mask=attn).logits  # [B, L, V]
+        logits_all = policy(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V]
         logits = logits_all[:, :-1][sel].float() / temperature  # [M, V]
         return logprobs_from_logits(ids, sel, logits, restrict, entropy)
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-    hidden = base.get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state  # [B, L, H]
+    hidden = base.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, L, H]
     h = hidden[:, :-1][sel]  # [M, H]
     logits = base.get_output_embeddings()(h).float() / temperature  # [M, V]
     return logprobs_from_logits(ids, sel, logits, restrict, entropy)
@@ -235,7 +237,7 @@ def shared_prefix_hidden(decoder: torch.nn.Module, ids: Tensor, attn: Tensor, mi
     rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
     plan = shared_prefixes(rows, min_shared)
     if plan is None:
-        return decoder(input_ids=ids, attention_mask=attn).last_hidden_state
+        return decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
     cluster_of, cut = plan
     reps = cluster_heads(cluster_of)  # [C] one row per cluster
     dev = ids.device
