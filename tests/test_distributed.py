@@ -187,8 +187,8 @@ def test_cli_rejects_tensor_parallel_mesh(tmp_path):
     """Lightning's ModelParallelStrategy with its "auto" sizes on one node means tensor parallelism (dp 1 × tp 2),
     which this trainer does not implement: one line naming trainer.strategy, exit 2 — not a silently replicated run —
     before any process is launched or run folder written."""
-    mps = "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy"
-    res = _cli(tmp_path, mps, timeout=300)
+    res = _cli(tmp_path, "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy",
+               timeout=300)
     assert res.returncode == 2
     assert "trainer.strategy: tensor_parallel_size=2" in res.stderr and "FSDP2Strategy" in res.stderr
     assert "Traceback" not in res.stderr

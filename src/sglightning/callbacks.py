@@ -218,8 +218,7 @@ def install_sigterm_notifier(trainer: Trainer) -> None:
     conn = trainer._signal_connector
     conn.sglightning_sigterm = False
     if trainer.world_size <= 1:
-        conn.__dict__.pop("_sigterm_notifier_fn", None)  # Lightning's own: it sets the flag, no collective
-        return
+        return  # Lightning's own handler: it sets the flag, and with one process there is no collective
 
     def note_sigterm(signum, frame) -> None:
         if not conn.sglightning_sigterm:
