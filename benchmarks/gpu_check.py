@@ -42,11 +42,12 @@ def main(argv=None) -> dict:
     import torch
     from lightning.pytorch import Trainer
 
+    from sglightning.data import RolloutConfig
     from sglightning.envs.household import HouseholdEnv
     from sglightning.guidance import GuidanceConfig
     from sglightning.models import PolicyConfig, TinyModelConfig
     from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
-    from sglightning.rollout import RolloutConfig
+    from sglightning.update import UpdateConfig
 
     gpu = torch.cuda.is_available() and not args.cpu_smoke
     shape = (TinyModelConfig() if args.cpu_smoke else
@@ -58,7 +59,8 @@ def main(argv=None) -> dict:
         env=functools.partial(HouseholdEnv, difficulty=1),
         rollout=RolloutConfig(groups_per_step=groups, group_size=size, max_steps=steps_env),
         guidance=GuidanceConfig(action_decoding="admissible", max_guidance_tokens=24, max_action_tokens=24),
-        grpo=GRPOConfig(kl_coef=0.01, micro_batch_size=8),
+        grpo=GRPOConfig(kl_coef=0.01),
+        update=UpdateConfig(micro_batch_size=8),
         evaluation=EvalConfig(num_tasks=1),
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5),
     )

@@ -36,11 +36,13 @@ import time
 
 import torch
 
+from sglightning.chat import ChatFormat
 from sglightning.console import quiet
+from sglightning.data import RolloutConfig
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig, parse_action, stream_first_messages, stream_next_user
 from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
-from sglightning.rollout import ChatFormat, Rollout, RolloutConfig
+from sglightning.rollout import Rollout
 from sglightning.sampler import DecodeSession
 
 

@@ -30,10 +30,11 @@ import torch
 
 from sglightning import grpo, scoring
 from sglightning.console import quiet
+from sglightning.data import RolloutConfig
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
-from sglightning.rollout import Rollout, RolloutConfig
+from sglightning.rollout import Rollout
 from sglightning.sampler import cluster_heads
 
 

@@ -69,8 +69,7 @@ def env_init(name: str) -> dict:
 
 def step_seeds(args, step: int) -> list[int]:
     """The task seeds sglightning plays at ``step`` (one process, default rollout seed) — TRL gets the same."""
-    from sglightning.data import EvalConfig, task_seeds
-    from sglightning.rollout import RolloutConfig
+    from sglightning.data import EvalConfig, RolloutConfig, task_seeds
 
     return task_seeds(RolloutConfig().seed, step, args.tasks, 0, 1, EvalConfig().seed_offset)
 
@@ -113,8 +112,8 @@ def sgl_config(args, out: Path) -> dict:
             # the score gained (0-100 -> 0-1) on top of the sparse success reward, as on the TRL side: a 135M model
             # rarely wins within a few turns, and with every return equal there would be no update to compare
             "reward_terms": [{"class_path": "sglightning.rewards.ScoreGain"}],
-            "grpo": {"kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28, "micro_batch_size": args.micro,
-                     "skip_zero_advantage": not args.no_skip},
+            "grpo": {"kl_coef": 0.0, "clip_low": 0.2, "clip_high": 0.28},
+            "update": {"micro_batch_size": args.micro, "skip_zero_advantage": not args.no_skip},
             "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": args.lr, "weight_decay": 0.0}},
         },
     }
@@ -159,7 +158,7 @@ class EpisodeRollout:
     env tokens) and ``env_reward`` (the episode's summed env reward, for the reward function)."""
 
     def __init__(self, tokenizer, make_env, turns: int, max_new: int):
-        from sglightning.rollout import ChatFormat
+        from sglightning.chat import ChatFormat
 
         self.tok, self.make_env, self.turns, self.max_new = tokenizer, make_env, turns, max_new
         self.chat = ChatFormat(tokenizer)

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer
-from test_trainer import tiny_module
+from tiny import tiny_module
 
 from sglightning.callbacks import AdapterExport
+from sglightning.data import RolloutConfig
 from sglightning.models import PolicyConfig
-from sglightning.module import EvalConfig, GRPOConfig
-from sglightning.rollout import RolloutConfig
+from sglightning.module import EvalConfig
+from sglightning.update import UpdateConfig
 
 
 class Record(Callback):
@@ -52,7 +53,7 @@ def main(out: Path, strategy: str, bf16: bool = False) -> None:
     module = tiny_module(  # the test suite's tiny setup, with longer episodes, one-sample micro-batches, 5 eval tasks
         policy=policy,
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3),
-        grpo=GRPOConfig(kl_coef=0.01, micro_batch_size=1),
+        update=UpdateConfig(micro_batch_size=1),
         evaluation=EvalConfig(num_tasks=5, tasks_per_batch=2),
     )
     if strategy == "fsdp2":

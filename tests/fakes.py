@@ -9,6 +9,7 @@ import torch
 
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.household import HouseholdEnv
+from sglightning.rewards import RewardTerm
 
 ASSISTANT_OPEN = "<|im_start|>assistant\n"
 
@@ -151,3 +152,13 @@ class EmptyDevSplitEnv(HouseholdEnv):
         if split == "dev":
             raise FileNotFoundError("no games found for split 'dev'")
         return super().reset(seed, split)
+
+
+class TextLengthBonus(RewardTerm):
+    """A reward that differs between the episodes of a group whatever the policy does (the characters it wrote, /
+    1000): a tiny random model's returns are otherwise often all equal, leaving nothing to train on."""
+
+    name = "text_length"
+
+    def value(self, episode) -> float:
+        return sum(len(s.action_text) + len(s.reason) for s in episode.steps) / 1000.0

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
-from sglightning.callbacks import agree_on_sigterm, install_sigterm_notifier
+from sglightning.preemption import agree_on_sigterm, install_sigterm_notifier
 
 
 def _rank(rank: int, port: int, out: str, noted: int) -> None:

@@ -18,7 +18,6 @@ FIXTURE_IDS = [p.relative_to(FIXTURES / "json_2.1.1").as_posix() for p in fixtur
 PICK2 = "valid_seen/pick_two_obj_and_place-CD-None-Shelf-901/trial_T20240101_000006_000001"
 HEAT = "train/pick_heat_then_place_in_recep-Potato-None-DiningTable-901/trial_T20240101_000004_000001"  # 2 potatoes
 # the tests that play generated games take ~8 s together (generation ~2.5 s of it)
-slow = pytest.mark.slow
 
 
 @pytest.fixture
@@ -41,7 +40,7 @@ def test_fixtures_cover_the_task_types():
         assert sorted(f.name for f in p.iterdir()) == ["initial_state.pddl", "traj_data.json"]
 
 
-@slow
+@pytest.mark.slow
 def test_generation_produced_a_solvable_game_for_every_fixture(alfworld_data):
     for rel in FIXTURE_IDS:
         game = alfworld_data / "json_2.1.1" / rel / "game.tw-pddl"
@@ -50,7 +49,7 @@ def test_generation_produced_a_solvable_game_for_every_fixture(alfworld_data):
         assert data["solvable"] is True and data["walkthrough"], rel
 
 
-@slow
+@pytest.mark.slow
 @pytest.mark.parametrize("rel", FIXTURE_IDS)
 def test_expert_solves_every_fixture_game(env, alfworld_data, rel):
     split = rel.split("/")[0]
@@ -74,7 +73,7 @@ def test_expert_solves_every_fixture_game(env, alfworld_data, rel):
     assert env.expert_action() is None  # the episode is over
 
 
-@slow
+@pytest.mark.slow
 def test_same_seed_same_game_and_seed_mod_n(env, alfworld_data):
     games = env.games("train")
     n = len(games)
@@ -93,7 +92,7 @@ def test_same_seed_same_game_and_seed_mod_n(env, alfworld_data):
     assert len({env.reset(s).info["task_id"] for s in range(n)}) == n
 
 
-@slow
+@pytest.mark.slow
 def test_splits_give_games_from_their_own_folder(env, alfworld_data):
     seen = {}
     for split in env.splits:
@@ -109,7 +108,7 @@ def test_splits_give_games_from_their_own_folder(env, alfworld_data):
         env.reset(0, "test")
 
 
-@slow
+@pytest.mark.slow
 def test_invalid_action_is_flagged_and_the_episode_continues(env):
     r = env.reset(0)
     assert r.admissible_actions and all(isinstance(a, str) for a in r.admissible_actions)
@@ -122,7 +121,7 @@ def test_invalid_action_is_flagged_and_the_episode_continues(env):
     assert res.info["steps"] == 2
 
 
-@slow
+@pytest.mark.slow
 def test_put_alias_and_target_objects(env, alfworld_data):
     pick = "train/pick_and_place_simple-Apple-None-CounterTop-901/trial_T20240101_000001_000001"
     seed = env.games("train").index(str(alfworld_data / "json_2.1.1" / pick / "game.tw-pddl"))
@@ -134,7 +133,7 @@ def test_put_alias_and_target_objects(env, alfworld_data):
     assert res.won and res.done and res.reward == 1.0 and res.info["command"] == "move apple 1 to countertop 1"
 
 
-@slow
+@pytest.mark.slow
 def test_max_steps_truncates(alfworld_data):
     env = ALFWorldEnv(str(alfworld_data), max_steps=3)
     env.reset(0)
@@ -146,7 +145,7 @@ def test_max_steps_truncates(alfworld_data):
     env.close()
 
 
-@slow
+@pytest.mark.slow
 def test_task_type_filter(alfworld_data):
     env = ALFWorldEnv(str(alfworld_data), task_types=["Look", "Cool"])
     assert [env.reset(s).task_type for s in range(3)] == ["Look"] * 3
@@ -171,7 +170,7 @@ def test_missing_data_path_names_alfworld_data(monkeypatch, tmp_path):
         ALFWorldEnv(str(tmp_path / "nowhere"))
 
 
-@slow
+@pytest.mark.slow
 def test_env_var_and_json_root_are_accepted(monkeypatch, alfworld_data):
     monkeypatch.setenv("ALFWORLD_DATA", str(alfworld_data))
     a = ALFWorldEnv()
@@ -181,7 +180,7 @@ def test_env_var_and_json_root_are_accepted(monkeypatch, alfworld_data):
     b.close()
 
 
-@slow
+@pytest.mark.slow
 def test_close_twice_is_safe_and_reset_reopens(alfworld_data):
     env = ALFWorldEnv(str(alfworld_data), expert=False)
     r = env.reset(0)
@@ -213,7 +212,7 @@ def _expert_run(env: ALFWorldEnv, seed: int, split: str, inject: dict[int, str] 
     return actions, res.won
 
 
-@slow
+@pytest.mark.slow
 def test_expert_is_deterministic_and_ignores_invalid_actions(env, alfworld_data):
     seed = env.games("valid_seen").index(str(alfworld_data / "json_2.1.1" / PICK2 / "game.tw-pddl"))
     plan, won = _expert_run(env, seed, "valid_seen")
@@ -234,7 +233,7 @@ def test_missing_packages_give_the_install_line(monkeypatch, tmp_path):
         probe.ALFWorldEnv(str(tmp_path))
 
 
-@slow
+@pytest.mark.slow
 def test_expert_draws_from_the_episode_seed(env, alfworld_data):
     """The expert picks one of the two potatoes at random: the reset seed fixes which, in any thread."""
     n = len(env.games("train"))

@@ -6,16 +6,19 @@ import functools
 
 import pytest
 from fakes import ScriptedLM, scripted_reply
+from tiny import tiny_module, tiny_trainer
 
 from sglightning.calibration import auroc, calibration_stats, label_progress_pairs
+from sglightning.data import RolloutConfig
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.household import HouseholdEnv
+from sglightning.episodes import KIND_ACTION, Episode, StepRecord
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import build_tiny_tokenizer
 from sglightning.report import build_report, report_markdown, scalars
 from sglightning.rewards import RewardTerm
-from sglightning.rollout import Episode, Rollout, RolloutConfig, StepRecord
-from sglightning.sampler import KIND_ACTION
+from sglightning.rollout import Rollout
+from sglightning.update import UpdateConfig
 
 ENV = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
 
@@ -189,24 +192,18 @@ def test_trust_meter_trusts_the_oracle_not_a_constant_guide():
 
 
 def test_adaptive_trust_scales_lambda_by_the_reliability_in_a_fit(tmp_path):
-    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch import seed_everything
 
     from sglightning.grpo import GRPOConfig
-    from sglightning.models import PolicyConfig
-    from sglightning.module import EvalConfig, SelfGuideModule
 
     seed_everything(0)
-    module = SelfGuideModule(
-        policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
-        env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+    module = tiny_module(
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=4),
         guidance=GuidanceConfig(max_guidance_tokens=4, action_decoding="admissible", source="oracle"),
-        grpo=GRPOConfig(trust_constant=1.0, trust_adaptive=True, micro_batch_size=4),
-        evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
+        grpo=GRPOConfig(trust_constant=1.0, trust_adaptive=True),
+        update=UpdateConfig(micro_batch_size=4),
     )
-    Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
-            default_root_dir=tmp_path).fit(module)
+    tiny_trainer(tmp_path).fit(module)
     for h in module.history:
         assert h["reward/lambda_schedule"] == 1.0
         assert h["reward/lambda"] == pytest.approx(h["guidance/reliability"])
@@ -228,29 +225,25 @@ class _InformativeWhenSeedDividesBy3(RewardTerm):
 
 
 def test_dynamic_sampling_tops_the_step_up_with_informative_groups():
-    from sglightning.callbacks import RolloutCallback
     from sglightning.grpo import GRPOConfig
-    from sglightning.models import PolicyConfig
-    from sglightning.module import EvalConfig, SelfGuideModule
     from sglightning.rewards import informative_groups
 
     def module(rounds):
-        m = SelfGuideModule(
-            policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
-            env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+        m = tiny_module(
             rollout=RolloutConfig(groups_per_step=3, group_size=2, max_steps=2, dynamic_sampling_rounds=rounds),
             guidance=GuidanceConfig(max_guidance_tokens=4, action_decoding="admissible"),
             grpo=GRPOConfig(total_steps=10, trust_constant=0.0),
-            evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
             reward_terms=[_InformativeWhenSeedDividesBy3()],
         )
         m.configure_model()
         return m
 
-    plain = RolloutCallback().collect(module(0))
-    topped = RolloutCallback().collect(module(6))
-    n_plain = len(informative_groups(plain.episodes, 0.0, "sum", [_InformativeWhenSeedDividesBy3()]))
-    found = informative_groups(topped.episodes, 0.0, "sum", [_InformativeWhenSeedDividesBy3()])
+    def collect(m):
+        return m.rollout_callback().collect(m)
+
+    plain, topped = collect(module(0)), collect(module(6))
+    n_plain = len(informative_groups(plain.episodes, 0.0, terms=[_InformativeWhenSeedDividesBy3()]))
+    found = informative_groups(topped.episodes, 0.0, terms=[_InformativeWhenSeedDividesBy3()])
     assert n_plain < 3 and plain.extra_groups == 0
     assert len(found) == 3 == n_plain + topped.extra_groups  # the missing groups were found in extra rounds
     assert [e.seed for e in topped.episodes[:6]] == [e.seed for e in plain.episodes]  # the first round kept whole

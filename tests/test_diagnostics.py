@@ -13,8 +13,8 @@ from sglightning.diagnostics import (
     redundant_exploration,
     wrong_object_focus,
 )
+from sglightning.episodes import Episode, StepRecord
 from sglightning.report import report_markdown
-from sglightning.rollout import Episode, StepRecord
 
 
 def ep(actions, won=False, targets=None, infos=None, task_type="default"):

@@ -201,8 +201,8 @@ def test_tensor_parallel_sizes_are_checked_before_launch(dp, tp, devices, refuse
     """The preflight's reading of ModelParallelStrategy's sizes: "auto" tensor parallelism = one node's processes."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from sglightning.distributed import check_tensor_parallel
     from sglightning.errors import ConfigError
+    from sglightning.strategies import check_tensor_parallel
 
     strategy = ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp)
     strategy.parallel_devices = [torch.device("cpu")] * devices

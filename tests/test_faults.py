@@ -6,14 +6,12 @@ from __future__ import annotations
 import functools
 
 import pytest
-from test_trainer import tiny_module, tiny_trainer
+from tiny import tiny_module, tiny_trainer
 
-from sglightning.callbacks import RolloutCallback
-from sglightning.data import task_seeds
+from sglightning.data import RolloutConfig, task_seeds
 from sglightning.envs.faults import FaultyEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.envs.textworld_express import TextWorldExpressEnv
-from sglightning.rollout import RolloutConfig
 
 HOUSE = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
 EXPECTED = {
@@ -39,7 +37,7 @@ def _faulty_module(kind: str, inner=HOUSE, policy: str = "keep"):
 def test_each_fault_fails_its_episodes_only_and_training_goes_on(tmp_path, kind):
     module = _faulty_module(kind)
     module.configure_model()
-    collector = RolloutCallback()
+    collector = module.rollout_callback()
     batch = collector.collect(module)
     bad = [e for e in batch.episodes if e.group == 0]
     good = [e for e in batch.episodes if e.group == 1]

@@ -9,7 +9,7 @@ import torch
 
 from sglightning import grpo
 from sglightning.grpo import (
-    blend_returns,
+    blend,
     broadcast_advantages,
     degenerate_groups,
     entropy_from_logits,
@@ -101,6 +101,11 @@ def test_validate_breakpoints_accepts_and_trust_needs_total_for_fractions():
 
 
 # ---------------------------------------------------------------------------------------------- blended return
+def blend_returns(env, rewards, lam, normalise="sum", step_mask=None):
+    """R_i = R_env,i + λ·S_i from step rewards, as the trainer composes it."""
+    return blend(env, internal_returns(rewards, normalise, step_mask), lam)
+
+
 def test_blend_returns_sum_by_hand():
     env = torch.tensor([1.0, 0.0])
     rewards = [torch.tensor([0.1, 0.1, -0.1]), torch.tensor([-0.1])]

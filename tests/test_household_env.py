@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from sglightning.envs import make_env
 from sglightning.envs.household import ALFWORLD_TYPES, TASK_TYPES, HouseholdEnv, expert_success, random_policy_success
 
 
@@ -215,13 +214,6 @@ def test_random_policy_calibration(capsys):
     assert rates[(0, 10)] >= rates[(0, 6)]
     assert rates[(0, 10)] > rates[(2, 10)]
     assert expert_success(2, 50, 16) == 1.0
-
-
-def test_registry():
-    env = make_env("household", {"difficulty": 0})
-    assert isinstance(env, HouseholdEnv) and env.difficulty == 0 and env.name == "household"
-    with pytest.raises(ValueError, match="bogus"):
-        make_env("household", {"bogus": 1})
 
 
 def test_pick_up_task_and_revealed_contents():

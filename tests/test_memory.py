@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sglightning import distributed, memory
-from sglightning.callbacks import _memory_lines
+from sglightning.report import _memory_lines
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM / clear_refs are Linux's")
 

@@ -4,7 +4,7 @@ metrics)."""
 from __future__ import annotations
 
 import torch
-from test_trainer import tiny_module, tiny_trainer
+from tiny import tiny_module, tiny_trainer
 
 from sglightning.grpo import GRPOConfig
 
@@ -16,7 +16,7 @@ def _lora(module):
 
 
 def test_resume_from_checkpoint_is_exact(tmp_path):
-    cfg = dict(grpo=GRPOConfig(kl_coef=0.01, micro_batch_size=2, total_steps=4))
+    cfg = dict(grpo=GRPOConfig(kl_coef=0.01, total_steps=4))
     torch.manual_seed(0)
     straight = tiny_module(**cfg)
     tiny_trainer(tmp_path / "a", steps=4).fit(straight)

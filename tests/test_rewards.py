@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sglightning.episodes import Episode, StepRecord
 from sglightning.grpo import GRPOConfig
 from sglightning.rewards import ScoreGain, advantage_inputs, episode_returns
-from sglightning.rollout import Episode, StepRecord
 
 
 def _episode(index: int, group: int, rewards, labels_r, invalid, won=False, score=None, initial=None) -> Episode:
@@ -15,7 +15,6 @@ def _episode(index: int, group: int, rewards, labels_r, invalid, won=False, scor
     for r, lr, bad in zip(rewards, labels_r, invalid):
         ep.steps.append(StepRecord(observation="o", env_reward=r, internal_reward=lr, invalid=bad))
     ep.env_return = sum(rewards)
-    ep.penalty = 0.1 * sum(invalid)
     return ep
 
 
@@ -24,7 +23,7 @@ def test_step_shares_sum_to_the_blended_return(norm):
     eps = [_episode(0, 0, [0, 0, 1], [0.1, -0.1, 0.1], [False, True, False], won=True, score=80.0, initial=50.0),
            _episode(1, 0, [0, 0], [0.1, 0.1], [True, True])]
     lam = 0.5
-    returns, s, terms = episode_returns(eps, lam, norm, [ScoreGain(weight=2.0)])
+    returns, s, terms = episode_returns(eps, lam, norm, 0.1, [ScoreGain(weight=2.0)])
     # by hand: S = Σ r (sum) or mean; R = env − P + λS + 2·gained/100
     s0, s1 = (0.1, 0.2) if norm == "sum" else (0.1 / 3, 0.1)
     torch.testing.assert_close(s, torch.tensor([s0, s1]))
@@ -32,6 +31,7 @@ def test_step_shares_sum_to_the_blended_return(norm):
     torch.testing.assert_close(returns, torch.tensor([1 - 0.1 + lam * s0 + 0.6, 0 - 0.2 + lam * s1]))
     step_data = {"episode": torch.tensor([0, 1]), "steps": torch.zeros(2, 4, dtype=torch.long),
                  "mask": torch.ones(2, 4, dtype=torch.bool)}
-    x = advantage_inputs(eps, returns, lam, terms, step_data, GRPOConfig(internal_reward_norm=norm), 0.1)
+    cfg = GRPOConfig(internal_reward_norm=norm, invalid_action_penalty=0.1)
+    x = advantage_inputs(eps, returns, lam, terms, step_data, cfg)
     assert [len(r) for r in x.step_returns] == [3, 2]
     torch.testing.assert_close(torch.stack([r.sum() for r in x.step_returns]), returns)

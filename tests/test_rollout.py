@@ -16,11 +16,15 @@ from fakes import (
     scripted_reply,
 )
 
+from sglightning.data import RolloutConfig
 from sglightning.envs.household import HouseholdEnv
+from sglightning.episodes import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE
+from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig, parse_action
 from sglightning.models import PolicyConfig, build_tiny_tokenizer, load_policy
-from sglightning.rollout import Rollout, RolloutConfig
-from sglightning.sampler import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE, DecodeSession
+from sglightning.rewards import episode_returns
+from sglightning.rollout import Rollout
+from sglightning.sampler import DecodeSession
 
 ENV = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
 
@@ -95,12 +99,13 @@ def test_group_members_get_the_groups_seed(tok):
 
 def test_negative_labels_give_negative_internal_reward_and_penalties(tok):
     lm = ScriptedLM(tok, scripted_reply("negative", action=lambda ctx: "dance wildly"))
-    cfg = RolloutConfig(group_size=2, max_steps=3, invalid_action_penalty=0.1)
+    cfg = RolloutConfig(group_size=2, max_steps=3)
     r = Rollout(lm, tok, ENV, GuidanceConfig(decoding="free"), cfg)
     batch = r.run([1])
+    returns, _, _ = episode_returns(batch.episodes, 0.0, penalty=0.1)  # P_i = 0.1 per invalid action
+    assert returns.tolist() == pytest.approx([-0.3, -0.3])
     for ep in batch.episodes:
         assert len(ep.steps) == 3 and all(s.invalid for s in ep.steps)
-        assert ep.penalty == pytest.approx(0.3)
         assert ep.internal_rewards == pytest.approx([-0.1] * 3)
         assert all(s.observation for s in ep.steps)
 
@@ -205,7 +210,7 @@ def qwen3_tok():
 
 
 def test_qwen3_style_template_gets_thinking_off_by_default(qwen3_tok):
-    from sglightning.rollout import ChatFormat
+    from sglightning.chat import ChatFormat
 
     msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     off = qwen3_tok.decode(ChatFormat(qwen3_tok).prompt_ids(msgs))
@@ -342,10 +347,11 @@ def test_config_validation_names_the_key():
         ({"group_size": 1}, "rollout.group_size"),
         ({"max_steps": 0}, "rollout.max_steps"),
         ({"temperature": 0}, "rollout.temperature"),
-        ({"invalid_action_penalty": -1}, "rollout.invalid_action_penalty"),
     ]:
         with pytest.raises(ValueError, match=key):
             RolloutConfig(**kwargs)
+    with pytest.raises(ValueError, match="grpo.invalid_action_penalty"):
+        GRPOConfig(invalid_action_penalty=-1)
 
 
 # ---------------------------------------------------------------------------------------------------------------- real

@@ -3,18 +3,16 @@ under the same restricted, renormalised distribution; forced single-option token
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from tiny import engine, tiny_module, tiny_trainer
 
 from sglightning import grpo, scoring
-from sglightning.envs.household import HouseholdEnv
+from sglightning.data import RolloutConfig
+from sglightning.episodes import KIND_ACTION, Restriction, Sample
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import PolicyConfig
-from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
-from sglightning.rollout import RolloutConfig, Sample
-from sglightning.sampler import KIND_ACTION, Choice, DecodeSession, Restriction
+from sglightning.module import SelfGuideModule
+from sglightning.sampler import Choice, DecodeSession
 
 V = 11
 
@@ -98,14 +96,9 @@ def test_second_ppo_epoch_clips_on_the_restricted_ratio():
 
 
 def _module(action_decoding: str = "admissible", **over) -> SelfGuideModule:
-    return SelfGuideModule(
-        policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
-        env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+    return tiny_module(
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=2, temperature=0.9),
         guidance=GuidanceConfig(action_decoding=action_decoding, max_guidance_tokens=4, max_action_tokens=4),
-        grpo=over.pop("grpo", GRPOConfig(kl_coef=0.01, micro_batch_size=2)),
-        evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
         **over,
     )
 
@@ -115,7 +108,7 @@ def test_forced_choice_tokens_are_context_not_policy():
     no log-prob and no place in the token-mean denominator, and is counted."""
     module = _module()
     module.configure_model()
-    batch = module.make_engine().run([1, 2], generator=torch.Generator().manual_seed(0))
+    batch = engine(module).run([1, 2], generator=torch.Generator().manual_seed(0))
     forced = sum(s.forced for s in batch.samples)
     assert forced > 0
     policy_action = sum(1 for s in batch.samples for p, k in zip(s.policy, s.kinds) if p and k == KIND_ACTION)
@@ -147,12 +140,8 @@ def tiny_lm():
 
 
 def test_training_logs_the_unrestricted_logprob_and_the_restricted_mass(tmp_path):
-    from lightning.pytorch import Trainer
-
     module = _module()
-    Trainer(max_steps=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0,
-            default_root_dir=tmp_path).fit(module)
+    tiny_trainer(tmp_path, steps=1).fit(module)
     (h,) = module.history
     assert h["policy/logprob_gap_sampler_trainer"] < 1e-4  # the trainer scored the restricted q the sampler drew from
     assert h["policy/restricted_log_mass"] < 0.0  # the allowed sets held less than all of the model's mass

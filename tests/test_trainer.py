@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import warnings
@@ -10,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch import Trainer
+from tiny import engine, tiny_module, tiny_trainer
 
+import sglightning.module
 from sglightning import grpo, scoring
+from sglightning.chat import pad_token_id
 from sglightning.cli import cli_main
-from sglightning.envs.household import HouseholdEnv
-from sglightning.guidance import GuidanceConfig
-from sglightning.models import PolicyConfig
-from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
-from sglightning.rollout import RolloutConfig
-from sglightning.sampler import KIND_GUIDANCE
+from sglightning.data import RolloutConfig
+from sglightning.episodes import KIND_GUIDANCE
+from sglightning.module import GRPOConfig
+from sglightning.update import UpdateConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -30,27 +29,6 @@ REQUIRED_SCALARS = [
     "rollout/invalid_action_rate", "loss/policy", "loss/kl", "loss/clip_frac", "policy/entropy",
     "tokens/generated", "tokens/policy", "time/rollout_s", "time/update_s",
 ]
-
-
-def tiny_module(**over) -> SelfGuideModule:
-    kw = dict(
-        policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
-        env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
-        rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=2),
-        guidance=GuidanceConfig(action_decoding="admissible", max_guidance_tokens=4, max_action_tokens=4),
-        grpo=GRPOConfig(kl_coef=0.01, micro_batch_size=2),
-        evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-    )
-    kw.update(over)
-    return SelfGuideModule(**kw)
-
-
-def tiny_trainer(tmp_path, steps=2, **kw) -> Trainer:
-    return Trainer(
-        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, default_root_dir=tmp_path, **kw,
-    )
 
 
 def test_training_changes_adapters_only(tmp_path):
@@ -89,8 +67,8 @@ def test_trainer_logprobs_match_sampler_logprobs(tmp_path):
     module = tiny_module(rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3, temperature=0.8))
     module.configure_model()
     module._trainer = None
-    batch = module.make_engine().run([1, 2], generator=torch.Generator().manual_seed(0))
-    data = module.collate(batch.samples)
+    batch = engine(module).run([1, 2], generator=torch.Generator().manual_seed(0))
+    data = scoring.collate(batch.samples, pad_token_id(module.tokenizer))
     module.policy.train()  # the trainer scores in train mode (LoRA dropout 0)
     with torch.no_grad():
         logp, _ = module.token_logprobs(data["ids"], data["attn"], data["mask"], temperature=0.8,
@@ -120,7 +98,7 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch,
         seen.setdefault("adv", []).append((advantages.detach().clone(), mask.clone()))
         return real(logp, old_logp, advantages, mask, **kw)
 
-    monkeypatch.setattr(grpo, "grpo_loss", spy)
+    monkeypatch.setattr(sglightning.module, "grpo_loss", spy)
     captured = {}
     orig_adv = grpo.group_advantages
 
@@ -134,8 +112,8 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch,
 
     monkeypatch.setattr(grpo, "group_advantages", adv_spy)
     # rows in episode order, every row computed (zero-advantage skipping and prefix sorting would drop or reorder)
-    module = tiny_module(grpo=GRPOConfig(kl_coef=0.0, micro_batch_size=100, skip_zero_advantage=False,
-                                         share_prefix=False, guidance_advantage_scale=guidance_scale))
+    module = tiny_module(grpo=GRPOConfig(kl_coef=0.0, guidance_advantage_scale=guidance_scale),
+                         update=UpdateConfig(micro_batch_size=100, skip_zero_advantage=False, share_prefix=False))
     tiny_trainer(tmp_path, steps=1).fit(module)
     (adv_tok, mask), = seen["adv"]
     per_episode = captured["adv"]
@@ -158,7 +136,7 @@ def test_nonfinite_loss_skips_the_update(tmp_path, monkeypatch):
         loss, st = real(*a, **kw)
         return loss * float("nan"), st
 
-    monkeypatch.setattr(grpo, "grpo_loss", nan_loss)
+    monkeypatch.setattr(sglightning.module, "grpo_loss", nan_loss)
     module = tiny_module()
     module.configure_model()
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
@@ -289,6 +267,10 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.policy.name_or_path=my_models/smol2"],
          "'my_models/smol2' is not a local folder, not in the local Hugging Face cache"),
         (["--model.policy.name_or_path=tests"], "'tests' is not a model folder (no config.json in it)"),
+        # keys that moved: the message says where to
+        (["--model.grpo.micro_batch_size=4"], "model.grpo.micro_batch_size is now model.update.micro_batch_size"),
+        (["--model.rollout.invalid_action_penalty=0.1"],
+         "model.rollout.invalid_action_penalty is now model.grpo.invalid_action_penalty"),
     ],
 )
 def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys, tmp_path, monkeypatch):
@@ -414,8 +396,9 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
     cli, run_dir = cli_run
     leftovers = [p.name for p in run_dir.iterdir() if p.name.startswith(".") or p.name.endswith(".old")]
     assert leftovers == []  # adapter export goes through a temp dir + rename
-    from sglightning.callbacks import format_summary, trajectory_markdown
-    from sglightning.rollout import Episode, StepRecord
+    from sglightning.callbacks import AdapterExport
+    from sglightning.episodes import Episode, StepRecord
+    from sglightning.report import fit_summary, trajectory_markdown
 
     ep = Episode(index=0, group=0, seed=7, task="put a mug on shelf", task_type="pick_and_place", won=True,
                  env_return=1.0)
@@ -423,7 +406,11 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
                            action="take mug 1 from shelf 1", internal_reward=0.1)]
     md = trajectory_markdown(ep)
     assert "put a mug on shelf" in md and "**positive**" in md and "take mug 1 from shelf 1" in md and "success" in md
-    summary = format_summary(cli.trainer, cli.model)
+    m = cli.model
+    export = next(c for c in cli.trainer.callbacks if isinstance(c, AdapterExport))
+    assert export.last_export == run_dir / "adapter"
+    summary = fit_summary(m.history, m.skipped_updates, m.val_report_before, m.val_report, run_dir,
+                          export.last_export)
     assert "2 GRPO steps" in summary and str(run_dir / "adapter") in summary and "tensorboard --logdir" in summary
     assert "label calibration accuracy" in summary and "by trust phase" in summary
     # each step logs the peak memory of its two phases, and the summary shows the largest
@@ -434,7 +421,7 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
 
 
 def test_summary_splits_labels_and_episode_length_by_trust_phase():
-    from sglightning.callbacks import _phase_lines
+    from sglightning.report import _phase_lines
 
     rows = [(0.0, 0.5, 3), (0.5, 0.8, 4), (1.0, 1.0, 6), (1.0, 0.9, 8)]
     hist = [{"reward/lambda": lam, "guidance/label_positive": pos, "guidance/label_negative": 1 - pos,
@@ -451,18 +438,14 @@ def test_summary_splits_labels_and_episode_length_by_trust_phase():
 
 def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):
     """A run without guidance has no labels: its summary must not print label shares and a calibration of zeros."""
-    from types import SimpleNamespace
-
-    from sglightning.callbacks import format_summary
+    from sglightning.report import fit_summary
 
     row = {"rollout/success_rate": 0.25, "rollout/env_return": 0.25, "rollout/episodes": 16, "reward/lambda": 0.0,
            "reward/internal_sum": 0.0, "rollout/episode_length": 5.0, "rollout/invalid_action_rate": 0.0}
     labels = {"guidance/label_positive": 0.0, "guidance/label_negative": 0.0}  # logged only where labels exist
-    trainer = SimpleNamespace(loggers=[], default_root_dir=str(tmp_path))
-
     def summary(enabled: bool) -> str:
         step = {**row, **labels} if enabled else row
-        return format_summary(trainer, SimpleNamespace(history=[step, step], skipped_updates=0))
+        return fit_summary([step, step], 0, None, None, tmp_path, None)
 
     plain, guided = summary(False), summary(True)
     assert "2 GRPO steps, 32 episodes" in plain and "success rate      all 0.250" in plain
@@ -472,23 +455,25 @@ def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):
 
 def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
     real = grpo.grpo_loss
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("inf"), real(*a, **kw)[1]))
-    module = tiny_module(grpo=GRPOConfig(max_consecutive_skips=2, micro_batch_size=8))
+    monkeypatch.setattr(sglightning.module, "grpo_loss",
+                        lambda *a, **kw: (real(*a, **kw)[0] * float("inf"), real(*a, **kw)[1]))
+    module = tiny_module(update=UpdateConfig(max_consecutive_skips=2, micro_batch_size=8))
     with pytest.warns(RuntimeWarning, match="consecutive non-finite"):
         tiny_trainer(tmp_path, steps=6).fit(module)
     assert module.rollouts_done == 2 and module.skipped_updates == 2
-    assert "grpo.max_consecutive_skips=2" in module.stop_reason
+    assert "update.max_consecutive_skips=2" in module.stop_reason
     ckpt = tmp_path / "checkpoints" / "nonfinite-stop.ckpt"
     assert ckpt.is_file() and torch.load(ckpt, weights_only=True)["sglightning"]["skipped_updates"] == 2
 
 
 def test_cli_exits_nonzero_when_the_run_stops_itself(tmp_path, monkeypatch, capsys):
     real = grpo.grpo_loss
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), real(*a, **kw)[1]))
+    monkeypatch.setattr(sglightning.module, "grpo_loss",
+                        lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), real(*a, **kw)[1]))
     with pytest.raises(SystemExit) as exc, pytest.warns(RuntimeWarning):
         cli_main([
             "fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
-            f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.grpo.max_consecutive_skips=1",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.update.max_consecutive_skips=1",
         ])
     assert exc.value.code == 1
     assert "consecutive non-finite updates" in capsys.readouterr().err

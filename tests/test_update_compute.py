@@ -4,20 +4,19 @@ computed once.  Each is checked against the plain computation."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
+from tiny import tiny_module, tiny_trainer
 
 from sglightning import grpo, scoring
-from sglightning.envs.household import HouseholdEnv
+from sglightning.data import RolloutConfig
+from sglightning.episodes import KIND_ACTION, Sample
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import PolicyConfig, TinyModelConfig, build_tiny_model
-from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
+from sglightning.models import TinyModelConfig, build_tiny_model
+from sglightning.module import GRPOConfig, SelfGuideModule
 from sglightning.rewards import RewardTerm
-from sglightning.rollout import RolloutConfig, Sample
-from sglightning.sampler import KIND_ACTION
+from sglightning.update import UpdateConfig
 
 
 def _sample(context: list[int], policy: list[int], tail: list[int], episode: int = 0) -> Sample:
@@ -102,22 +101,16 @@ class _EveryGroupDegenerate(RewardTerm):
 def _fit(tmp_path, skip: bool, kl: float = 0.0, ppo_epochs: int = 1, term: RewardTerm | None = None,
          steps: int | None = None, share: bool | None = False, micro: int = 2, mode: str = "single_stream"):
     seed_everything(0)
-    module = SelfGuideModule(
-        policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8),
-        env=functools.partial(HouseholdEnv, difficulty=0, info_actions=False),
+    module = tiny_module(
         rollout=RolloutConfig(groups_per_step=4, group_size=2, max_steps=2, temperature=1.0),
         guidance=GuidanceConfig(max_guidance_tokens=4, max_action_tokens=4, prompt_mode=mode),
-        grpo=GRPOConfig(kl_coef=kl, micro_batch_size=micro, trust_constant=0.0, skip_zero_advantage=skip,
-                        ppo_epochs=ppo_epochs, share_prefix=share),
-        evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2),
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        grpo=GRPOConfig(kl_coef=kl, trust_constant=0.0, ppo_epochs=ppo_epochs),
+        update=UpdateConfig(micro_batch_size=micro, skip_zero_advantage=skip, share_prefix=share),
         reward_terms=[term or _HalfTheGroupsDegenerate()],
     )
     calls = {"rows": 0}
     grads = _Grads()
-    Trainer(max_steps=steps or ppo_epochs, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[grads],
-            default_root_dir=tmp_path).fit(_counting(module, calls))
+    tiny_trainer(tmp_path, steps=steps or ppo_epochs, callbacks=[grads]).fit(_counting(module, calls))
     return module, grads.grads, calls["rows"]
 
 
@@ -204,11 +197,14 @@ def test_shared_prefix_is_refused_where_it_cannot_hold():
 
     from sglightning.distributed import prefix_sharing
     from sglightning.errors import ConfigError
+    from sglightning.strategies import sharding_of
 
+    fsdp = sharding_of(FSDPStrategy())
+    assert fsdp == "fsdp1"
     assert prefix_sharing(None, None, False) and not prefix_sharing(False, None, False)
-    assert not prefix_sharing(None, FSDPStrategy(), False)  # null: off where it cannot hold
+    assert not prefix_sharing(None, fsdp, False)  # null: off where it cannot hold
     assert not prefix_sharing(None, None, True)
-    with pytest.raises(ConfigError, match="grpo.share_prefix: true .*FSDP"):
-        prefix_sharing(True, FSDPStrategy(), False)
-    with pytest.raises(ConfigError, match="grpo.share_prefix: true .*gradient checkpointing"):
+    with pytest.raises(ConfigError, match="update.share_prefix: true .*FSDP"):
+        prefix_sharing(True, fsdp, False)
+    with pytest.raises(ConfigError, match="update.share_prefix: true .*gradient checkpointing"):
         prefix_sharing(True, None, True)

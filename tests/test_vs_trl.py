@@ -69,8 +69,8 @@ def test_both_sides_play_the_same_task_seeds_and_the_sglightning_side_reports_ev
     assert seeds[0] == task_seeds(0, 0, 2, 0, 1, 1_000_000) and seeds[0] != seeds[1]
     cfg = vs.sgl_config(args, tmp_path)
     assert cfg["model"]["rollout"]["groups_per_step"] == 2 and cfg["model"]["grpo"]["kl_coef"] == 0.0
-    assert cfg["model"]["grpo"]["skip_zero_advantage"] and not vs.sgl_config(_args(no_skip=True), tmp_path)[
-        "model"]["grpo"]["skip_zero_advantage"]
+    assert cfg["model"]["update"]["skip_zero_advantage"] and not vs.sgl_config(_args(no_skip=True), tmp_path)[
+        "model"]["update"]["skip_zero_advantage"]
     assert cfg["model"]["env"]["init_args"]["task_types"] == ["pick_up", "pick_and_place"]
     res = vs.sgl_worker(args, tmp_path)
     assert len(res["step_s"]) == len(res["rollout_s"]) == len(res["update_tokens"]) == 2

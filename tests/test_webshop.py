@@ -10,6 +10,7 @@ from fakes import ScriptedLM, scripted_reply
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sglightning.data import RolloutConfig
 from sglightning.diagnostics import episode_patterns
 from sglightning.envs.webshop import (
     WebShopEnv,
@@ -20,7 +21,7 @@ from sglightning.envs.webshop import (
 )
 from sglightning.guidance import GuidanceConfig, parse_action
 from sglightning.models import build_tiny_tokenizer
-from sglightning.rollout import Rollout, RolloutConfig
+from sglightning.rollout import Rollout
 
 INSTR = "i need a red cotton t-shirt in size large, and price lower than 30.00 dollars"
 START = f"WebShop [SEP] Instruction: [SEP] {INSTR} [SEP] Search"

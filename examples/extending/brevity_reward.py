@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from sglightning.episodes import Episode
 from sglightning.rewards import RewardTerm
-from sglightning.rollout import Episode
 
 
 class BrevityBonus(RewardTerm):

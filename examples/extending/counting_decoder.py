@@ -2,7 +2,7 @@
 
 A real backend (an inference server with adapter sync, a compiled engine) implements the same four members; whatever
 it is, each recorded token needs its id, policy flag, the log-prob of the distribution it was drawn from and that
-distribution's restriction (see ``sglightning.sampler.Piece``) — the trainer scores exactly those.
+distribution's restriction (see ``sglightning.episodes.Piece``) — the trainer scores exactly those.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Checkpoints that survive kills: atomic writes, safe loads, clear errors.
+"""Where a run's files go, and checkpoints that survive kills: atomic writes, safe loads, clear errors.
+
+* **The run directory.** :func:`run_dir`: the first logger's version folder (``runs/<name>/version_<k>``), else the
+  trainer's ``default_root_dir``; the config, checkpoints, adapter and reports of a run are written there.
 
 * **Atomic writes.** :class:`AtomicCheckpointIO` writes ``<name>.tmp-<pid>`` next to the target, flushes and fsyncs
   it, then ``os.replace``-s it over the target (atomic on POSIX within one filesystem) and fsyncs the folder.  A kill
@@ -17,6 +20,16 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+
+def run_dir(trainer) -> Path:
+    """The run directory: the first logger's version folder, else ``default_root_dir``.  Reads the logger directly
+    (``trainer.log_dir`` broadcasts from rank 0, which deadlocks in code that only rank 0 runs)."""
+    path = None
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        path = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
+    return Path(path or trainer.default_root_dir)
 
 
 class CheckpointError(ValueError):

@@ -18,16 +18,14 @@ from typing import Any, Literal
 
 from jsonargparse import set_parsing_settings
 from jsonargparse.typing import PositiveInt
-from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from sglightning import threads
-from sglightning.callbacks import run_dir
-from sglightning.checkpointing import CheckpointError, load_checkpoint_file
+from sglightning.checkpointing import CheckpointError, load_checkpoint_file, run_dir
 from sglightning.console import StepProgressBar, quiet
 from sglightning.errors import ConfigError
 from sglightning.module import SelfGuideModule
+from sglightning.preemption import PreemptionCheckpoint
 from sglightning.report import report_markdown
 from sglightning.strategies import recover_swapped_checkpoints
 
@@ -46,13 +44,6 @@ TRAINER_DEFAULTS: dict[str, Any] = {
         "init_args": {"save_dir": "runs", "name": "sglightning"},
     },
 }
-
-
-def default_callbacks() -> list:
-    """Fresh per run (LightningCLI appends them to the Trainer's callbacks): the one progress bar, and `last.ckpt`
-    after every step (adapters + optimiser + counters: a killed or preempted run loses at most one step;
-    `--ckpt_path last` resumes)."""
-    return [StepProgressBar(), ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1)]
 
 
 class VersionedSaveConfig(SaveConfigCallback):
@@ -81,6 +72,21 @@ def one_line(message: str, limit: int = 600) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+#: config keys that moved (old -> new): a config that still uses one is told where it went
+MOVED_KEYS = {
+    **{f"model.grpo.{k}": f"model.update.{k}"
+       for k in ("micro_batch_size", "share_prefix", "skip_zero_advantage", "max_consecutive_skips")},
+    "model.rollout.invalid_action_penalty": "model.grpo.invalid_action_penalty",
+}
+
+
+def moved_key_hint(message: str) -> str:
+    """``message`` preceded by where a moved key went, when it names one (``--model.grpo.micro_batch_size=4`` or a
+    config file's ``model.grpo.micro_batch_size``)."""
+    hints = [f"{old} is now {new}" for old, new in MOVED_KEYS.items() if old in message]
+    return "; ".join(hints) + " — " + message if hints else message
+
+
 class OneLineParser(LightningArgumentParser):
     """Every parse error is one line on stderr — what is wrong, naming the key or file — and exit 2; no usage dump
     (``--help`` lists every key with its documentation and allowed values)."""
@@ -90,7 +96,7 @@ class OneLineParser(LightningArgumentParser):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
-        sys.stderr.write(f"{prog}: error: {one_line(message)} (see: {prog} --help)\n")
+        sys.stderr.write(f"{prog}: error: {one_line(moved_key_hint(message))} (see: {prog} --help)\n")
         self.exit(2)
 
 
@@ -179,9 +185,9 @@ class SGLightningCLI(LightningCLI):
             print(f"sglightning {sub}: error: {err}", file=sys.stderr)
             sys.exit(2)
 
-    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
-        """Lightning's, but the default progress bar stays out when ``trainer.enable_progress_bar`` is false (the
-        Trainer refuses a progress-bar callback then)."""
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list):
+        """Lightning's, but the progress bar stays out when ``trainer.enable_progress_bar`` is false (the Trainer
+        refuses a progress-bar callback then)."""
         if config.get("enable_progress_bar") is False:
             defaults = self.trainer_defaults.get("callbacks") or []
             self.trainer_defaults = dict(self.trainer_defaults, callbacks=[
@@ -192,14 +198,19 @@ class SGLightningCLI(LightningCLI):
         try:
             super()._run_subcommand(subcommand)
         except SystemExit:
-            code = getattr(self.model, "interrupted", 0)  # Ctrl-C (130) or SIGTERM in validate (143): the
-            if code:  # callback said what happened
+            code = self._interruption_code()  # Ctrl-C (130) or SIGTERM in validate (143): the callback said what
+            if code:  # happened
                 sys.exit(code)
             raise
         except (CheckpointError, ConfigError) as err:  # one line naming the file / config key, no traceback wall
             _remove_unstarted_run(self.trainer)
             print(f"sglightning {subcommand}: error: {one_line(str(err))}", file=sys.stderr)
             sys.exit(2)
+
+    def _interruption_code(self) -> int:
+        trainer = getattr(self, "trainer", None)
+        callbacks = trainer.callbacks if trainer is not None else []
+        return next((c.exit_code for c in callbacks if isinstance(c, PreemptionCheckpoint)), 0)
 
     def after_fit(self) -> None:
         reason = getattr(self.model, "stop_reason", None)
@@ -302,7 +313,8 @@ def cli_main(args: list[str] | None = None) -> SGLightningCLI:
     _check_config_files(argv, "sglightning " + (argv[0] if argv and not argv[0].startswith("-") else ""))
     return SGLightningCLI(
         SelfGuideModule,
-        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": default_callbacks()},
+        # the one progress bar (given to the Trainer: Lightning would otherwise add its own, rich when installed)
+        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [StepProgressBar()]},
         save_config_callback=VersionedSaveConfig,
         parser_class=OneLineParser,
         save_config_kwargs={"overwrite": True},

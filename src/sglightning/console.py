@@ -27,11 +27,14 @@ _EXPECTED_WARNINGS = (
 
 #: Lightning's info lines that say nothing about this run: advertisements for its cloud products, accelerators that are
 #: not in use (the device is in the config), the seed and the mixed precision (both in the config), why fit stopped
-#: (the summary says it), and the two lines of a resume (``sglightning fit`` prints one "resuming from" line itself)
+#: (the summary says it), the two lines of a resume (``sglightning fit`` prints one "resuming from" line itself), and
+#: the notice that the module's callbacks replace Lightning's default checkpoint callback (by design:
+#: ``sglightning.callbacks.default_callbacks``; a user's own is never replaced)
 _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "HPU available:", "Seed set to ",
           "`Trainer.fit` stopped: `max_steps=", "Automatic Mixed Precision (AMP)",
           "was configured so validation will run", "Restoring states from the checkpoint path at",
-          "Restored all states from the checkpoint at")
+          "Restored all states from the checkpoint at",
+          "will override existing callbacks passed to Trainer")
 
 
 class _DropNoise(logging.Filter):

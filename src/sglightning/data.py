@@ -1,10 +1,12 @@
-"""What the Trainer iterates, and where each step's tasks come from (no model in here).
+"""What the Trainer iterates, and where each step's episodes come from (no model in here): the configs of the training
+episodes (:class:`RolloutConfig`) and of the evaluation episodes (:class:`EvalConfig`), the batches the loaders yield,
+task seeds and sampling generators.
 
 Data flows one way, visibly: the train loader yields one :class:`StepBatch` per GRPO step;
 :class:`~sglightning.callbacks.RolloutCallback` plays that step's episodes and puts them on the batch
 (``batch.rollout``) in ``on_train_batch_start``; ``training_step`` consumes them.  Validation likewise: the val loader
 yields this rank's :class:`EvalBatch` es of evaluation seeds, the callback fills ``batch.rollouts`` (one
-:class:`~sglightning.rollout.RolloutBatch` per self-guidance mode) and ``validation_step`` consumes them.
+:class:`~sglightning.episodes.RolloutBatch` per self-guidance mode) and ``validation_step`` consumes them.
 
 Task seeds and sampling generators are pure functions of (``rollout.seed``, step, rank): a resumed run replays exactly
 the steps it would have played.
@@ -19,7 +21,71 @@ from typing import Literal
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from sglightning.rollout import RolloutBatch
+from sglightning.episodes import RolloutBatch
+
+
+@dataclass
+class RolloutConfig:
+    """Training episodes: how many per step, from which tasks, how they are played."""
+
+    groups_per_step: int = 2
+    """task groups per training step (N); each group is G episodes of one task seed"""
+    group_size: int = 4
+    """episodes per group (G); GRPO needs >= 2"""
+    max_steps: int = 8
+    """environment steps per episode"""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts (the trainer scores tokens at the same temperature)"""
+    top_k: int = 0
+    """sample among the k most likely tokens only (0 = off); the set is recorded and scored like any restriction"""
+    max_context_tokens: int = 4096
+    """context cap: a single-stream episode whose context grows past it is truncated (counted); a two_call rate
+    prompt drops its oldest steps to fit (counted)"""
+    seed: int = 0
+    """base of all randomness (task seeds, sampling)"""
+    split: str = "train"
+    """the env split training tasks come from"""
+    env_step_timeout_s: float | None = 60.0
+    """an env step slower than this fails its episode (seconds; null = wait forever)"""
+    env_reset_timeout_s: float | None = 300.0
+    """the same for creating an env + ``reset`` (JVM start, task loading)"""
+    env_parallel: bool = True
+    """step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially"""
+    failed_episodes: Literal["keep", "drop_group"] = "keep"
+    """a group with an episode whose env failed (exception, timeout, dead process): ``keep`` trains on it (the failed
+    episode keeps the return it had reached; the others' comparison is intact) or ``drop_group`` leaves the whole
+    group out of the update (``rollout/dropped_groups`` counts them)"""
+    dynamic_sampling_rounds: int = 0
+    """DAPO's dynamic sampling: a group whose returns are all equal carries no gradient; up to this many extra rounds
+    of new tasks (the number of groups still missing) top the step up to ``groups_per_step`` informative groups
+    (judged with the schedule's λ).  0 = off.  The step's first round is kept whole, so rollout statistics still
+    describe the policy; added groups are counted as ``rollout/dynamic_sampling_groups``"""
+    env_max_concurrency: int = 0
+    """env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
+    raise it for envs that mostly wait, e.g. remote env servers)"""
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"rollout.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
+        if self.groups_per_step < 1:
+            raise ValueError(f"rollout.groups_per_step: must be >= 1, got {self.groups_per_step}")
+        if self.max_steps < 1:
+            raise ValueError(f"rollout.max_steps: must be >= 1, got {self.max_steps}")
+        if self.temperature <= 0:
+            raise ValueError(f"rollout.temperature: must be > 0, got {self.temperature}")
+        if self.max_context_tokens < 64:
+            raise ValueError(f"rollout.max_context_tokens: must be >= 64, got {self.max_context_tokens}")
+        if self.failed_episodes not in ("keep", "drop_group"):
+            raise ValueError(f"rollout.failed_episodes: {self.failed_episodes!r} is not one of keep, drop_group")
+        if self.dynamic_sampling_rounds < 0:
+            raise ValueError(f"rollout.dynamic_sampling_rounds: must be >= 0, got {self.dynamic_sampling_rounds}")
+        if self.env_max_concurrency < 0:
+            raise ValueError(
+                f"rollout.env_max_concurrency: must be >= 0 (0 = CPU cores), got {self.env_max_concurrency}")
+        for key in ("env_step_timeout_s", "env_reset_timeout_s"):
+            v = getattr(self, key)
+            if v is not None and v <= 0:
+                raise ValueError(f"rollout.{key}: must be > 0 seconds or null (no timeout), got {v}")
 
 
 @dataclass

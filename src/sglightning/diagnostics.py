@@ -27,7 +27,7 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
-from sglightning.rollout import Episode
+from sglightning.episodes import Episode
 
 PATTERNS = ("looping", "redundant_exploration", "wrong_object_focus")
 WEBSHOP_PATTERNS = ("query_looping", "navigation_cycling", "premature_purchase")

@@ -1,8 +1,7 @@
-"""Distributed plumbing for the update and the rollouts, as functions of explicit arguments (no LightningModule).
+"""Distributed plumbing for the update and the rollouts, as functions of explicit arguments (torch only: no Lightning).
 
-* **Which strategy** — :func:`sharding_of`: ``"fsdp2"`` (Lightning's ``ModelParallelStrategy``, so
-  ``sglightning.strategies.FSDP2Strategy``), ``"fsdp1"`` (``FSDPStrategy``, so ``FSDP1Strategy``) or ``None`` (one
-  device, DDP).
+* **Which sharding** — the functions take ``sharding``: ``"fsdp2"``, ``"fsdp1"`` or ``None`` (one device, DDP), as
+  :func:`sglightning.strategies.sharding_of` reads it off the Lightning strategy (this file imports no Lightning).
 * **Sharding the policy** — :func:`apply_fully_shard` (FSDP2: every decoder layer, then the root) and
   :func:`wrap_fsdp1` (FSDP1 units: decoder layers, LoRA linears, root).
 * **Rollouts on whole weights** — :func:`generation_weights`: ranks decode different numbers of tokens, so the
@@ -33,46 +32,7 @@ def clean_name(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
-def sharding_of(strategy: Any) -> str | None:
-    """``"fsdp2"``, ``"fsdp1"`` or ``None`` for a Lightning strategy (None: no strategy / not sharded)."""
-    if strategy is None:
-        return None
-    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-
-    if isinstance(strategy, ModelParallelStrategy):
-        return "fsdp2"
-    if isinstance(strategy, FSDPStrategy):
-        return "fsdp1"
-    return None
-
-
-def check_quantization(quantization: str | None, strategy: Any) -> None:
-    """QLoRA under FSDP is refused (``ConfigError`` naming ``model.policy.quantization``)."""
-    if quantization and sharding_of(strategy) is not None:
-        raise ConfigError(
-            f"model.policy.quantization: {quantization} under {type(strategy).__name__} "
-            f"(QLoRA under FSDP) is not supported: on this project's checks bitsandbytes' 4-bit weights fail "
-            f"under FSDP2 (in-place bias add on gathered weights during the update) and FSDP1 (integer storage "
-            f"cannot be flattened). Use DDP with 4-bit (a 4-bit 7B base fits one 24 GB GPU), or FSDP with "
-            f"quantization: null"
-        )
-
-
-def check_tensor_parallel(strategy: Any) -> None:
-    """Lightning's ``ModelParallelStrategy`` with a tensor-parallel size above 1 — its ``"auto"`` default is one
-    node's process count — is refused before any process starts (``ConfigError`` naming ``trainer.strategy``): this
-    trainer has no tensor-parallel plan, and the run would otherwise replicate the model silently."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    if not isinstance(strategy, ModelParallelStrategy):
-        return
-    tp = getattr(strategy, "_tensor_parallel_size", 1)
-    if tp == "auto":  # Lightning's rule (ModelParallelStrategy.setup_environment): the processes of one node
-        tp = len(getattr(strategy, "parallel_devices", None) or [None])
-    _refuse_tensor_parallel(int(tp))
-
-
-def _refuse_tensor_parallel(tp: int) -> None:
+def refuse_tensor_parallel(tp: int) -> None:
     if tp > 1:
         raise ConfigError(
             f"trainer.strategy: tensor_parallel_size={tp}, but this trainer only shards with FSDP2 over the data-"
@@ -117,15 +77,16 @@ def sync_grads(params: list[torch.nn.Parameter]) -> None:
         offset += n
 
 
-def prefix_sharing(setting: bool | None, strategy: Any, gradient_checkpointing: bool) -> bool:
-    """``grpo.share_prefix`` resolved: null = on where it holds, true where it cannot hold = ``ConfigError``."""
+def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpointing: bool) -> bool:
+    """``update.share_prefix`` resolved for ``sharding`` (``"fsdp2"``, ``"fsdp1"`` or None): null = on where it holds,
+    true where it cannot hold = ``ConfigError``."""
     why = None
-    if sharding_of(strategy) is not None:
+    if sharding is not None:
         why = "FSDP gathers the weights in each root forward; a shared prefix needs two forwards per micro-batch"
     elif gradient_checkpointing:
         why = "gradient checkpointing turns off the KV cache that the continuations attend through"
     if why and setting:
-        raise ConfigError(f"grpo.share_prefix: true is not supported here ({why}); set it to null or false")
+        raise ConfigError(f"update.share_prefix: true is not supported here ({why}); set it to null or false")
     return setting is not False and why is None
 
 
@@ -214,7 +175,7 @@ def apply_fully_shard(policy: torch.nn.Module, device_mesh) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     names = device_mesh.mesh_dim_names or ()
-    _refuse_tensor_parallel(device_mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1)
+    refuse_tensor_parallel(device_mesh["tensor_parallel"].size() if "tensor_parallel" in names else 1)
     kwargs: dict[str, Any] = {"mesh": device_mesh["data_parallel"]}
     if len({p.dtype for p in policy.parameters()}) > 1:
         frozen = {p.dtype for p in policy.parameters() if not p.requires_grad and p.is_floating_point()}

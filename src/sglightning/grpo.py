@@ -10,7 +10,7 @@ Blended return (paper eq. 5-6)::
     r_t      = g(z_t) in {+0.1, 0, -0.1}                     (label -> reward, done in guidance.py)
     S_i      = \sum_t r_{i,t}                                  (normalise="sum", the paper)
              = (1/T_i) \sum_t r_{i,t}   (0 if T_i = 0)         (normalise="mean", our option)
-    P_i      = c * (invalid actions of episode i)              (rollout.invalid_action_penalty c; verl-agent: 0.1)
+    P_i      = c * (invalid actions of episode i)              (grpo.invalid_action_penalty c; verl-agent: 0.1)
     R_i      = R_env,i - P_i + \lambda(u) * S_i
 
 Group-relative advantage (paper eq. 8)::
@@ -79,7 +79,6 @@ __all__ = [
     "trust_schedule",
     "validate_breakpoints",
     "internal_returns",
-    "blend_returns",
     "group_advantages",
     "degenerate_groups",
     "broadcast_advantages",
@@ -92,6 +91,7 @@ __all__ = [
     "resolve_advantage",
     "grpo_advantages",
     "check_clip",
+    "check_choice",
     "policy_counts",
     "microbatch_weight",
     "kl_penalty",
@@ -111,6 +111,20 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
 
 _LOG_RATIO_CLAMP = 20.0
 _KL_CLAMP = 10.0
+
+
+def check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
+    """``ValueError("<key>: '<value>' is not one of …")`` unless ``value`` is in ``allowed``: the one check of every
+    string choice of the update (the config runs it at parse time; the function that branches on it runs it too, so a
+    direct call with a bad value fails instead of taking a default branch)."""
+    if value not in allowed:
+        raise ValueError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+
+
+def check_trust_constant(constant: float | None) -> None:
+    """λ ≡ ``constant`` must lie in [0, 1] (None = the schedule)."""
+    if constant is not None and not 0.0 <= float(constant) <= 1.0:
+        raise ValueError(f"grpo.trust_constant: must be in [0, 1], got {constant!r}")
 
 
 # --------------------------------------------------------------------------------------------- trust schedule
@@ -175,10 +189,8 @@ def trust_schedule(
     "full reward from step 0".
     """
     if constant is not None:
-        c = float(constant)
-        if not 0.0 <= c <= 1.0:
-            raise ValueError(f"grpo.trust_constant: must lie in [0, 1], got {constant!r}")
-        return c
+        check_trust_constant(constant)
+        return float(constant)
     b0, b1, b2, b3 = validate_breakpoints(breakpoints)
     if max(b0, b1, b2, b3) <= 1.0:  # fractions of training
         if total_steps is None or total_steps <= 0:
@@ -199,11 +211,6 @@ def trust_schedule(
 
 
 # --------------------------------------------------------------------------------------------- returns
-def _check_normalise(normalise: str) -> None:
-    if normalise not in NORMALISE_CHOICES:
-        raise ValueError(f"grpo.internal_reward_norm: must be one of {NORMALISE_CHOICES}, got {normalise!r}")
-
-
 def internal_returns(
     internal_rewards: list[Tensor] | Tensor,
     normalise: str = "sum",
@@ -218,7 +225,7 @@ def internal_returns(
     padded form ``step_mask`` ``[N, T]`` (bool or 0/1) marks real steps (all steps real when None).
     An episode with no steps has S_i = 0 under both normalisations.
     """
-    _check_normalise(normalise)
+    check_choice("grpo.internal_reward_norm", normalise, NORMALISE_CHOICES)
     if isinstance(internal_rewards, Tensor):
         r = internal_rewards.detach()
         if r.dim() != 2:
@@ -253,6 +260,9 @@ def blend(env_returns: Tensor, internal: Tensor, lam: float, penalties: Tensor |
     :func:`internal_returns`, invalid-action penalties P_i ≥ 0 and, optionally, the sum E_i of any extra reward terms
     (:mod:`sglightning.rewards`).  No autograd."""
     env = env_returns.detach()
+    if env.dim() != 1 or internal.shape != env.shape:
+        raise ValueError(f"env_returns and internal returns must both be [N]; got {tuple(env.shape)} and "
+                         f"{tuple(internal.shape)}")
     dtype = env.dtype if env.is_floating_point() else torch.float32
     out = env.to(dtype) + float(lam) * internal.detach().to(dtype=dtype, device=env.device)
     for name, term, sign in (("penalties", penalties, -1.0), ("extra rewards", extra, 1.0)):
@@ -261,29 +271,6 @@ def blend(env_returns: Tensor, internal: Tensor, lam: float, penalties: Tensor |
                 raise ValueError(f"{term.shape[0]} {name} for {env.shape[0]} env returns")
             out = out + sign * term.detach().to(dtype=dtype, device=env.device)
     return out
-
-
-def blend_returns(
-    env_returns: Tensor,
-    internal_rewards: list[Tensor] | Tensor,
-    lam: float,
-    normalise: str = "sum",
-    step_mask: Tensor | None = None,
-) -> Tensor:
-    """R_i = R_env,i + lam * S_i (paper eq. 5-6); ``S_i`` from :func:`internal_returns`. Returns ``[N]``.
-
-    Output is floating (float32 if ``env_returns`` is integer) on ``env_returns``' device; no autograd.
-    """
-    _check_normalise(normalise)
-    env = env_returns.detach()
-    if env.dim() != 1:
-        raise ValueError(f"env_returns must be 1-D [N], got shape {tuple(env.shape)}")
-    dtype = env.dtype if env.is_floating_point() else torch.float32
-    env = env.to(dtype)
-    s = internal_returns(internal_rewards, normalise, step_mask, dtype=dtype, device=env.device)  # [N]
-    if s.shape != env.shape:
-        raise ValueError(f"{s.shape[0]} episodes of internal rewards for {env.shape[0]} env returns")
-    return blend(env, s, lam)
 
 
 # --------------------------------------------------------------------------------------------- advantages
@@ -319,8 +306,7 @@ def group_advantages(returns: Tensor, group_ids: Tensor, eps: float = 1e-6, scal
     may have unequal sizes. A group whose returns are all identical (including a group of one) gets exactly 0.
     Returns ``[N]`` in the returns' float dtype (float32 for integer returns); never requires grad.
     """
-    if scale not in SCALE_CHOICES:
-        raise ValueError(f"grpo.adv_scale: must be one of {SCALE_CHOICES}, got {scale!r}")
+    check_choice("grpo.adv_scale", scale, SCALE_CHOICES)
     out_dtype = returns.dtype if returns.is_floating_point() else torch.float32
     if returns.numel() == 0:
         return torch.zeros_like(returns, dtype=out_dtype)
@@ -453,8 +439,7 @@ def microbatch_weight(mask: Tensor, totals: Tensor, loss_agg: str = "token_mean"
     """The share of the step's global loss that one micro-batch's own mean carries: its policy tokens over all
     micro-batches' and ranks' (``token_mean``), or its sequences over all (``seq_mean_token_mean``).  ``totals``:
     :func:`policy_counts` summed over micro-batches and ranks.  Σ weight · (micro-batch mean) = the global mean."""
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"grpo.loss_agg: must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    check_choice("grpo.loss_agg", loss_agg, LOSS_AGGS)
     mine = policy_counts(mask).to(totals.device)
     k = 0 if loss_agg == "token_mean" else 1
     return (mine[k] / totals[k].clamp(min=1)).to(torch.float32)
@@ -466,8 +451,7 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tens
     "k1": logp - ref; "k2": 0.5 (logp - ref)^2; "k3" / "low_var_kl": exp(ref - logp) - (ref - logp) - 1 with
     ref - logp clamped to [-20, 20] and the result clamped to [-10, 10] (verl's low_var_kl).
     """
-    if kind not in KL_KINDS:
-        raise ValueError(f"grpo.kl_kind: must be one of {KL_KINDS}, got {kind!r}")
+    check_choice("grpo.kl_kind", kind, KL_KINDS)
     if kind == "k1":
         return logp - ref_logp
     if kind == "k2":
@@ -509,10 +493,8 @@ def grpo_loss(
     if ``kl_coef`` is 0), clip_frac, ratio_mean, ratio_max, num_tokens (float), adv_mean. An empty mask gives
     loss 0 (still attached to ``logp``'s graph) and zero stats.
     """
-    if kl_kind not in KL_KINDS:
-        raise ValueError(f"grpo.kl_kind: must be one of {KL_KINDS}, got {kl_kind!r}")
-    if loss_agg not in LOSS_AGGS:
-        raise ValueError(f"grpo.loss_agg: must be one of {LOSS_AGGS}, got {loss_agg!r}")
+    check_choice("grpo.kl_kind", kl_kind, KL_KINDS)  # even without ref_logp: a bad value fails on the first call
+    check_choice("grpo.loss_agg", loss_agg, LOSS_AGGS)
     check_clip(clip_low, clip_high)
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(
@@ -594,7 +576,8 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 @dataclass
 class GRPOConfig:
-    """The policy-gradient update (grpo.py)."""
+    """The algorithm: the blended return, the trust schedule, advantages and the clipped surrogate with KL (how the
+    update is computed — micro-batches, shared prefixes — is ``update``)."""
 
     clip_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 − clip_low (0 < clip_low < 1)"""
@@ -628,6 +611,9 @@ class GRPOConfig:
     length or for self-praise.  Needs an env that measures progress (``StepResult.progress`` or a score); logged as
     ``guidance/reliability``, the effective λ as ``reward/lambda`` beside ``reward/lambda_schedule``.  Off = the
     paper's schedule"""
+    invalid_action_penalty: float = 0.0
+    """P: subtracted from an episode's return per invalid action, R_i = R_env,i − P·(invalid actions) + λ·S_i
+    (verl-agent, the paper's base, uses 0.1)"""
     guidance_advantage_scale: float = 1.0
     """the advantage a self-assessment token carries, as a multiple w of its episode's Â (action tokens always carry
     Â): 1 = the paper (every policy token alike); w < 1 gives the actions a larger share of the update when the
@@ -639,30 +625,18 @@ class GRPOConfig:
     """total steps the fractional breakpoints refer to (default: trainer.max_steps / ppo_epochs)"""
     ppo_epochs: int = 1
     """optimiser steps per rollout (1 = on-policy; more reuse the rollout with the clipped ratio)"""
-    micro_batch_size: int = 4
-    """samples per forward/backward pass (gradients accumulate over micro-batches into one step)"""
     max_grad_norm: float | None = 1.0
     """clip the total gradient norm to this (null: no clipping; the norm is logged either way)"""
-    max_consecutive_skips: int = 5
-    """stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop"""
-    skip_zero_advantage: bool = True
-    """with ``kl_coef: 0``, samples whose policy tokens all have advantage 0 (every sample of a group whose returns are
-    all equal) get no forward/backward: their loss and gradient are exactly 0, and they still count in the token-mean
-    denominator, so the update is unchanged. With the KL term on they are computed (the KL pulls on them too)"""
-    share_prefix: bool | None = None
-    """compute a prefix that several samples of a micro-batch share (a group's prompt) once, in the update's forward
-    and backward (same loss and gradients up to float rounding; samples are ordered so that shared prefixes sit in one
-    micro-batch: use ``micro_batch_size`` ≥ ``rollout.group_size`` to share a whole group's prompt).  null = on where
-    it is supported (one device, DDP; not FSDP, not with gradient checkpointing); true there is an error"""
-
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)
         if self.kl_coef < 0:
             raise ValueError(f"grpo.kl_coef: must be >= 0, got {self.kl_coef}")
         for key, allowed in (("kl_kind", KL_KINDS), ("loss_agg", LOSS_AGGS), ("adv_scale", SCALE_CHOICES),
                              ("internal_reward_norm", NORMALISE_CHOICES)):
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"grpo.{key}: {getattr(self, key)!r} is not one of {', '.join(allowed)}")
+            check_choice(f"grpo.{key}", getattr(self, key), allowed)
+        if not (math.isfinite(self.invalid_action_penalty) and self.invalid_action_penalty >= 0):
+            raise ValueError(f"grpo.invalid_action_penalty: must be a finite number >= 0, got "
+                             f"{self.invalid_action_penalty}")
         resolve_advantage(self.advantage)
         self.trust_breakpoints = validate_breakpoints(self.trust_breakpoints, key="grpo.trust_breakpoints")
         if not (math.isfinite(self.guidance_advantage_scale) and self.guidance_advantage_scale >= 0):
@@ -670,13 +644,8 @@ class GRPOConfig:
                              f"{self.guidance_advantage_scale}")
         if self.trust_window < 1:
             raise ValueError(f"grpo.trust_window: must be >= 1, got {self.trust_window}")
-        if self.trust_constant is not None and not 0.0 <= self.trust_constant <= 1.0:
-            raise ValueError(f"grpo.trust_constant: must be in [0, 1], got {self.trust_constant}")
+        check_trust_constant(self.trust_constant)
         if self.ppo_epochs < 1:
             raise ValueError(f"grpo.ppo_epochs: must be >= 1, got {self.ppo_epochs}")
-        if self.micro_batch_size < 1:
-            raise ValueError(f"grpo.micro_batch_size: must be >= 1, got {self.micro_batch_size}")
-        if self.max_consecutive_skips < 0:
-            raise ValueError(f"grpo.max_consecutive_skips: must be >= 0, got {self.max_consecutive_skips}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"grpo.max_grad_norm: must be > 0 or null, got {self.max_grad_norm}")

@@ -1,7 +1,8 @@
 """Episode statistics (pure Python, testable) and their torchmetrics aggregators.
 
 ``EpisodeMetrics`` accumulates per-episode statistics across batches (validation) and ranks (torchmetrics syncs under
-DDP); ``batch_stats(batch)`` adds the few batch-level numbers that are not per-episode means.
+DDP); ``batch_stats(batch)`` adds the few batch-level numbers that are not per-episode means; ``step_logs`` is what
+one training step logs about its rollout and its update preparation.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import torch
 from torchmetrics import MeanMetric
 
 from sglightning.calibration import calibration_stats
+from sglightning.episodes import Episode, RolloutBatch
 from sglightning.grpo import degenerate_groups
 from sglightning.guidance import LABELS
-from sglightning.rollout import Episode, RolloutBatch
+from sglightning.update import UpdateBatch
 
 #: statistics averaged per episode
 EPISODE_KEYS = (
@@ -93,15 +95,18 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     return stats
 
 
-def step_logs(batch: RolloutBatch, lam: float, returns: torch.Tensor, internal: torch.Tensor,
-              terms: dict[str, torch.Tensor], groups: torch.Tensor, global_step: int) -> dict[str, float]:
-    """The step's reward and rollout numbers: λ, blended and internal returns (``[N]`` each), extra reward terms,
-    degenerate groups (every return equal: no gradient), the policy lag and the generation speed."""
+def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> dict[str, float]:
+    """What one training step logs about its rollout and its prepared update (the per-episode means come from
+    :class:`EpisodeMetrics`; the loss terms from the update): the batch-level rollout numbers, λ, blended and
+    internal returns, extra reward terms, degenerate groups (every return equal: no gradient), the policy lag, the
+    generation speed, and the rows and tokens the update scores."""
+    returns, groups = prepared.returns, prepared.groups  # [N], [N]
     return {
-        "reward/lambda": lam,
+        **batch_stats(batch),
+        "reward/lambda": prepared.lam,
         "reward/blended_return": float(returns.mean()),
-        "reward/internal_return": float(internal.mean()),  # S_i as blended (sum, or mean over steps)
-        **{f"reward/{name}": float(v.mean()) for name, v in terms.items()},
+        "reward/internal_return": float(prepared.internal.mean()),  # S_i as blended (sum, or mean over steps)
+        **{f"reward/{name}": float(v.mean()) for name, v in prepared.terms.items()},
         "rollout/degenerate_groups": float(degenerate_groups(returns, groups)),
         # the rollout must come from the weights being trained (0 = on-policy; a sampler that never received the
         # trained adapter shows up here)
@@ -113,6 +118,7 @@ def step_logs(batch: RolloutBatch, lam: float, returns: torch.Tensor, internal: 
         "tokens/prefill_positions": float(batch.prefill_positions),
         "rollout/dynamic_sampling_groups": float(batch.extra_groups),
         **batch.peak_memory,
+        **prepared.stats,
     }
 
 

@@ -1,12 +1,14 @@
 """The LightningModule: the policy (one model, LoRA adapters) and the GRPO update over self-guided rollouts.
 
-One training step u (one :class:`~sglightning.data.StepBatch` of the train loader):
+One training step u (one :class:`~sglightning.data.StepBatch` of the train loader) reads top to bottom:
   1. :class:`~sglightning.callbacks.RolloutCallback` plays ``rollout.groups_per_step`` groups of
      ``rollout.group_size`` episodes with the current adapters and puts them on the batch (``batch.rollout``);
-  2. ``training_step`` blends the returns, computes the group advantages (:mod:`sglightning.grpo`), scores the sampled
-     ids under the current weights (:mod:`sglightning.scoring`) and minimises the clipped surrogate + β·KL with manual
-     optimisation: micro-batches accumulate the gradient of one token-mean loss over the whole step (all ranks);
-     ``grpo.ppo_epochs`` optimiser steps per rollout (default 1: on-policy, ρ = 1 at the first).
+  2. ``training_step``: λ(u) (the trust schedule, × the labels' reliability with ``grpo.trust_adaptive``) →
+     :func:`~sglightning.update.prepare_update` (pure: blended returns, token advantages, the rows to score) →
+     :meth:`update` (scores the sampled ids under the current weights with :mod:`sglightning.scoring` and minimises
+     the clipped surrogate + β·KL by manual optimisation: micro-batches accumulate the gradient of one token-mean loss
+     over the whole step, all ranks; ``grpo.ppo_epochs`` optimiser steps per rollout, default 1: on-policy) → log
+     (:func:`~sglightning.metrics.step_logs`, merged over ranks).
 The reference policy is the same module with adapters disabled (never a second copy); its pass is skipped when
 ``grpo.kl_coef == 0``.  A loss or gradient that is not finite skips the update, warns and is counted.
 
@@ -25,23 +27,26 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from sglightning import data, distributed, grpo, memory, report, rewards, scoring
-from sglightning.callbacks import default_callbacks, run_dir
-from sglightning.checkpointing import use_atomic_io
+from sglightning import data, distributed, memory, report, rewards, scoring
+from sglightning.callbacks import RolloutCallback, default_callbacks
+from sglightning.chat import pad_token_id
+from sglightning.checkpointing import run_dir, use_atomic_io
 from sglightning.console import quiet
-from sglightning.data import EvalConfig
+from sglightning.data import EvalConfig, RolloutConfig
 from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
+from sglightning.episodes import Episode
 from sglightning.errors import ConfigError
-from sglightning.grpo import GRPOConfig
+from sglightning.grpo import GRPOConfig, grpo_loss, microbatch_weight, trust_schedule
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
-from sglightning.metrics import SUM_KEYS, EpisodeMetrics, batch_stats, step_logs
+from sglightning.metrics import SUM_KEYS, EpisodeMetrics, step_logs
 from sglightning.models import PolicyConfig, check_model_source, load_policy, warn_low_precision_adapters
 from sglightning.rewards import RewardTerm
-from sglightning.rollout import Rollout, RolloutConfig
-from sglightning.sampler import KIND_GUIDANCE, DecoderFactory, DecodeSession
+from sglightning.sampler import DecoderFactory, DecodeSession
+from sglightning.strategies import check_quantization, check_tensor_parallel, sharding_of
+from sglightning.update import UpdateBatch, UpdateConfig, prepare_update
 
 quiet()
 
@@ -57,6 +62,7 @@ class SelfGuideModule(LightningModule):
         rollout: RolloutConfig = RolloutConfig(),
         guidance: GuidanceConfig = GuidanceConfig(),
         grpo: GRPOConfig = GRPOConfig(),
+        update: UpdateConfig = UpdateConfig(),
         evaluation: EvalConfig = EvalConfig(),
         optimizer: OptimizerCallable = _default_optimizer,
         adapter_path: str | None = None,
@@ -69,7 +75,8 @@ class SelfGuideModule(LightningModule):
             and ``init_args``; called once per episode slot, instances are reused across steps.
         rollout: groups per step, group size, max env steps, temperature.
         guidance: self-guidance prompts and decoding modes.
-        grpo: loss, advantages and trust schedule.
+        grpo: the algorithm: blended return, trust schedule, advantages, loss.
+        update: how the update is computed (micro-batches, shared prefixes, skipping zero-advantage rows).
         evaluation: the validation episode set.
         optimizer: optimiser for the adapter parameters.
         adapter_path: start from a saved peft adapter folder.
@@ -81,7 +88,7 @@ class SelfGuideModule(LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "decoder", "reward_terms"])
         self.policy_cfg, self.env_class, self.rollout_cfg = policy, env, rollout
-        self.guidance_cfg, self.grpo_cfg, self.eval_cfg = guidance, grpo, evaluation
+        self.guidance_cfg, self.grpo_cfg, self.update_cfg, self.eval_cfg = guidance, grpo, update, evaluation
         self.optimizer_factory = optimizer
         self.adapter_path = adapter_path
         self.decoder = decoder
@@ -91,7 +98,6 @@ class SelfGuideModule(LightningModule):
         self.policy = None
         self.tokenizer = None
         self._env_checked = False
-        self.interrupted = 0  # exit code set by PreemptionCheckpoint: 130 Ctrl-C, 143 SIGTERM in validate
         self.rollouts_done = 0
         self.skipped_updates = 0
         self.consecutive_skips = 0
@@ -103,14 +109,14 @@ class SelfGuideModule(LightningModule):
         self.val_peak_memory: dict[str, dict[str, float]] = {"sg": {}, "nosg": {}}  # peak memory per mode (GB)
         self.val_report: dict[str, Any] | None = None
         self.val_report_before: dict[str, Any] | None = None  # evaluation.before_fit
-        self.trust_meter = rewards.TrustMeter(grpo.trust_window)
+        self.trust_meter = rewards.TrustMeter(self.grpo_cfg.trust_window)
 
     # ------------------------------------------------------------------------------------------------------------------
     # model, env, engine
     @property
     def sharding(self) -> str | None:
         """``"fsdp2"``, ``"fsdp1"`` or ``None`` (one device, DDP)."""
-        return distributed.sharding_of(self.trainer.strategy) if self._trainer is not None else None
+        return sharding_of(self.trainer.strategy) if self._trainer is not None else None
 
     def _sharded(self) -> bool:
         """FSDP1 or FSDP2: every forward/backward is a collective and FSDP reduces the gradients."""
@@ -126,8 +132,8 @@ class SelfGuideModule(LightningModule):
         folder): the environment and its splits, quantization under the trainer's ``strategy``, where the model comes
         from, the optimiser's arguments, no tensor parallelism. ``ConfigError`` naming the key."""
         self._check_env()
-        distributed.check_quantization(self.policy_cfg.quantization, strategy)
-        distributed.check_tensor_parallel(strategy)
+        check_quantization(self.policy_cfg.quantization, strategy)
+        check_tensor_parallel(strategy)
         self.share_prefix(strategy)
         check_model_source(self.policy_cfg)
         try:
@@ -138,7 +144,8 @@ class SelfGuideModule(LightningModule):
     def share_prefix(self, strategy=None) -> bool:
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
         strategy = strategy or (self._trainer.strategy if self._trainer is not None else None)
-        return distributed.prefix_sharing(self.grpo_cfg.share_prefix, strategy, self.policy_cfg.gradient_checkpointing)
+        return distributed.prefix_sharing(self.update_cfg.share_prefix, sharding_of(strategy),
+                                          self.policy_cfg.gradient_checkpointing)
 
     def _check_env(self) -> None:
         if not self._env_checked:
@@ -150,7 +157,7 @@ class SelfGuideModule(LightningModule):
         if self.policy is not None:
             return
         self._check_env()  # before the (slow) model load: a bad env config fails in a second
-        distributed.check_quantization(self.policy_cfg.quantization, self._trainer and self._trainer.strategy)
+        check_quantization(self.policy_cfg.quantization, self._trainer and self._trainer.strategy)
         self.policy, self.tokenizer = load_policy(self.policy_cfg, self.device, self.adapter_path)
         self.policy.train()  # from_pretrained returns eval mode; the update runs in train mode (LoRA dropout)
         if self.sharding == "fsdp2":
@@ -177,13 +184,14 @@ class SelfGuideModule(LightningModule):
         """The versions this run trains and evaluates with (recorded in its config and reports)."""
         return stack_versions(self.env_class)
 
-    def make_engine(self) -> Rollout:
-        """A rollout engine on this module's policy and configs (the :class:`RolloutCallback` owns the one in use)."""
-        return Rollout(self.peft_model, self.tokenizer, self.env_factory, self.guidance_cfg, self.rollout_cfg,
-                       chat_template_kwargs=self.policy_cfg.chat_template_kwargs, decoder=self.decoder)
+    def rollout_callback(self) -> RolloutCallback:
+        """The rollout collector for this module's configs (:func:`configure_callbacks` installs one)."""
+        return RolloutCallback(self.rollout_cfg, self.eval_cfg, self.guidance_cfg, self.env_factory,
+                               decoder=self.decoder, chat_template_kwargs=self.policy_cfg.chat_template_kwargs,
+                               informative=self.informative_groups)
 
     def configure_callbacks(self):
-        return default_callbacks(self.trainer if self._trainer is not None else None)
+        return default_callbacks(self.trainer if self._trainer is not None else None, self.rollout_callback())
 
     def setup(self, stage: str) -> None:
         use_atomic_io(self.trainer.strategy)
@@ -221,9 +229,16 @@ class SelfGuideModule(LightningModule):
     # ------------------------------------------------------------------------------------------------------------------
     # the update
     def trust_lambda(self, step: int | None = None) -> float:
+        """λ(u) of the trust schedule at step ``step`` (default: the step being trained)."""
         u = self.rollouts_done if step is None else step
         c = self.grpo_cfg
-        return grpo.trust_schedule(u, self.total_steps(), c.trust_breakpoints, constant=c.trust_constant)
+        return trust_schedule(u, self.total_steps(), c.trust_breakpoints, constant=c.trust_constant)
+
+    def informative_groups(self, episodes: list[Episode]) -> set[int]:
+        """The groups whose returns, blended with this step's scheduled λ, are not all equal (dynamic sampling)."""
+        c = self.grpo_cfg
+        return rewards.informative_groups(episodes, self.trust_lambda(), c.internal_reward_norm,
+                                          c.invalid_action_penalty, self.reward_terms)
 
     def token_logprobs(self, ids, attn, mask, temperature: float, entropy: bool = False, restrict=None):
         """:func:`scoring.token_logprobs` on this policy (through the FSDP root when sharded)."""
@@ -231,77 +246,32 @@ class SelfGuideModule(LightningModule):
                                       temperature, whole_model=self._sharded(), entropy=entropy, restrict=restrict,
                                       share_prefix=self.share_prefix())
 
-    def collate(self, samples) -> dict[str, torch.Tensor]:
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        return scoring.collate(samples, pad)
-
     def training_step(self, batch: data.StepBatch, batch_idx):
+        """One GRPO step on the rollout the callback put on ``batch``: λ → prepare → update → log."""
         rb = batch.rollout
         if rb is None:
             raise RuntimeError("no rollout on this step's batch (is RolloutCallback installed?)")
-        c = self.grpo_cfg
-        t0 = time.perf_counter()
+        t0, step = time.perf_counter(), self.global_step  # the optimiser steps the rollout's weights had taken
         peak = PhasePeak(self.device)
         peak.start()
+        # λ(u); with grpo.trust_adaptive × the labels' measured reliability (one all-reduce: the same on every rank)
         lam = schedule = self.trust_lambda()
-        if c.trust_adaptive:  # λ(u) × the labels' measured reliability (the same on every rank)
+        if self.grpo_cfg.trust_adaptive:
             lam = schedule * self.trust_meter.update(rb.episodes, lambda t: distributed.all_reduce(t.to(self.device)))
-        returns, internal, terms = rewards.episode_returns(rb.episodes, lam, c.internal_reward_norm,
-                                                           self.reward_terms)  # [N], [N], {name: [N]}
-        groups = torch.tensor([e.group for e in rb.episodes], dtype=torch.long)  # [N]
-        logs: dict[str, float] = batch_stats(rb)
-        # the per-episode means go through torchmetrics so that under DDP they are means over all ranks' episodes
-        self.train_metrics.update(rb)
+        # returns, advantages, the rows to score (pure, on the CPU)
+        prepared = prepare_update(rb, lam, self.grpo_cfg, self.update_cfg, pad_token_id(self.tokenizer),
+                                  reward_terms=self.reward_terms, share_prefix=self.share_prefix(),
+                                  drop_failed_groups=self.rollout_cfg.failed_episodes == "drop_group")
+        # grpo.ppo_epochs optimiser steps on it (every rank, with or without rows: the same collectives)
+        update_logs = self.update(prepared)
+        # the step's numbers, merged over ranks
+        logs = step_logs(rb, prepared, step)
+        self.train_metrics.update(rb)  # per-episode means through torchmetrics: under DDP, over all ranks' episodes
         logs.update(self.train_metrics.compute())
         self.train_metrics.reset()
-        logs.update(step_logs(rb, lam, returns, internal, terms, groups, self.global_step))
-        if c.trust_adaptive:
+        if self.grpo_cfg.trust_adaptive:
             logs.update({"reward/lambda_schedule": schedule, "guidance/reliability": self.trust_meter.reliability})
-        samples = [s for s in rb.samples if any(s.policy)]
-        failed_groups = {e.group for e in rb.episodes if e.error is not None}
-        logs["rollout/failed_groups"] = float(len(failed_groups))
-        logs["rollout/dropped_groups"] = 0.0
-        if failed_groups and self.rollout_cfg.failed_episodes == "drop_group":
-            group_of = {e.index: e.group for e in rb.episodes}
-            samples = [s for s in samples if group_of[s.episode] not in failed_groups]
-            logs["rollout/dropped_groups"] = float(len(failed_groups))
-        if self.share_prefix():  # samples with common prefixes side by side: they share within a micro-batch
-            samples.sort(key=lambda s: s.ids)
-        step_data, tok_adv = None, None
-        if samples:
-            step_data = self.collate(samples)
-            # the grpo estimator: every policy token of every call of episode i carries Â_i (guidance and action
-            # tokens, every step)
-            estimator = grpo.resolve_advantage(c.advantage)
-            inputs = rewards.advantage_inputs(rb.episodes, returns, lam, terms, step_data, c,
-                                              self.rollout_cfg.invalid_action_penalty)
-            tok_adv = estimator(inputs).to(self.device)  # [S, L]
-            step_data = {k: v.to(self.device) for k, v in step_data.items()}
-            guidance_tokens = step_data["mask"] & (step_data["kinds"] == KIND_GUIDANCE)  # [S, L]
-            tok_adv = grpo.scale_guidance_advantages(tok_adv, guidance_tokens, c.guidance_advantage_scale)
-            logs["tokens/policy"] = float(step_data["mask"].sum())
-            logs["tokens/guidance_share"] = float(guidance_tokens.sum()) / max(logs["tokens/policy"], 1.0)
-            # choice tokens with one allowed continuation: no choice was made, so no loss and no place in the mean
-            logs["tokens/forced_choice"] = float(sum(s.forced for s in samples))
-            logs["tokens/total"] = float(step_data["attn"].sum())
-        # every rollout is one optimiser step per PPO epoch, with or without samples on this rank (under DDP all ranks
-        # must take part in the same collectives and keep the same step count)
-        mask = step_data["mask"] if step_data is not None else None
-        # global policy tokens and sequences (all micro-batches, all ranks): the loss is one mean over all of them
-        totals = distributed.all_reduce(grpo.policy_counts(mask).to(self.device))
-        zeros = skipped = 0.0
-        if mask is not None:
-            zero = grpo.zero_advantage_rows(tok_adv, mask)  # [S]
-            zeros = float(zero.sum())
-            if zeros and c.skip_zero_advantage and c.kl_coef == 0:
-                # no KL: samples with Â = 0 on every policy token add exactly 0 to loss and gradient (they stay in
-                # `totals`, the token-mean denominator): no forward/backward for them. With KL they are computed.
-                skipped = zeros
-                step_data, tok_adv = scoring.select_rows(step_data, ~zero), tok_adv[~zero]
-        logs["tokens/zero_advantage_samples"], logs["tokens/skipped_zero_advantage_samples"] = zeros, skipped
-        opt = self.optimizers()
-        for epoch in range(c.ppo_epochs):
-            logs.update(self._update(step_data, tok_adv, totals, bool(skipped), opt, first_epoch=epoch == 0))
+        logs.update(update_logs)
         logs["time/update_s"] = time.perf_counter() - t0
         logs.update(peak.read("update"))
         logs["train/skipped_updates"] = float(self.skipped_updates)
@@ -312,20 +282,34 @@ class SelfGuideModule(LightningModule):
         self.log("success", logs["rollout/success_rate"], on_step=True, prog_bar=True, logger=False)
         self.log("lam", lam, on_step=True, prog_bar=True, logger=False)
 
-    def _update(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None, totals: torch.Tensor,
-                skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
+    def update(self, prepared: UpdateBatch) -> dict[str, float]:
+        """``grpo.ppo_epochs`` optimiser steps on the prepared rows (one per epoch, with or without rows on this rank:
+        under DDP every rank takes part in the same collectives and keeps the same step count).  Returns the
+        token-weighted loss statistics."""
+        # this step's policy tokens and sequences over all ranks: the loss is one mean over all of them
+        totals = distributed.all_reduce(prepared.counts.to(self.device))
+        data = {k: v.to(self.device) for k, v in prepared.data.items()} if prepared.data is not None else None
+        adv = prepared.adv.to(self.device) if prepared.adv is not None else None
+        opt = self.optimizers()
+        out: dict[str, float] = {}
+        for epoch in range(self.grpo_cfg.ppo_epochs):
+            out.update(self._optimiser_step(data, adv, totals, prepared.rows_left_out, opt, first_epoch=epoch == 0))
+        return out
+
+    def _optimiser_step(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None,
+                        totals: torch.Tensor, skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
         """One optimiser step on the whole step's batch (micro-batches accumulate; under DDP one gradient sum over
         ranks; under FSDP every rank runs as many micro-batches).  ``totals``: the step's global policy tokens and
         sequences (the loss is one mean over all of them); ``skipped``: zero-advantage samples were left out.
         Returns the token-weighted statistics."""
-        c = self.grpo_cfg
+        c, mbs = self.grpo_cfg, self.update_cfg.micro_batch_size
         mask = step_data["mask"] if step_data is not None else None
         temp = self.rollout_cfg.temperature
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
         finite = True
         opt.zero_grad()
-        starts = ([st for st in range(0, mask.shape[0], c.micro_batch_size) if mask[st : st + c.micro_batch_size].any()]
+        starts = ([st for st in range(0, mask.shape[0], mbs) if mask[st : st + mbs].any()]
                   if mask is not None else [])
         sharded = self._sharded()
         if sharded:
@@ -337,18 +321,18 @@ class SelfGuideModule(LightningModule):
                 int(most.item()) - len(starts), lambda i, a, m: self.token_logprobs(i, a, m, temp),
                 self.manual_backward, self.device, c.kl_coef > 0, self.policy.disable_adapter)
         for start in starts:
-            mb = scoring.microbatch(step_data, tok_adv, slice(start, start + c.micro_batch_size))  # [B, W] each
+            mb = scoring.microbatch(step_data, tok_adv, slice(start, start + mbs))  # [B, W] each
             ids, attn, m, restrict = mb["ids"], mb["attn"], mb["mask"], mb["restrict"]
             ref = None
             if c.kl_coef > 0:
                 with torch.no_grad(), self.policy.disable_adapter():
                     ref, _ = self.token_logprobs(ids, attn, m, temp, restrict=restrict)
             logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True, restrict=restrict)
-            loss, st = grpo.grpo_loss(
+            loss, st = grpo_loss(
                 logp, mb["old_logp"], mb["adv"], m, clip_low=c.clip_low, clip_high=c.clip_high, ref_logp=ref,
                 kl_coef=c.kl_coef, kl_kind=c.kl_kind, loss_agg=c.loss_agg,
             )
-            w = grpo.microbatch_weight(m, totals, c.loss_agg).to(self.device)
+            w = microbatch_weight(m, totals, c.loss_agg).to(self.device)
             if not torch.isfinite(loss):
                 finite = False
                 if not sharded:
@@ -381,20 +365,20 @@ class SelfGuideModule(LightningModule):
 
     def _skip_update(self, opt) -> dict[str, float]:
         """A non-finite loss or gradient: no parameter (or optimiser state) moves, the step still counts; after
-        ``grpo.max_consecutive_skips`` in a row the run stops with a checkpoint and says why (the CLI exits 1)."""
+        ``update.max_consecutive_skips`` in a row the run stops with a checkpoint and says why (the CLI exits 1)."""
         self.skipped_updates += 1
         warnings.warn(f"step {self.rollouts_done}: non-finite loss or gradient; update skipped "
                       f"({self.skipped_updates} skipped so far)", RuntimeWarning, stacklevel=2)
         opt.zero_grad(set_to_none=True)  # grads None: the optimiser step leaves every parameter untouched
         opt.step()
         self.consecutive_skips += 1
-        limit = self.grpo_cfg.max_consecutive_skips
+        limit = self.update_cfg.max_consecutive_skips
         if limit and self.consecutive_skips >= limit:
             path = run_dir(self.trainer) / "checkpoints" / "nonfinite-stop.ckpt"
             path.parent.mkdir(parents=True, exist_ok=True)
             self.trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
             self.stop_reason = (
-                f"stopped after {limit} consecutive non-finite updates (grpo.max_consecutive_skips={limit}) at step "
+                f"stopped after {limit} consecutive non-finite updates (update.max_consecutive_skips={limit}) at step "
                 f"{self.rollouts_done + 1}; last good adapters saved in {path}. Lower the learning rate, set "
                 f"grpo.max_grad_norm, or check the rollouts' log-prob gap."
             )

@@ -1,4 +1,5 @@
-"""The validation report: per-mode statistics of the evaluation episodes, as data (JSON) and as Markdown.
+"""What a run reports: the validation report (per-mode statistics of the evaluation episodes, as data and as
+Markdown), the end-of-fit summary (:func:`fit_summary`) and one episode as text (:func:`trajectory_markdown`).
 
 A report holds, for each self-guidance mode played (``sg`` = on, ``nosg`` = off, on the same task seeds): the episode
 means of :data:`sglightning.metrics.EPISODE_KEYS`, success per task type, the failure-pattern rates of the failed
@@ -8,12 +9,14 @@ episodes (:mod:`sglightning.diagnostics`) and every episode as plain data; plus 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+from sglightning import memory
 from sglightning.calibration import calibration_stats
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS, episode_summary, failure_pattern_rates
+from sglightning.episodes import Episode
 from sglightning.metrics import per_task_type_success
-from sglightning.rollout import Episode
 
 
 def mode_stats(means: dict[str, float], episodes: list[Episode]) -> dict[str, Any]:
@@ -105,3 +108,123 @@ def report_markdown(report: dict[str, Any]) -> str:
     if versions:
         lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items())]
     return "\n".join(lines) + "\n"
+
+
+def trajectory_markdown(ep: Episode) -> str:
+    """One episode as Markdown (observations, guidance, actions) for TensorBoard's text panel."""
+
+    def quote(text: str) -> str:
+        return "\n".join("    " + line for line in str(text).splitlines()) or "    (empty)"
+
+    lines = [
+        f"**task** ({ep.task_type}, seed {ep.seed}, group {ep.group}): {ep.task}",
+        f"**result**: {'success' if ep.won else 'failure'}, env return {ep.env_return:g}, "
+        f"{len(ep.steps)} steps" + (f", error: {ep.error}" if ep.error else "")
+        + (", truncated" if ep.truncated else ""),
+        "",
+    ]
+    for t, s in enumerate(ep.steps, start=1):
+        lines.append(f"**step {t}** observation:")
+        lines.append(quote(s.observation))
+        if ep.guided:
+            lines.append(f"guidance: label **{s.label or 'unparsed'}** (r={s.internal_reward:+g}), reason:")
+            lines.append(quote(s.reason or s.guidance_text))
+        flag = " (invalid)" if s.invalid else ""
+        lines.append(f"action{flag}: `{(s.action or s.action_text or '').replace('`', '')}`")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _phase_lines(hist: list[dict], mean) -> list[str]:
+    """Label shares and episode length per phase of the trust weight λ: a constant positive label turns λ·Σr_t into a
+    bonus for length, which shows here as longer episodes while λ > 0."""
+    phases = {"λ = 0": [r for r in hist if r.get("reward/lambda", 0.0) == 0.0],
+              "0 < λ < 1": [r for r in hist if 0.0 < r.get("reward/lambda", 0.0) < 1.0],
+              "λ = 1": [r for r in hist if r.get("reward/lambda", 0.0) == 1.0]}
+    cells = [f"{name}: {len(rows)} steps, positive {mean('guidance/label_positive', rows):.2f}, negative "
+             f"{mean('guidance/label_negative', rows):.2f}, length {mean('rollout/episode_length', rows):.1f}"
+             for name, rows in phases.items() if rows]
+    return ["  by trust phase    " + " | ".join(cells)] if cells else []
+
+
+def _guidance_lines(hist: list[dict], mean) -> list[str]:
+    """The guidance labels' shares, their calibration against measured progress, and both per trust phase."""
+    return [
+        "  labels            "
+        + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),
+        f"  label calibration accuracy vs measured progress {mean('guidance/label_accuracy'):.2f}   AUROC vs "
+        f"success {mean('guidance/label_auroc_success'):.2f}   (nan: the env or the episodes could not tell)",
+        *_phase_lines(hist, mean),
+    ]
+
+
+def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict | None, after: dict | None,
+                run_dir: Path, adapter_dir: Path | None) -> str:
+    """The end-of-fit summary: the per-step logs ``hist`` averaged (all steps, first and last third), the validation
+    reports before and after training (``evaluation.before_fit``), where TensorBoard and the adapter are."""
+    if not hist:
+        return "sglightning: no training step ran"
+
+    def mean(key: str, rows=hist) -> float:
+        vals = [r[key] for r in rows if key in r]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    third = max(1, len(hist) // 3)  # the rise: first vs last third of the steps
+    guided = any("guidance/label_positive" in r for r in hist)  # labels were measured (none without guidance)
+    lines = [
+        "",
+        f"sglightning fit: {len(hist)} GRPO steps, {int(sum(r.get('rollout/episodes', 0) for r in hist))} episodes",
+        f"  success rate      all {mean('rollout/success_rate'):.3f}"
+        f" | first third {mean('rollout/success_rate', hist[:third]):.3f}"
+        f" | last third {mean('rollout/success_rate', hist[-third:]):.3f}",
+        f"  mean env return   {mean('rollout/env_return'):.3f}"
+        + (f"   internal sum {mean('reward/internal_sum'):+.3f}" if guided else ""),
+        *(_guidance_lines(hist, mean) if guided else []),
+        f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {skipped_updates}",
+        f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
+        *_memory_lines(hist),
+    ]
+    lines += _validation_lines(before, after)
+    lines.append(f"  TensorBoard       tensorboard --logdir {run_dir}")
+    lines.append(f"  adapter           {adapter_dir or run_dir / 'adapter'}")
+    return "\n".join(lines)
+
+
+def _memory_lines(hist: list[dict]) -> list[str]:
+    """The largest per-phase peak of the run (host RSS of the trainer process; accelerator memory on CUDA)."""
+    def peak(key: str) -> float | None:
+        vals = [r[key] for r in hist if key in r]
+        return max(vals) if vals else None
+
+    def per_phase(key_of) -> list[str]:
+        return [f"{phase} {v:.1f} GB" for phase in ("rollout", "update") if (v := peak(key_of(phase))) is not None]
+
+    parts = per_phase(memory.rss_key)
+    if not parts and (v := peak(memory.LIFETIME_RSS)) is not None:
+        parts = [f"{v:.1f} GB (process lifetime; this system cannot reset the peak per phase)"]
+    lines = [f"  peak memory       {'  '.join(parts)} (RSS of this process)"] if parts else []
+    acc = per_phase(memory.accelerator_key)
+    if acc:
+        lines.append(f"  peak accelerator  {'  '.join(acc)} (allocated by torch)")
+    return lines
+
+
+def _validation_lines(before: dict | None, after: dict | None) -> list[str]:
+    """One summary line per guidance mode: the success of the end-of-fit validation, preceded by the one before
+    training when ``evaluation.before_fit`` ran it ("before 0.125 -> after 0.406", same held-out tasks)."""
+    lines = []
+    for mode in dict.fromkeys([*(before or {}).get("modes", {}), *(after or {}).get("modes", {})]):
+        parts, episodes = [], 0
+        for rep, word in ((before, "before"), (after, "after")):
+            stats = (rep or {}).get("modes", {}).get(mode)
+            if stats is None:
+                continue
+            rate = f"{stats.get('rollout/success_rate', float('nan')):.3f}"
+            if before is not None:  # label the two numbers; a lone end-of-fit validation needs no label
+                at = f" (step {rep['step']})" if word == "before" and rep.get("step") else ""
+                rate = f"{word}{at} {rate}"
+            parts.append(rate)
+            episodes = stats.get("episodes", 0)
+        guidance = "self-guidance on" if mode == "sg" else "self-guidance off"
+        lines.append(f"  validation [{guidance}] success {' -> '.join(parts)} over {episodes} episodes")
+    return lines

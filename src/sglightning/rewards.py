@@ -3,6 +3,9 @@ estimator sees), and extra reward terms (no Lightning import).
 
     R_i = R_env,i − P_i + λ(u)·S_i + Σ_k w_k · term_k(episode_i)        (the maths is in :mod:`sglightning.grpo`)
 
+with P_i = Σ_t c·[a_t invalid] (``grpo.invalid_action_penalty`` c), computed here and only here
+(:func:`step_penalty`): the episode's return and its per-step shares use the same numbers.
+
 A term is a :class:`RewardTerm` subclass in one file, named in the config (``model.reward_terms``, a list of
 ``class_path`` / ``init_args``, like ``env``); its mean is logged as ``reward/<name>``.  The paper uses none; they are
 for experiments (e.g. dense progress where an environment reports a score).
@@ -17,7 +20,7 @@ import torch
 
 from sglightning import grpo
 from sglightning.calibration import label_progress_moments
-from sglightning.rollout import Episode
+from sglightning.episodes import Episode, StepRecord
 
 
 class RewardTerm(abc.ABC):
@@ -51,12 +54,18 @@ class ScoreGain(RewardTerm):
         return 0.0 if gained is None else gained / 100.0
 
 
-def episode_returns(episodes: Sequence[Episode], lam: float, normalise: str, terms: Sequence[RewardTerm] = ()
-                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def step_penalty(step: StepRecord, penalty: float) -> float:
+    """The invalid-action penalty of one step: ``penalty`` (c ≥ 0) for an invalid action, else 0."""
+    return penalty if step.invalid else 0.0
+
+
+def episode_returns(episodes: Sequence[Episode], lam: float, normalise: str = "sum", penalty: float = 0.0,
+                    terms: Sequence[RewardTerm] = ()) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Blended returns R_i [N], internal returns S_i [N] (as blended: summed or averaged over steps) and each extra
-    term's weighted values [N] by name."""
+    term's weighted values [N] by name.  ``penalty``: c, per invalid action."""
     env_ret = torch.tensor([e.env_return for e in episodes], dtype=torch.float32)  # [N]
-    penalties = torch.tensor([e.penalty for e in episodes], dtype=torch.float32)  # [N]
+    penalties = torch.tensor([sum(step_penalty(st, penalty) for st in e.steps) for e in episodes],
+                             dtype=torch.float32)  # [N] P_i
     internal = [torch.tensor(e.internal_rewards, dtype=torch.float32) for e in episodes]
     s = grpo.internal_returns(internal, normalise=normalise)  # [N]
     values = {t.name: torch.tensor([t(e) for e in episodes], dtype=torch.float32) for t in terms}  # [N] each
@@ -65,15 +74,15 @@ def episode_returns(episodes: Sequence[Episode], lam: float, normalise: str, ter
 
 
 def advantage_inputs(episodes: Sequence[Episode], returns: torch.Tensor, lam: float, terms: dict[str, torch.Tensor],
-                     step_data: dict[str, torch.Tensor], cfg: grpo.GRPOConfig, invalid_action_penalty: float
-                     ) -> grpo.AdvantageInputs:
+                     step_data: dict[str, torch.Tensor], cfg: grpo.GRPOConfig) -> grpo.AdvantageInputs:
     """What the advantage estimator sees: returns, groups, each step's share of the return (env reward − penalty +
     λ·r_t, the extra terms at the last step: the shares sum to R_i) and, per token, its episode and step."""
     extra = torch.stack(list(terms.values())).sum(0) if terms else torch.zeros(len(episodes))  # [N]
     step_returns = []
     for e, x in zip(episodes, extra.tolist()):
         scale = lam / len(e.steps) if cfg.internal_reward_norm == "mean" and e.steps else lam
-        vals = [st.env_reward - invalid_action_penalty * st.invalid + scale * st.internal_reward for st in e.steps]
+        vals = [st.env_reward - step_penalty(st, cfg.invalid_action_penalty) + scale * st.internal_reward
+                for st in e.steps]
         if vals:
             vals[-1] += x
         step_returns.append(torch.tensor(vals, dtype=torch.float32))  # [T_i]
@@ -85,12 +94,12 @@ def advantage_inputs(episodes: Sequence[Episode], returns: torch.Tensor, lam: fl
         token_step=step_data["steps"], mask=step_data["mask"], eps=cfg.adv_eps, scale=cfg.adv_scale)
 
 
-def informative_groups(episodes: Sequence[Episode], lam: float, normalise: str, terms: Sequence[RewardTerm] = ()
-                       ) -> set[int]:
+def informative_groups(episodes: Sequence[Episode], lam: float, normalise: str = "sum", penalty: float = 0.0,
+                       terms: Sequence[RewardTerm] = ()) -> set[int]:
     """The groups whose blended returns are not all equal (the others get advantage 0 and carry no gradient)."""
     if not episodes:
         return set()
-    returns, _, _ = episode_returns(episodes, lam, normalise, terms)
+    returns, _, _ = episode_returns(episodes, lam, normalise, penalty, terms)
     by: dict[int, set[float]] = {}
     for e, r in zip(episodes, returns.tolist()):
         by.setdefault(e.group, set()).add(r)

@@ -4,7 +4,9 @@
 environment step per round, and each round's model calls are batched across all live episodes.  For each episode we
 keep the exact token ids that were fed and sampled (never re-tokenised), which of them the policy wrote, the sampler's
 log-probabilities, and which are guidance vs action tokens — the trainer scores these ids directly (re-applying a
-chat template to the finished conversation would not give back the ids that were generated turn by turn).
+chat template to the finished conversation would not give back the ids that were generated turn by turn).  What it
+returns is a :class:`~sglightning.episodes.RolloutBatch` of the records in :mod:`sglightning.episodes`; returns are
+not computed here (an invalid action is flagged; its penalty belongs to the return: :mod:`sglightning.rewards`).
 
 Per step t (the method is written out in ``docs/method.md``):
 z_t = guide(task, trajectory ≤ t)  →  a_t = act(…, z_t)  →  o_{t+1}, r^env_t = env.step(a_t)
@@ -37,17 +39,17 @@ Departures from the paper (and why):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
+from sglightning.chat import ChatFormat, pad_token_id
+from sglightning.data import RolloutConfig
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.pool import EnvPool
+from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Episode, Piece, RolloutBatch, Sample, StepRecord
 from sglightning.guidance import (
     LABELS,
     ActorFormat,
@@ -64,16 +66,11 @@ from sglightning.guidance import (
     stream_next_user,
 )
 from sglightning.sampler import (
-    KIND_ACTION,
-    KIND_CONTEXT,
-    KIND_GUIDANCE,
     Choice,
     DecoderFactory,
     DecodeSession,
     Force,
     Free,
-    Piece,
-    Restriction,
     closing_tokens,
     end_of_turn_ids,
     newline_token_ids,
@@ -84,273 +81,6 @@ log = logging.getLogger(__name__)
 
 class RolloutAborted(Exception):
     """``Rollout.run``'s ``should_stop`` said stop (e.g. SIGTERM): the partial rollout is discarded."""
-
-
-@dataclass
-class RolloutConfig:
-    """How episodes are collected."""
-
-    groups_per_step: int = 2
-    """task groups per training step (N); each group is G episodes of one task seed"""
-    group_size: int = 4
-    """episodes per group (G); GRPO needs >= 2"""
-    max_steps: int = 8
-    """environment steps per episode"""
-    temperature: float = 1.0
-    """sampling temperature of training rollouts (the trainer scores tokens at the same temperature)"""
-    top_k: int = 0
-    """sample among the k most likely tokens only (0 = off); the set is recorded and scored like any restriction"""
-    invalid_action_penalty: float = 0.0
-    """subtracted from the episode return per invalid action (verl-agent uses 0.1)"""
-    max_context_tokens: int = 4096
-    """context cap: a single-stream episode whose context grows past it is truncated (counted); a two_call rate
-    prompt drops its oldest steps to fit (counted)"""
-    seed: int = 0
-    """base of all randomness (task seeds, sampling)"""
-    split: str = "train"
-    """the env split training tasks come from"""
-    env_step_timeout_s: float | None = 60.0
-    """an env step slower than this fails its episode (seconds; null = wait forever)"""
-    env_reset_timeout_s: float | None = 300.0
-    """the same for creating an env + ``reset`` (JVM start, task loading)"""
-    env_parallel: bool = True
-    """step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially"""
-    failed_episodes: Literal["keep", "drop_group"] = "keep"
-    """a group with an episode whose env failed (exception, timeout, dead process): ``keep`` trains on it (the failed
-    episode keeps the return it had reached; the others' comparison is intact) or ``drop_group`` leaves the whole
-    group out of the update (``rollout/dropped_groups`` counts them)"""
-    dynamic_sampling_rounds: int = 0
-    """DAPO's dynamic sampling: a group whose returns are all equal carries no gradient; up to this many extra rounds
-    of new tasks (the number of groups still missing) top the step up to ``groups_per_step`` informative groups
-    (judged with the schedule's λ).  0 = off.  The step's first round is kept whole, so rollout statistics still
-    describe the policy; added groups are counted as ``rollout/dynamic_sampling_groups``"""
-    env_max_concurrency: int = 0
-    """env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
-    raise it for envs that mostly wait, e.g. remote env servers)"""
-
-    def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"rollout.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")
-        if self.groups_per_step < 1:
-            raise ValueError(f"rollout.groups_per_step: must be >= 1, got {self.groups_per_step}")
-        if self.max_steps < 1:
-            raise ValueError(f"rollout.max_steps: must be >= 1, got {self.max_steps}")
-        if self.temperature <= 0:
-            raise ValueError(f"rollout.temperature: must be > 0, got {self.temperature}")
-        if self.invalid_action_penalty < 0:
-            raise ValueError(f"rollout.invalid_action_penalty: must be >= 0, got {self.invalid_action_penalty}")
-        if self.max_context_tokens < 64:
-            raise ValueError(f"rollout.max_context_tokens: must be >= 64, got {self.max_context_tokens}")
-        if self.failed_episodes not in ("keep", "drop_group"):
-            raise ValueError(f"rollout.failed_episodes: {self.failed_episodes!r} is not one of keep, drop_group")
-        if self.dynamic_sampling_rounds < 0:
-            raise ValueError(f"rollout.dynamic_sampling_rounds: must be >= 0, got {self.dynamic_sampling_rounds}")
-        if self.env_max_concurrency < 0:
-            raise ValueError(
-                f"rollout.env_max_concurrency: must be >= 0 (0 = CPU cores), got {self.env_max_concurrency}")
-        for key in ("env_step_timeout_s", "env_reset_timeout_s"):
-            v = getattr(self, key)
-            if v is not None and v <= 0:
-                raise ValueError(f"rollout.{key}: must be > 0 seconds or null (no timeout), got {v}")
-
-
-@dataclass
-class Sample:
-    """One token sequence the trainer scores.  All per-token lists have the same length (checked).
-
-    ``logprobs`` are those of the distribution each policy token was drawn from (renormalised over its
-    ``restrictions`` entry when sampling was restricted; see :mod:`sglightning.sampler`): the trainer scores the same
-    restricted distribution, so the importance ratio and the gradient are those of the policy that acted."""
-
-    episode: int
-    ids: list[int] = field(default_factory=list)
-    policy: list[bool] = field(default_factory=list)  # the policy sampled this token
-    logprobs: list[float] = field(default_factory=list)  # sampler log q (0.0 where not policy)
-    kinds: list[int] = field(default_factory=list)  # KIND_CONTEXT / KIND_GUIDANCE / KIND_ACTION
-    restrictions: list[Restriction | None] = field(default_factory=list)  # the set a policy token was drawn from
-    full_logprobs: list[float] = field(default_factory=list)  # unrestricted log π (diagnostic; 0.0 where not policy)
-    steps: list[int] = field(default_factory=list)
-    """the episode step (0-based env step) each token belongs to: the prompt and guidance/action of step t, and the
-    observation that opens step t, all carry t — what a step-level advantage estimator needs"""
-    forced: int = 0  # choice tokens with a single allowed continuation (context, not policy)
-
-    def extend_context(self, ids: Sequence[int], step: int = 0) -> None:
-        n = len(ids)
-        self.steps += [step] * n
-        self.ids += list(ids)
-        self.policy += [False] * n
-        self.logprobs += [0.0] * n
-        self.kinds += [KIND_CONTEXT] * n
-        self.restrictions += [None] * n
-        self.full_logprobs += [0.0] * n
-
-    def extend_piece(self, piece: Piece, step: int = 0) -> None:
-        self.steps += [step] * len(piece.ids)
-        self.ids += piece.ids
-        self.policy += piece.policy
-        self.logprobs += piece.logprobs
-        self.kinds += [piece.kind if p else KIND_CONTEXT for p in piece.policy]
-        self.restrictions += [r if p else None for r, p in zip(piece.restrictions, piece.policy)]
-        self.full_logprobs += piece.full_logprobs
-        self.forced += piece.forced
-
-    def check(self) -> None:
-        n = len(self.ids)
-        lengths = tuple(len(x) for x in (self.policy, self.logprobs, self.kinds, self.restrictions,
-                                          self.full_logprobs, self.steps))
-        if any(k != n for k in lengths):
-            raise AssertionError(
-                f"sample of episode {self.episode}: mask/logprob/kind lengths {lengths} differ from ids ({n})")
-        if n and self.policy[0]:
-            raise AssertionError("the first token of a sample cannot be a policy token (nothing predicts it)")
-
-
-@dataclass
-class StepRecord:
-    observation: str  # what the agent saw before acting
-    guidance_text: str = ""
-    label: str | None = None
-    reason: str = ""
-    action_text: str = ""  # the raw text the model wrote for the action
-    action: str | None = None  # what was sent to the env
-    invalid: bool = False
-    format_ok: bool = True  # the actor's answer had the configured shape (guidance.actor_format)
-    env_reward: float = 0.0
-    internal_reward: float = 0.0
-    info: dict = field(default_factory=dict)  # the env's step info (e.g. WebShop's purchase flags)
-    #: the progress this step's action made, as the env measured it (``StepResult.progress``, else the score
-    #: change); None = unknown
-    progress: float | None = None
-
-
-@dataclass
-class Episode:
-    index: int
-    group: int
-    seed: int
-    task: str = ""
-    task_type: str = "default"
-    steps: list[StepRecord] = field(default_factory=list)
-    won: bool = False
-    env_return: float = 0.0
-    score: float | None = None  # the env's latest score (raw: some envs start above 0)
-    initial_score: float | None = None  # the env's score at reset, where it reports one
-    penalty: float = 0.0  # invalid-action penalty total (>= 0)
-    samples: list[Sample] = field(default_factory=list)
-    error: str | None = None  # the environment failed: why
-    truncated: bool = False
-    done: bool = False
-    guided: bool = True
-    rate_calls: int = 0  # two_call rate prompts built
-    rate_truncations: int = 0  # ... whose trajectory had to be cut to fit rollout.max_context_tokens
-    # runtime only
-    admissible: list[str] | None = None
-    observation: str = ""
-    initial_observation: str = ""
-    action_help: str = ""
-    info: dict = field(default_factory=dict)  # the env's reset info (task_id, target_objects, ...)
-
-    @property
-    def internal_rewards(self) -> list[float]:
-        return [s.internal_reward for s in self.steps]
-
-    def without_samples(self) -> Episode:
-        """A copy without the token samples (what crosses ranks and goes into reports)."""
-        return dataclasses.replace(self, samples=[])
-
-    @property
-    def score_gained(self) -> float | None:
-        """The score earned during the episode (final minus the score at reset; None without a score)."""
-        if self.score is None:
-            return None
-        return self.score - (self.initial_score or 0.0)
-
-
-@dataclass
-class RolloutBatch:
-    episodes: list[Episode]
-    group_size: int
-    seconds: float = 0.0
-    env_seconds: float = 0.0  # wall time spent waiting for environment resets/steps
-    generated_tokens: int = 0
-    forward_calls: int = 0
-    #: row × position slots the decoder's context passes computed, padding included (a prompt shared by a group is
-    #: counted once when the decoder shares prefixes; 0 for a decoder that does not count)
-    prefill_positions: int = 0
-    policy_version: int = 0  # the trainer step whose weights sampled this batch (logged as rollout/policy_lag)
-    guided: bool = True
-    extra_groups: int = 0  # informative groups added by dynamic sampling (rollout.dynamic_sampling_rounds)
-    #: the rollout's peak memory ({"memory/rollout_peak_rss_gb": GB, ...}; filled by the trainer: sglightning.memory)
-    peak_memory: dict[str, float] = field(default_factory=dict)
-
-    def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:
-        """Append ``other``'s groups ``groups`` (renumbered after this batch's groups and episodes) and its costs."""
-        next_index = max((e.index for e in self.episodes), default=-1) + 1
-        next_group = max((e.group for e in self.episodes), default=-1) + 1
-        renumber = {g: next_group + k for k, g in enumerate(sorted(groups))}
-        for ep in other.episodes:
-            if ep.group in renumber:
-                ep.group, ep.index = renumber[ep.group], next_index
-                for s in ep.samples:
-                    s.episode = next_index
-                next_index += 1
-                self.episodes.append(ep)
-        self.extra_groups += len(renumber)
-        self.seconds += other.seconds
-        self.env_seconds += other.env_seconds
-        self.generated_tokens += other.generated_tokens
-        self.forward_calls += other.forward_calls
-        self.prefill_positions += other.prefill_positions
-
-    @property
-    def samples(self) -> list[Sample]:
-        return [s for e in self.episodes for s in e.samples]
-
-
-class ChatFormat:
-    """Renders chat turns to token ids with the tokenizer's own template, incrementally for the single stream.
-
-    ``template_kwargs`` go to ``apply_chat_template`` (e.g. ``enable_thinking``).  A template that knows
-    ``enable_thinking`` (Qwen3) gets ``enable_thinking=False`` unless told otherwise: its thinking mode would open a
-    ``<think>`` block in every answer, where the actor's first line must be an action and the rate call's budget is
-    a few dozen tokens (any think block a model writes anyway is removed before parsing)."""
-
-    _A, _U = "@@SGL_A@@", "@@SGL_U@@"
-
-    def __init__(self, tokenizer, template_kwargs: dict | None = None):
-        self.tok = tokenizer
-        self.kwargs = dict(template_kwargs or {})
-        template = str(getattr(tokenizer, "chat_template", "") or "")
-        if "enable_thinking" in template and "enable_thinking" not in self.kwargs:
-            self.kwargs["enable_thinking"] = False
-        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-        turn = [{"role": "assistant", "content": self._A}, {"role": "user", "content": self._U}]
-        t2 = self._render(base + turn, True)
-        a = t2.find(self._A)
-        u = t2.find(self._U, a + len(self._A)) if a >= 0 else -1
-        if u < 0:
-            raise ValueError("the tokenizer's chat template cannot be rendered incrementally (single_stream mode)")
-        # what closes an assistant turn and opens a user turn / what closes it and opens the next answer
-        self.turn_prefix, self.turn_suffix = t2[a + len(self._A) : u], t2[u + len(self._U) :]
-        self.eos_text = tokenizer.eos_token or ""
-
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.kwargs
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
-
-    def prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.encode(self._render(messages, True))
-
-    def next_turn_ids(self, user_text: str, turn_closed: bool) -> list[int]:
-        """Ids that close the assistant turn (unless the model already did), add a user turn, open the next answer."""
-        prefix = self.turn_prefix
-        if turn_closed and self.eos_text and prefix.startswith(self.eos_text):
-            prefix = prefix[len(self.eos_text) :]
-        return self.encode(prefix + user_text + self.turn_suffix)
 
 
 class Rollout:
@@ -389,17 +119,12 @@ class Rollout:
         self.eot_id = tokenizer.eos_token_id
         self.newline = newline_token_ids(tokenizer)
         self.label_options = [self.chat.encode(" " + lab) for lab in LABELS]
-        pad = tokenizer.pad_token_id
-        self.pad_id = pad if pad is not None else tokenizer.eos_token_id
+        self.pad_id = pad_token_id(tokenizer)
 
     # ------------------------------------------------------------------------------------------------------------------
     def close(self) -> None:
         """Close every environment worker (JVMs included)."""
         self.pool.close()
-
-    def env(self, slot: int) -> TextEnv:
-        """The environment of episode slot ``slot`` (created now if needed; raises what the env constructor raises)."""
-        return self.pool.env(slot)
 
     def _fail(self, ep: Episode, reason: str) -> None:
         ep.error = reason[:500]
@@ -471,7 +196,6 @@ class Rollout:
                 s.check()
         return RolloutBatch(
             episodes=episodes,
-            group_size=g,
             seconds=time.perf_counter() - t0,
             env_seconds=self._env_seconds,
             generated_tokens=stats["tokens"],
@@ -745,8 +469,6 @@ class Rollout:
             ep.admissible is not None and match_admissible(action, ep.admissible) is None
         )
         rec.invalid = invalid
-        if invalid:
-            ep.penalty += self.cfg.invalid_action_penalty
         rec.env_reward = float(res.reward)
         rec.info = dict(res.info) if isinstance(res.info, dict) else {}
         ep.env_return += float(res.reward)

@@ -30,13 +30,11 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-KIND_CONTEXT = 0
-KIND_GUIDANCE = 1
-KIND_ACTION = 2
+from sglightning.episodes import KIND_ACTION, KIND_CONTEXT, Piece, Restriction
 
 
 @dataclass
@@ -64,17 +62,6 @@ class Choice:
 Segment = Force | Free | Choice
 
 
-@dataclass(frozen=True)
-class Restriction:
-    """The token set A a sampled token was drawn from, when that was not the whole vocabulary.
-
-    ``exclude=False``: A = ``ids`` (a ``Choice``'s allowed continuations, the top-k);  ``exclude=True``: A = every
-    token except ``ids`` (a ``Free`` segment's banned tokens).  ``ids`` are sorted and unique."""
-
-    ids: tuple[int, ...]
-    exclude: bool = False
-
-
 def log_mass(logp: torch.Tensor, restriction: Restriction) -> torch.Tensor:
     """Log Σ_{a∈A} π(a) for a row of log-probabilities ``logp`` [V] (or rows [R, V] sharing one restriction)."""
     sel = logp[..., list(restriction.ids)]  # [..., K]
@@ -87,31 +74,6 @@ def log_mass(logp: torch.Tensor, restriction: Restriction) -> torch.Tensor:
 def complement_log_mass(lse: torch.Tensor) -> torch.Tensor:
     """log(1 − e^lse): the log-mass of everything but a set whose log-mass is ``lse`` (≤ 0), stable near both ends."""
     return torch.log(-torch.expm1(lse.clamp(max=-1e-20)))
-
-
-@dataclass
-class Piece:
-    """What one segment produced for one row."""
-
-    kind: int
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)  # log q of the (restricted) sampling distribution
-    policy: list[bool] = field(default_factory=list)
-    restrictions: list[Restriction | None] = field(default_factory=list)  # what each policy token was drawn from
-    full_logprobs: list[float] = field(default_factory=list)  # unrestricted log π (diagnostic)
-    choice_index: int | None = None  # for Choice: which option was taken
-    hit_stop: bool = False  # for Free: ended on a stop token (not on the cap)
-    forced: int = 0  # Choice tokens that had a single allowed continuation (recorded as context)
-
-    def add(
-        self, tok: int, logprob: float, policy: bool, restriction: Restriction | None = None,
-        full_logprob: float | None = None,
-    ) -> None:
-        self.ids.append(tok)
-        self.logprobs.append(logprob)
-        self.policy.append(policy)
-        self.restrictions.append(restriction)
-        self.full_logprobs.append(logprob if full_logprob is None else full_logprob)
 
 
 def build_trie(options: Sequence[Sequence[int]]) -> dict:

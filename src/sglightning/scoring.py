@@ -1,6 +1,6 @@
 r"""Scoring sampled tokens under the current weights (no Lightning import).
 
-:func:`collate` pads a batch of :class:`~sglightning.rollout.Sample` into tensors; :func:`logprobs_from_logits` turns
+:func:`collate` pads a batch of :class:`~sglightning.episodes.Sample` into tensors; :func:`logprobs_from_logits` turns
 the LM's logits at the policy positions into the log-probabilities of the sampled ids.
 
 The policy that acted
@@ -27,11 +27,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Restriction
 from sglightning.grpo import entropy_from_logits, masked_mean
 from sglightning.sampler import (
-    KIND_ACTION,
-    KIND_GUIDANCE,
-    Restriction,
     cache_argument_name,
     cluster_heads,
     complement_log_mass,

@@ -1,4 +1,8 @@
-"""Lightning strategies as this trainer uses them.
+"""Lightning strategies as this trainer uses them, and the checks that read a configured strategy.
+
+``sharding_of`` names what a strategy does to the policy (``"fsdp2"``, ``"fsdp1"`` or None: one device, DDP); the
+Lightning-free code below (:mod:`sglightning.distributed`) takes that name, never the strategy.  ``check_quantization``
+and ``check_tensor_parallel`` refuse what this trainer cannot run, before any process starts.
 
 ``FSDP2Strategy``: Lightning's ``ModelParallelStrategy`` as pure FSDP2 over every process, with adapter-only
 distributed checkpoints.  ``FSDP1Strategy``: Lightning's ``FSDPStrategy`` with the same checkpoints.
@@ -29,8 +33,45 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+from sglightning.distributed import clean_name, refuse_tensor_parallel
+from sglightning.errors import ConfigError
+
 #: the file Lightning writes next to the shards with everything that is not a model or optimiser tensor
 _METADATA = "meta.pt"
+
+
+def sharding_of(strategy: Any) -> str | None:
+    """``"fsdp2"`` (``ModelParallelStrategy``, so :class:`FSDP2Strategy`), ``"fsdp1"`` (``FSDPStrategy``, so
+    :class:`FSDP1Strategy`) or ``None`` (no strategy, one device, DDP)."""
+    if isinstance(strategy, ModelParallelStrategy):
+        return "fsdp2"
+    if isinstance(strategy, FSDPStrategy):
+        return "fsdp1"
+    return None
+
+
+def check_quantization(quantization: str | None, strategy: Any) -> None:
+    """QLoRA under FSDP is refused (``ConfigError`` naming ``model.policy.quantization``)."""
+    if quantization and sharding_of(strategy) is not None:
+        raise ConfigError(
+            f"model.policy.quantization: {quantization} under {type(strategy).__name__} "
+            f"(QLoRA under FSDP) is not supported: on this project's checks bitsandbytes' 4-bit weights fail "
+            f"under FSDP2 (in-place bias add on gathered weights during the update) and FSDP1 (integer storage "
+            f"cannot be flattened). Use DDP with 4-bit (a 4-bit 7B base fits one 24 GB GPU), or FSDP with "
+            f"quantization: null"
+        )
+
+
+def check_tensor_parallel(strategy: Any) -> None:
+    """Lightning's ``ModelParallelStrategy`` with a tensor-parallel size above 1 — its ``"auto"`` default is one
+    node's process count — is refused before any process starts (``ConfigError`` naming ``trainer.strategy``): this
+    trainer has no tensor-parallel plan, and the run would otherwise replicate the model silently."""
+    if not isinstance(strategy, ModelParallelStrategy):
+        return
+    tp = getattr(strategy, "_tensor_parallel_size", 1)
+    if tp == "auto":  # Lightning's rule (ModelParallelStrategy.setup_environment): the processes of one node
+        tp = len(getattr(strategy, "parallel_devices", None) or [None])
+    refuse_tensor_parallel(int(tp))
 
 
 class _AdapterCheckpoints:
@@ -136,8 +177,6 @@ def _save_swapped(strategy, filepath, write) -> None:
 
 def _trainable_keys(model: torch.nn.Module) -> set[str]:
     """State-dict names of the trainable (adapter) weights (FSDP1 wrapper names removed, as its state dicts do)."""
-    from sglightning.distributed import clean_name
-
     return {clean_name(name) for name, p in model.named_parameters() if p.requires_grad}
 
 

@@ -68,9 +68,9 @@ def installed_versions(dists: Iterable[str]) -> dict[str, str]:
 
 
 class TextEnv(abc.ABC):
-    """Base class of all environments (subclass it and register with :func:`sglightning.envs.register_env`)."""
+    """Base class of all environments (subclass it and name the subclass as ``model.env.class_path``)."""
 
-    #: short name used in configs and metrics
+    #: short name (reports, logs)
     name: str = "env"
     #: the splits ``reset`` accepts
     splits: tuple[str, ...] = ("train", "dev", "test")

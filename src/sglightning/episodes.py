@@ -1,0 +1,214 @@
+"""The records one training step is made of, from the decoder's tokens to the played episodes (ground floor:
+dataclasses only, no torch, no model, no Lightning).
+
+Every layer names these and none of them runs anything, so a module that only reads episodes (rewards, metrics,
+reports, a user's reward term) imports this file and never the rollout engine.
+
+* :class:`Piece` — what one segment of a turn's program produced for one row: token ids, which of them the policy
+  sampled, their log-probs and the :class:`Restriction` each was drawn from (the decoder's output);
+* :class:`Sample` — one token sequence the trainer scores (one call, or a whole single-stream episode), built from
+  context ids and pieces, with a kind (``KIND_CONTEXT`` / ``KIND_GUIDANCE`` / ``KIND_ACTION``) and an episode step
+  per token;
+* :class:`StepRecord` — one environment step as played: observation, guidance (label, reason), action, reward, the
+  progress the environment measured;
+* :class:`Episode` — one episode: its task, steps, outcome and samples;
+* :class:`RolloutBatch` — one rollout: the episodes of every group and what producing them cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: token kinds (``Sample.kinds``): written by the prompt or the environment, by the guide, by the actor
+KIND_CONTEXT = 0
+KIND_GUIDANCE = 1
+KIND_ACTION = 2
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """The token set A a sampled token was drawn from, when that was not the whole vocabulary.
+
+    ``exclude=False``: A = ``ids`` (a ``Choice``'s allowed continuations, the top-k);  ``exclude=True``: A = every
+    token except ``ids`` (a ``Free`` segment's banned tokens).  ``ids`` are sorted and unique."""
+
+    ids: tuple[int, ...]
+    exclude: bool = False
+
+
+@dataclass
+class Piece:
+    """What one segment produced for one row."""
+
+    kind: int
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # log q of the (restricted) sampling distribution
+    policy: list[bool] = field(default_factory=list)
+    restrictions: list[Restriction | None] = field(default_factory=list)  # what each policy token was drawn from
+    full_logprobs: list[float] = field(default_factory=list)  # unrestricted log π (diagnostic)
+    choice_index: int | None = None  # for Choice: which option was taken
+    hit_stop: bool = False  # for Free: ended on a stop token (not on the cap)
+    forced: int = 0  # Choice tokens that had a single allowed continuation (recorded as context)
+
+    def add(
+        self, tok: int, logprob: float, policy: bool, restriction: Restriction | None = None,
+        full_logprob: float | None = None,
+    ) -> None:
+        self.ids.append(tok)
+        self.logprobs.append(logprob)
+        self.policy.append(policy)
+        self.restrictions.append(restriction)
+        self.full_logprobs.append(logprob if full_logprob is None else full_logprob)
+
+
+@dataclass
+class Sample:
+    """One token sequence the trainer scores.  All per-token lists have the same length (checked).
+
+    ``logprobs`` are those of the distribution each policy token was drawn from (renormalised over its
+    ``restrictions`` entry when sampling was restricted; see :mod:`sglightning.sampler`): the trainer scores the same
+    restricted distribution, so the importance ratio and the gradient are those of the policy that acted."""
+
+    episode: int
+    ids: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)  # the policy sampled this token
+    logprobs: list[float] = field(default_factory=list)  # sampler log q (0.0 where not policy)
+    kinds: list[int] = field(default_factory=list)  # KIND_CONTEXT / KIND_GUIDANCE / KIND_ACTION
+    restrictions: list[Restriction | None] = field(default_factory=list)  # the set a policy token was drawn from
+    full_logprobs: list[float] = field(default_factory=list)  # unrestricted log π (diagnostic; 0.0 where not policy)
+    steps: list[int] = field(default_factory=list)
+    """the episode step (0-based env step) each token belongs to: the prompt and guidance/action of step t, and the
+    observation that opens step t, all carry t — what a step-level advantage estimator needs"""
+    forced: int = 0  # choice tokens with a single allowed continuation (context, not policy)
+
+    def extend_context(self, ids: Sequence[int], step: int = 0) -> None:
+        n = len(ids)
+        self.steps += [step] * n
+        self.ids += list(ids)
+        self.policy += [False] * n
+        self.logprobs += [0.0] * n
+        self.kinds += [KIND_CONTEXT] * n
+        self.restrictions += [None] * n
+        self.full_logprobs += [0.0] * n
+
+    def extend_piece(self, piece: Piece, step: int = 0) -> None:
+        self.steps += [step] * len(piece.ids)
+        self.ids += piece.ids
+        self.policy += piece.policy
+        self.logprobs += piece.logprobs
+        self.kinds += [piece.kind if p else KIND_CONTEXT for p in piece.policy]
+        self.restrictions += [r if p else None for r, p in zip(piece.restrictions, piece.policy)]
+        self.full_logprobs += piece.full_logprobs
+        self.forced += piece.forced
+
+    def check(self) -> None:
+        n = len(self.ids)
+        lengths = tuple(len(x) for x in (self.policy, self.logprobs, self.kinds, self.restrictions,
+                                          self.full_logprobs, self.steps))
+        if any(k != n for k in lengths):
+            raise AssertionError(
+                f"sample of episode {self.episode}: mask/logprob/kind lengths {lengths} differ from ids ({n})")
+        if n and self.policy[0]:
+            raise AssertionError("the first token of a sample cannot be a policy token (nothing predicts it)")
+
+
+@dataclass
+class StepRecord:
+    observation: str  # what the agent saw before acting
+    guidance_text: str = ""
+    label: str | None = None
+    reason: str = ""
+    action_text: str = ""  # the raw text the model wrote for the action
+    action: str | None = None  # what was sent to the env
+    invalid: bool = False
+    format_ok: bool = True  # the actor's answer had the configured shape (guidance.actor_format)
+    env_reward: float = 0.0
+    internal_reward: float = 0.0
+    info: dict = field(default_factory=dict)  # the env's step info (e.g. WebShop's purchase flags)
+    #: the progress this step's action made, as the env measured it (``StepResult.progress``, else the score
+    #: change); None = unknown
+    progress: float | None = None
+
+
+@dataclass
+class Episode:
+    index: int
+    group: int
+    seed: int
+    task: str = ""
+    task_type: str = "default"
+    steps: list[StepRecord] = field(default_factory=list)
+    won: bool = False
+    env_return: float = 0.0
+    score: float | None = None  # the env's latest score (raw: some envs start above 0)
+    initial_score: float | None = None  # the env's score at reset, where it reports one
+    samples: list[Sample] = field(default_factory=list)
+    error: str | None = None  # the environment failed: why
+    truncated: bool = False
+    done: bool = False
+    guided: bool = True
+    rate_calls: int = 0  # two_call rate prompts built
+    rate_truncations: int = 0  # ... whose trajectory had to be cut to fit rollout.max_context_tokens
+    # runtime only
+    admissible: list[str] | None = None
+    observation: str = ""
+    initial_observation: str = ""
+    action_help: str = ""
+    info: dict = field(default_factory=dict)  # the env's reset info (task_id, target_objects, ...)
+
+    @property
+    def internal_rewards(self) -> list[float]:
+        return [s.internal_reward for s in self.steps]
+
+    def without_samples(self) -> Episode:
+        """A copy without the token samples (what crosses ranks and goes into reports)."""
+        return dataclasses.replace(self, samples=[])
+
+    @property
+    def score_gained(self) -> float | None:
+        """The score earned during the episode (final minus the score at reset; None without a score)."""
+        if self.score is None:
+            return None
+        return self.score - (self.initial_score or 0.0)
+
+
+@dataclass
+class RolloutBatch:
+    episodes: list[Episode]
+    seconds: float = 0.0
+    env_seconds: float = 0.0  # wall time spent waiting for environment resets/steps
+    generated_tokens: int = 0
+    forward_calls: int = 0
+    #: row × position slots the decoder's context passes computed, padding included (a prompt shared by a group is
+    #: counted once when the decoder shares prefixes; 0 for a decoder that does not count)
+    prefill_positions: int = 0
+    policy_version: int = 0  # the trainer step whose weights sampled this batch (logged as rollout/policy_lag)
+    guided: bool = True
+    extra_groups: int = 0  # informative groups added by dynamic sampling (rollout.dynamic_sampling_rounds)
+    #: the rollout's peak memory ({"memory/rollout_peak_rss_gb": GB, ...}; filled by the trainer: sglightning.memory)
+    peak_memory: dict[str, float] = field(default_factory=dict)
+
+    def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:
+        """Append ``other``'s groups ``groups`` (renumbered after this batch's groups and episodes) and its costs."""
+        next_index = max((e.index for e in self.episodes), default=-1) + 1
+        next_group = max((e.group for e in self.episodes), default=-1) + 1
+        renumber = {g: next_group + k for k, g in enumerate(sorted(groups))}
+        for ep in other.episodes:
+            if ep.group in renumber:
+                ep.group, ep.index = renumber[ep.group], next_index
+                for s in ep.samples:
+                    s.episode = next_index
+                next_index += 1
+                self.episodes.append(ep)
+        self.extra_groups += len(renumber)
+        self.seconds += other.seconds
+        self.env_seconds += other.env_seconds
+        self.generated_tokens += other.generated_tokens
+        self.forward_calls += other.forward_calls
+        self.prefill_positions += other.prefill_positions
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for e in self.episodes for s in e.samples]

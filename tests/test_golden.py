@@ -1,0 +1,134 @@
+"""The same seeds train the same adapters: two fixed tiny-model fits through the CLI, compared with fingerprints
+recorded before the trainer's step was re-laid out (tests/fixtures/golden/*.json; the fingerprint of every adapter
+tensor and the per-step numbers of the run).
+
+Arm ``kl``: the tiny config as it was (single stream, constrained labels, admissible actions, a KL term).
+Arm ``paths``: the other branches of one step — two_call prompts, free guidance and free JSON actions, the
+invalid-action penalty, no KL, a guidance advantage scale, two PPO epochs, a reward term that varies within each
+group (so the free-text episodes have something to train on), constant trust, dynamic sampling, ``drop_group``, no
+shared prefixes, micro-batches of 3.
+
+A change that alters what a step computes (returns, advantages, rows, weights, the loss) moves these numbers far past
+the tolerance, which only absorbs float rounding across CPUs (fp32)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglightning.cli import cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "fixtures" / "golden"
+
+BASE = """
+trainer:
+  max_steps: 3
+  accelerator: cpu
+  devices: 1
+  logger: false
+  enable_progress_bar: false
+  limit_val_batches: 0
+model:
+  policy: {name_or_path: "embedded:tiny", lora_r: 8, lora_alpha: 16}
+  env:
+    class_path: sglightning.envs.household.HouseholdEnv
+    init_args: {difficulty: 0, info_actions: false}
+  rollout: {groups_per_step: 2, group_size: 4, max_steps: 4, temperature: 1.0}
+  guidance: {prompt_mode: single_stream, decoding: constrained, action_decoding: admissible,
+             max_guidance_tokens: 8, max_action_tokens: 8}
+  grpo: {kl_coef: 0.01}
+  update: {micro_batch_size: 8}
+  evaluation: {num_tasks: 4, tasks_per_batch: 4}
+  optimizer:
+    class_path: torch.optim.AdamW
+    init_args: {lr: 1.0e-3}
+"""
+
+ARMS = {
+    "kl": "",
+    "paths": """
+trainer: {max_steps: 6}
+model:
+  rollout: {max_steps: 3, dynamic_sampling_rounds: 1, failed_episodes: drop_group}
+  guidance: {prompt_mode: two_call, decoding: free, action_decoding: free, actor_format: json}
+  grpo: {kl_coef: 0.0, invalid_action_penalty: 0.1, guidance_advantage_scale: 0.5, trust_constant: 1.0, ppo_epochs: 2}
+  update: {micro_batch_size: 3, share_prefix: false}
+  reward_terms:
+    - class_path: fakes.TextLengthBonus
+""",
+}
+
+#: logged per step and compared (the rollout's counts exactly, the rest to float rounding)
+EXACT = ("rollout/episodes", "tokens/policy", "tokens/total", "tokens/zero_advantage_samples",
+         "tokens/skipped_zero_advantage_samples", "rollout/dynamic_sampling_groups", "rollout/degenerate_groups")
+CLOSE = ("rollout/success_rate", "rollout/invalid_action_rate", "reward/blended_return", "reward/internal_return",
+         "loss/policy", "loss/kl", "policy/ratio_mean", "train/grad_norm")
+
+
+def fingerprint(module) -> dict:
+    """Per adapter tensor: its sum, L2 norm and projection on a fixed random vector (float64); per step: the logged
+    numbers above."""
+    gen = torch.Generator().manual_seed(1234)
+    tensors = {}
+    for name, p in sorted(module.policy.named_parameters()):
+        if p.requires_grad:
+            v = p.detach().double().flatten()
+            probe = torch.randn(v.numel(), generator=gen, dtype=torch.float64)
+            tensors[name] = [float(v.sum()), float(v.norm()), float(v @ probe)]
+    steps = [{k: h[k] for k in (*EXACT, *CLOSE) if k in h} for h in module.history]
+    return {"tensors": tensors, "steps": steps}
+
+
+def run_arm(arm: str, tmp_path: Path) -> dict:
+    base = tmp_path / "base.yaml"
+    base.write_text(BASE)
+    args = ["fit", "--config", str(base), f"--trainer.default_root_dir={tmp_path}", "--seed_everything=0"]
+    if ARMS[arm]:
+        extra = tmp_path / f"{arm}.yaml"
+        extra.write_text(ARMS[arm])
+        args += ["--config", str(extra)]
+    return fingerprint(cli_main(args).model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arm", sorted(ARMS))
+def test_same_seed_same_adapters_as_recorded(arm, tmp_path):
+    got = run_arm(arm, tmp_path)
+    want = json.loads((GOLDEN / f"{arm}.json").read_text())
+    assert len(got["steps"]) == len(want["steps"])
+    for t, (g, w) in enumerate(zip(got["steps"], want["steps"])):
+        assert g.keys() == w.keys(), t
+        for k in EXACT:
+            if k in w:
+                assert g[k] == w[k], (t, k)
+        for k in CLOSE:
+            if k in w:
+                assert math.isclose(g[k], w[k], rel_tol=1e-3, abs_tol=1e-6), (t, k, g[k], w[k])
+    assert got["tensors"].keys() == want["tensors"].keys()
+    moved = 0
+    for name, w in want["tensors"].items():
+        g = got["tensors"][name]
+        for a, b in zip(g, w):
+            assert math.isclose(a, b, rel_tol=1e-3, abs_tol=1e-5), (name, g, w)
+        moved += "lora_B" in name and w[1] > 0  # LoRA B starts at 0: a non-zero norm is training
+    assert moved > 0
+
+
+if __name__ == "__main__":  # re-record the fingerprints (only for a change that means to alter what a step computes)
+    import sys
+    import tempfile
+
+    if sys.argv[1:] != ["record"]:
+        sys.exit("usage: python tests/test_golden.py record")
+    sys.argv = sys.argv[:1]  # the CLI is driven with explicit args
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "tests"))  # fakes.TextLengthBonus, as under pytest
+    for name in sorted(ARMS):
+        with tempfile.TemporaryDirectory() as tmp:
+            (GOLDEN / f"{name}.json").write_text(json.dumps(run_arm(name, Path(tmp)), indent=1, sort_keys=True))
+        print(f"recorded {GOLDEN / name}.json")

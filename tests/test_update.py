@@ -1,0 +1,126 @@
+"""prepare_update on hand-built rollouts (no model, no Lightning): returns, token advantages, row selection, counts."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Episode, Piece, RolloutBatch, Sample, StepRecord
+from sglightning.grpo import GRPOConfig
+from sglightning.update import UpdateConfig, prepare_update
+
+A = 1 / math.sqrt(2)  # a group of two unequal returns: Â = ±(d/2) / (|d|/√2) = ±1/√2 (unbiased std), up to eps
+
+
+def _sample(episode: int, prompt: list[int], guidance: list[int], action: list[int]) -> Sample:
+    s = Sample(episode)
+    s.extend_context(prompt)
+    for ids, kind in ((guidance, KIND_GUIDANCE), (action, KIND_ACTION)):
+        p = Piece(kind)
+        for t in ids:
+            p.add(t, -0.5, True)
+        s.extend_piece(p)
+    s.check()
+    return s
+
+
+def _episode(index: int, group: int, env_reward: float, labels: list[float], invalid: list[bool],
+             error: str | None = None, prompt=(1, 2, 3)) -> Episode:
+    ep = Episode(index=index, group=group, seed=100 + group, error=error)
+    for k, (r, bad) in enumerate(zip(labels, invalid)):
+        ep.steps.append(StepRecord(observation="o", internal_reward=r, invalid=bad,
+                                   env_reward=env_reward if k == len(labels) - 1 else 0.0))
+    ep.env_return = env_reward
+    ep.samples = [_sample(index, list(prompt), [10 + index, 11], [20 + index])]
+    return ep
+
+
+def _batch() -> RolloutBatch:
+    """Group 0: one won (R = 1 + λ·0.2), one lost with an invalid action (R = −0.1 + λ·0); group 1: equal returns."""
+    return RolloutBatch(episodes=[
+        _episode(0, 0, 1.0, [0.1, 0.1], [False, False]),
+        _episode(1, 0, 0.0, [0.0, 0.0], [True, False]),
+        _episode(2, 1, 0.0, [0.1], [False], prompt=(1, 2, 9)),
+        _episode(3, 1, 0.0, [0.1], [False], prompt=(1, 2, 9)),
+    ])
+
+
+def _prepare(batch=None, lam=0.5, **kw):
+    grpo = dict(kl_coef=0.0, invalid_action_penalty=0.1)
+    grpo.update(kw.pop("grpo", {}))
+    return prepare_update(batch or _batch(), lam, GRPOConfig(**grpo), UpdateConfig(**kw.pop("update", {})), pad_id=0,
+                          **kw)
+
+
+def test_returns_by_hand_and_every_policy_token_carries_its_episode_advantage():
+    u = _prepare(grpo={"kl_coef": 0.01})  # with a KL term every row is scored
+    # R = env − 0.1·invalid + λ·Σr
+    torch.testing.assert_close(u.returns, torch.tensor([1.0 + 0.5 * 0.2, -0.1, 0.05, 0.05]))
+    torch.testing.assert_close(u.internal, torch.tensor([0.2, 0.0, 0.1, 0.1]))
+    assert u.lam == 0.5 and u.data is not None and u.data["ids"].shape[0] == 4
+    m = u.data["mask"]
+    expected = [A, -A, 0.0, 0.0]  # group 1 is degenerate: exactly 0
+    for row, a in enumerate(expected):
+        assert torch.allclose(u.adv[row][m[row]], torch.full((3,), a), atol=1e-5), row
+        assert (u.adv[row][~m[row]] == 0).all()
+    assert u.stats["tokens/policy"] == 12.0 and u.stats["tokens/guidance_share"] == pytest.approx(8 / 12)
+    assert u.stats["tokens/zero_advantage_samples"] == 2.0 and u.stats["tokens/skipped_zero_advantage_samples"] == 0
+    assert u.counts.tolist() == [12.0, 4.0]
+
+
+def test_guidance_tokens_carry_the_scaled_advantage():
+    u = _prepare(grpo={"kl_coef": 0.01, "guidance_advantage_scale": 0.25})
+    kinds, m = u.data["kinds"][0], u.data["mask"][0]
+    assert torch.allclose(u.adv[0][m & (kinds == KIND_GUIDANCE)], torch.full((2,), 0.25 * A), atol=1e-5)
+    assert torch.allclose(u.adv[0][m & (kinds == KIND_ACTION)], torch.full((1,), A), atol=1e-5)
+
+
+def test_without_kl_zero_advantage_rows_are_left_out_but_still_counted():
+    u = _prepare()
+    assert u.rows_left_out and u.data["ids"].shape[0] == 2 and u.adv.shape[0] == 2
+    assert u.data["episode"].tolist() == [0, 1]
+    assert u.counts.tolist() == [12.0, 4.0]  # the token-mean's denominator keeps every row
+    assert u.stats["tokens/skipped_zero_advantage_samples"] == 2.0
+    kept = _prepare(update={"skip_zero_advantage": False})
+    assert not kept.rows_left_out and kept.data["ids"].shape[0] == 4
+
+
+def test_a_failed_group_is_dropped_only_when_asked():
+    batch = _batch()
+    batch.episodes[2].error = "step: env died"
+    keep = _prepare(batch, grpo={"kl_coef": 0.01})
+    assert keep.data["ids"].shape[0] == 4 and keep.stats["rollout/failed_groups"] == 1.0
+    assert keep.stats["rollout/dropped_groups"] == 0.0
+    drop = _prepare(batch, grpo={"kl_coef": 0.01}, drop_failed_groups=True)
+    assert drop.data["episode"].tolist() == [0, 1] and drop.stats["rollout/dropped_groups"] == 1.0
+    assert drop.counts.tolist() == [6.0, 2.0]
+
+
+def test_shared_prefixes_sit_side_by_side():
+    batch = _batch()
+    batch.episodes[1].samples[0].ids[2] = 9  # episode 1's prompt now equals group 1's (1, 2, 9)
+    u = _prepare(batch, grpo={"kl_coef": 0.01}, share_prefix=True)
+    # rows sorted by their ids: (1, 2, 3, …) first, then the three rows that share (1, 2, 9, …), in order
+    assert u.data["episode"].tolist() == [0, 1, 2, 3]
+    batch.episodes[3].samples[0].ids[2] = 0  # (1, 2, 0, …) sorts first
+    u = _prepare(batch, grpo={"kl_coef": 0.01}, share_prefix=True)
+    assert u.data["episode"].tolist() == [3, 0, 1, 2]
+    assert torch.allclose(u.adv[0][u.data["mask"][0]], torch.zeros(3))  # the advantages moved with their rows
+    assert torch.allclose(u.adv[1][u.data["mask"][1]], torch.full((3,), A), atol=1e-5)
+    plain = _prepare(batch, grpo={"kl_coef": 0.01})
+    assert plain.data["episode"].tolist() == [0, 1, 2, 3]
+
+
+def test_a_rank_with_nothing_to_score():
+    u = _prepare(RolloutBatch(episodes=[]))
+    assert u.data is None and u.adv is None and u.counts.tolist() == [0.0, 0.0]
+    assert u.stats["tokens/zero_advantage_samples"] == 0.0
+
+
+def test_the_update_preparation_imports_no_lightning():
+    code = "import sys, sglightning.update, sglightning.metrics; assert 'lightning' not in sys.modules, 'lightning'"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
