@@ -13,7 +13,7 @@ from sglightning.data import RolloutConfig
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import KIND_ACTION, Episode, StepRecord
-from sglightning.guidance import GuidanceConfig
+from sglightning.guidance import GuidanceConfig, progress_label
 from sglightning.models import build_tiny_tokenizer
 from sglightning.report import build_report, report_markdown, scalars
 from sglightning.rewards import RewardTerm
@@ -120,8 +120,9 @@ def test_validation_report_carries_the_calibration_numbers():
 
 @pytest.mark.parametrize("mode", ["single_stream", "two_call"])
 def test_oracle_labels_are_the_envs_progress_and_no_guidance_token_is_trained(mode):
-    """guidance.source: oracle: each label is the sign of the previous action's measured progress (neutral first),
-    r_t follows it, the label calibration is perfect, and the guidance is written for the model (no policy tokens)."""
+    """guidance.source: oracle: each label shown is the sign of the previous action's measured progress (neutral
+    first), each action is paid the sign of its own, the label calibration is perfect, and the guidance is written for
+    the model (no policy tokens)."""
     tok = build_tiny_tokenizer()
     replies = []
 
@@ -138,13 +139,54 @@ def test_oracle_labels_are_the_envs_progress_and_no_guidance_token_is_trained(mo
         expected = ["neutral"] + ["positive" if p > 0 else "negative" if p < 0 else "neutral"
                                   for p in (s.progress for s in ep.steps[:-1])]
         assert labels == expected
-        assert ep.internal_rewards == pytest.approx([gc.reward(z) for z in expected])
+        # what it pays: each action's own measured progress (the last action too), not the label it showed
+        assert ep.internal_rewards == pytest.approx([gc.reward(progress_label(st.progress)) for st in ep.steps])
         seen_negative_or_neutral |= any(z != "positive" for z in labels[1:])
         for s in ep.samples:  # guidance is context: every policy token is an action token
             assert all(k == KIND_ACTION for k, p in zip(s.kinds, s.policy) if p)
     assert seen_negative_or_neutral  # first-admissible actions do not always make progress: not a constant label
     assert calibration_stats(batch.episodes)["guidance/label_accuracy"] == 1.0
     assert any("Label: neutral" in c for c in replies) and "Answer in exactly two lines" not in "".join(replies)
+
+
+class _PathEnv(TextEnv):
+    """A task with a score: ``take`` the object (+50), ``put`` it away (+50, won), ``drop`` it (−50), ``look`` (0).
+    Each seed plays one fixed path (the only admissible action at each step); all end in the same outcome."""
+
+    PATHS = {0: ["take", "put"], 1: ["look", "take", "put"], 2: ["take", "drop", "take", "put"],
+             3: ["take", "look", "look", "put"]}
+
+    def reset(self, seed, split="train"):
+        self.path, self.t, self.held, self.score = self.PATHS[seed], 0, False, 0.0
+        return ResetResult("a room", "put the object away", [self.path[0]], score=0.0)
+
+    def step(self, action):
+        self.score += {"take": 50.0, "drop": -50.0, "put": 50.0}.get(action, 0.0)
+        self.t += 1
+        won = action == "put"
+        nxt = [self.path[self.t]] if self.t < len(self.path) else ["look"]
+        return StepResult("ok", float(won), won, won, score=self.score, admissible_actions=nxt)
+
+
+def test_the_oracle_never_pays_for_a_delay():
+    """Among episodes with the same outcome, the direct path's blended return is at least every detour's: the oracle
+    credits each measured action by its own progress (the first and the last included), so an idle step, or an undone
+    and redone one, earns nothing extra.  (Paying the label shown before each step instead left the last action
+    unrated: 'take, put' earned 0.1, and where the first action went unmeasured 'look, take, put' earned more than
+    'take, put'.)"""
+    from sglightning.rewards import ScoreGain, episode_returns
+
+    tok = build_tiny_tokenizer()
+    gc = GuidanceConfig(decoding="constrained", action_decoding="admissible", source="oracle")
+    batch = Rollout(ScriptedLM(tok, scripted_reply()), tok, _PathEnv, gc,
+                    RolloutConfig(group_size=2, max_steps=6)).run(sorted(_PathEnv.PATHS))
+    eps = {e.seed: e for e in batch.episodes}  # one episode per path (the first of each group)
+    assert [s.action for s in eps[2].steps] == _PathEnv.PATHS[2] and all(e.won for e in eps.values())
+    assert eps[0].internal_rewards == pytest.approx([0.1, 0.1])  # both scoring actions credited
+    returns, _, _ = episode_returns(list(eps.values()), 1.0, terms=[ScoreGain()])
+    by_path = dict(zip(eps, returns.tolist()))
+    assert all(by_path[0] >= r - 1e-6 for r in by_path.values()), by_path
+    assert by_path[0] == pytest.approx(1.0 + 1.0 + 0.2)  # success + score gained + λ·(0.1 + 0.1)
 
 
 def test_guidance_source_is_checked():
@@ -252,3 +294,25 @@ def test_dynamic_sampling_tops_the_step_up_with_informative_groups():
     assert len({e.index for e in topped.episodes}) == len(topped.episodes)  # renumbered: no clash
     assert all(s.episode == e.index for e in topped.episodes for s in e.samples)
     assert topped.generated_tokens > plain.generated_tokens
+    assert topped.policy_round().episodes == topped.episodes[:6] and plain.policy_round() is plain
+
+
+def test_dynamic_sampling_logs_the_policys_round_under_the_usual_names(tmp_path):
+    """rollout/* and guidance/* describe the first round (the policy's own draw); the groups selected for having
+    unequal returns are described under dynamic_sampling/*, and the update trains on all of them."""
+    from sglightning.grpo import GRPOConfig
+
+    module = tiny_module(
+        rollout=RolloutConfig(groups_per_step=3, group_size=2, max_steps=2, dynamic_sampling_rounds=6),
+        guidance=GuidanceConfig(max_guidance_tokens=4, action_decoding="admissible"),
+        grpo=GRPOConfig(total_steps=10, trust_constant=0.0, kl_coef=0.0),
+        reward_terms=[_InformativeWhenSeedDividesBy3()],
+    )
+    tiny_trainer(tmp_path, steps=1).fit(module)
+    (h,) = module.history
+    added = h["rollout/dynamic_sampling_groups"]
+    assert added > 0
+    assert h["rollout/episodes"] == 6.0 and h["rollout/groups"] == 3.0  # the first round only
+    assert h["dynamic_sampling/groups"] == 3.0 + added
+    assert h["dynamic_sampling/degenerate_groups"] == h["rollout/degenerate_groups"]  # the added ones are informative
+    assert h["rollout/degenerate_groups"] == added  # each degenerate group of the first round was made up for

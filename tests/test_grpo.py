@@ -242,6 +242,20 @@ def test_broadcast_and_token_advantages_every_policy_token_carries_episode_advan
 
 
 # ---------------------------------------------------------------------------------------------- KL, masked mean
+def test_k3_keeps_a_gradient_past_its_bound():
+    """The k3 estimate is continuous at its knee and its gradient never vanishes (a clamp at 10 gave 0 there)."""
+    knee = grpo._K3_KNEE
+    ref = torch.tensor([knee - 1e-3, knee + 1e-3, 5.0, 30.0, -50.0])
+    logp = torch.zeros(5, requires_grad=True)
+    k3 = kl_penalty(logp, ref)
+    k3.sum().backward()
+    assert abs(float(k3[1] - k3[0])) < 0.05  # continuous
+    slope = math.exp(knee) - 1.0  # d k3 / d d = e^d - 1; d = ref - logp, so d k3 / d logp = -(e^d - 1)
+    assert logp.grad[2:4].tolist() == pytest.approx([-slope, -slope], rel=1e-5)
+    assert logp.grad[4].item() == pytest.approx(1.0)  # far below: k3 ≈ -d - 1, slope -1 in d
+    assert torch.isfinite(k3).all() and float(k3[4]) == pytest.approx(49.0)
+
+
 def test_kl_penalty_by_hand():
     logp = torch.tensor([0.0, 0.0])
     ref = torch.tensor([LN2, -LN2])
@@ -254,8 +268,11 @@ def test_kl_penalty_by_hand():
     expected = torch.tensor([1.0 - LN2, LN2 - 0.5])
     torch.testing.assert_close(kl_penalty(logp, ref, "k3"), expected)
     torch.testing.assert_close(kl_penalty(logp, ref), expected)  # default low_var_kl
-    # clamp: d = 30 -> exp(20) - 20 - 1 ~ 4.85e8 -> clamped to 10; never inf
-    assert kl_penalty(torch.tensor([0.0]), torch.tensor([30.0])).item() == 10.0
+    # past d* (k3 = 10) the tangent line: d = 30 -> 10 + (e^d* - 1)(30 - d*), finite, never e^30
+    knee = grpo._K3_KNEE
+    assert math.exp(knee) - knee - 1.0 == pytest.approx(10.0)
+    assert kl_penalty(torch.tensor([0.0]), torch.tensor([30.0])).item() == pytest.approx(
+        10.0 + (math.exp(knee) - 1.0) * (30.0 - knee), rel=1e-5)
     assert kl_penalty(torch.tensor([0.0]), torch.tensor([0.0])).item() == 0.0
     with pytest.raises(ValueError, match=r"grpo\.kl_kind"):
         kl_penalty(logp, ref, "k4")

@@ -183,6 +183,7 @@ def test_resume_extends_a_finished_run(tmp_path):
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "not resumable" not in out.stderr
+    assert "the trust schedule keeps its horizon of 2 steps" in out.stderr  # λ is not rescaled by the new max_steps
     state = load_checkpoint_file(tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt")
     assert state["sglightning"]["rollouts_done"] == 3 and state["global_step"] == 3
 

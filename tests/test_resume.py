@@ -4,6 +4,7 @@ metrics)."""
 from __future__ import annotations
 
 import torch
+from lightning.pytorch import Callback
 from tiny import tiny_module, tiny_trainer
 
 from sglightning.grpo import GRPOConfig
@@ -43,3 +44,42 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     for h_straight, h_resumed in zip(straight.history[2:], resumed.history, strict=True):
         for k in KEYS:
             assert h_straight[k] == h_resumed[k] or abs(h_straight[k] - h_resumed[k]) < 1e-6, k
+
+
+class _StopAfter(Callback):
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if pl_module.rollouts_done >= self.steps:
+            trainer.should_stop = True
+
+
+def test_a_resume_with_another_max_steps_keeps_the_trust_schedule(tmp_path, capsys):
+    """λ(u)'s fractional breakpoints refer to the horizon the run started with: resumed with trainer.max_steps 8, the
+    steps of a 4-step run keep λ = 1 and 0.5 (not 0, as a horizon of 8 would give), and one line says so; an explicit
+    grpo.total_steps changes the horizon."""
+    torch.manual_seed(0)
+    first = tiny_module()
+    trainer = tiny_trainer(tmp_path / "a", steps=4, callbacks=[_StopAfter(2)])
+    trainer.fit(first)
+    assert [h["reward/lambda"] for h in first.history] == [0.0, 0.0] and first.rollouts_done == 2
+    ckpt = tmp_path / "a" / "mid.ckpt"
+    trainer.save_checkpoint(ckpt)
+    capsys.readouterr()
+
+    resumed = tiny_module()
+    tiny_trainer(tmp_path / "b", steps=4).fit(resumed, ckpt_path=str(ckpt))  # same horizon: nothing to say
+    assert [h["reward/lambda"] for h in resumed.history] == [1.0, 0.5]
+    assert "horizon" not in capsys.readouterr().err
+
+    longer = tiny_module()
+    tiny_trainer(tmp_path / "c", steps=8).fit(longer, ckpt_path=str(ckpt))
+    assert [h["reward/lambda"] for h in longer.history[:2]] == [1.0, 0.5]  # the 4-step schedule, kept
+    err = capsys.readouterr().err
+    assert err.count("sglightning:") == 1 and "keeps its horizon of 4 steps (set grpo.total_steps" in err
+
+    explicit = tiny_module(grpo=GRPOConfig(kl_coef=0.01, total_steps=8))
+    tiny_trainer(tmp_path / "d", steps=8).fit(explicit, ckpt_path=str(ckpt))
+    assert [h["reward/lambda"] for h in explicit.history[:2]] == [0.0, 0.0]  # λ of an 8-step schedule at steps 2, 3
+    assert "grpo.total_steps=8: λ(u) is rescaled" in capsys.readouterr().err

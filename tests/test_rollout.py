@@ -111,6 +111,26 @@ def test_negative_labels_give_negative_internal_reward_and_penalties(tok):
 
 
 @pytest.mark.parametrize("mode", ["single_stream", "two_call"])
+def test_an_empty_action_is_invalid_never_the_reason_text(tok, mode):
+    """The actor writes nothing after ``Action:``; the reason line happens to be an admissible action.  The step is an
+    invalid action (counted, a format error), and nothing the guidance wrote is sent to the env."""
+
+    def reply(ctx):
+        last_user = ctx.rsplit("<|im_start|>user", 1)[-1]
+        if "Answer in exactly two lines" in last_user:
+            return f"Reason: {first_admissible(ctx)}\nLabel: positive"
+        if mode == "two_call":
+            return "Action:"
+        return f"Reason: {first_admissible(ctx)}\nLabel: positive\nAction:"
+
+    gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="free", max_guidance_tokens=24)
+    batch = Rollout(ScriptedLM(tok, reply), tok, ENV, gc, RolloutConfig(group_size=2, max_steps=2)).run([3])
+    steps = [s for ep in batch.episodes for s in ep.steps]
+    assert steps and all(s.reason and s.action is None and s.invalid and not s.format_ok for s in steps)
+    assert all(s.action_text == "" for s in steps)
+
+
+@pytest.mark.parametrize("mode", ["single_stream", "two_call"])
 def test_constrained_label_is_the_sampled_choice_not_a_label_written_in_the_reason(tok, mode):
     """The reason line says "Label: positive", the label token sampled says negative: the step's label and reward
     are those of the sampled token (the one the trainer scores), never a free +0.1 written into the reason."""
@@ -130,17 +150,20 @@ def test_constrained_label_is_the_sampled_choice_not_a_label_written_in_the_reas
     assert all(s.label == "negative" and s.internal_reward == pytest.approx(-0.1) for s in steps)
 
 
+@pytest.mark.parametrize("reason", ["on my way", "my last action: it was fine, {not json}"])
 @pytest.mark.parametrize(
     "fmt, answer",
     [("action_line", "Action: {a}"), ("json", '{{"think": "go on", "action": "{a}"}}'),
      ("think_tags", "<think>go on</think><action>{a}</action>")],
 )
-def test_free_single_stream_turn_splits_guidance_and_action_tokens_at_the_format_marker(tok, fmt, answer):
+def test_free_single_stream_turn_splits_guidance_and_action_tokens_at_the_format_marker(tok, fmt, answer, reason):
     """Free decoding writes the whole turn as one segment; the tokens before the action part are guidance tokens,
-    the action part's tokens are action tokens, and the step is parsed in the configured format."""
+    the action part's tokens are action tokens, and the step is parsed in the configured format.  The action part
+    starts at a *line* that starts it (the guidance parser's rule): "action:" or "{" inside the reason line does not
+    split the turn there."""
 
     def reply(ctx):
-        return "Reason: on my way\nLabel: positive\n" + answer.format(a=first_admissible(ctx))
+        return f"Reason: {reason}\nLabel: positive\n" + answer.format(a=first_admissible(ctx))
 
     gc = GuidanceConfig(decoding="free", actor_format=fmt, max_guidance_tokens=40, max_action_tokens=40)
     r = Rollout(ScriptedLM(tok, reply), tok, ENV, gc, RolloutConfig(group_size=2, max_steps=1))
@@ -152,8 +175,9 @@ def test_free_single_stream_turn_splits_guidance_and_action_tokens_at_the_format
         guid = tok.decode([t for t, p, k in zip(s.ids, s.policy, s.kinds) if p and k == KIND_GUIDANCE])
         act = tok.decode([t for t, p, k in zip(s.ids, s.policy, s.kinds) if p and k == KIND_ACTION],
                          skip_special_tokens=True)
-        assert guid == "Reason: on my way\nLabel: positive\n"
+        assert guid == f"Reason: {reason}\nLabel: positive\n"
         assert act == answer.format(a=step.action)
+        assert step.reason == reason
 
 
 @pytest.mark.parametrize("fmt", ["json", "think_tags"])

@@ -3,6 +3,8 @@ under the same restricted, renormalised distribution; forced single-option token
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny import engine, tiny_module, tiny_trainer
@@ -30,6 +32,30 @@ def _sample_with(restrictions: dict[int, Restriction], ids: list[int]) -> Sample
         s.restrictions.append(restrictions.get(k))
     s.check()
     return s
+
+
+def test_entropy_is_that_of_the_distribution_each_token_was_drawn_from():
+    """At a restricted token the logged entropy is H(q) over its set A (a label choice among three words: at most
+    log 3), not the vocabulary's; the unrestricted H(π) is kept beside it."""
+    torch.manual_seed(1)
+    ids = [0, 3, 5, 9, 2]
+    allowed = Restriction((1, 3, 4))
+    banned = Restriction((0, 5), exclude=True)
+    data = scoring.collate([_sample_with({1: allowed, 3: banned}, ids)], pad_id=0)
+    raw = torch.randn(4, V)
+    _, ent = scoring.logprobs_from_logits(data["ids"], data["mask"][:, 1:], raw, scoring.restrictions_of(data),
+                                          entropy=True)
+
+    def h(row: torch.Tensor, support: list[int]) -> float:
+        q = torch.softmax(row[support], dim=0)
+        return float(-(q * q.log()).sum())
+
+    everything = list(range(V))
+    support = {0: [1, 3, 4], 1: everything, 2: [t for t in everything if t not in (0, 5)], 3: everything}
+    for k in range(4):
+        assert ent["sampled"][0, k + 1].item() == pytest.approx(h(raw[k], support[k]), abs=1e-5), k
+        assert ent["unrestricted"][0, k + 1].item() == pytest.approx(h(raw[k], everything), abs=1e-5), k
+    assert ent["sampled"][0, 1] <= math.log(3) + 1e-6 < ent["unrestricted"][0, 1]
 
 
 def test_restricted_logprob_and_gradient_equal_a_hand_computed_restricted_softmax():

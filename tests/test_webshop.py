@@ -143,6 +143,7 @@ def test_episode_reward_score_and_purchase_flags():
     engine = FakeWebAgentTextEnv.instances[-1]
     assert engine.sessions == [7] and engine.kwargs["num_products"] == 1000
     assert r.task == INSTR and r.admissible_actions is None and r.info["task_id"] == "webshop/test/7"
+    assert r.score == 0.0  # nothing bought yet: the purchase's progress is measured against it
     assert env.reset(7, "dev").info["session"] == 507 and env.reset(7, "train").info["session"] == 1507
     assert env.reset(600, "test").info["session"] == 100  # seed % 500 within the test goals
     s = env.step("search[red cotton t-shirt]")
@@ -191,7 +192,23 @@ def test_webshop_rollout_and_failure_patterns():
         assert [s.invalid for s in ep.steps] == [False] * 9
         flags = episode_patterns(ep)
         assert flags["query_looping"] and flags["navigation_cycling"] and not flags["premature_purchase"]
+        assert ep.initial_score == 0.0 and all(s.progress is None for s in ep.steps)  # browsing: nothing measured
     r.close()
+    # a purchase is measured against the starting 0: its progress is the score it earned
+    buy = iter(["search[shirt]", "click[b07xkq8zq1]", "click[large]", "click[red]", "click[buy now]"])
+    script.clear()
+
+    def buying(ctx: str) -> str:
+        turn = ctx.count("Observation:")
+        if turn not in script:
+            script[turn] = next(buy)
+        return script[turn]
+
+    r = Rollout(ScriptedLM(tok, scripted_reply(action=buying)), tok, ENGINE, GuidanceConfig(),
+                RolloutConfig(group_size=2, max_steps=9))
+    ep = r.run([3]).episodes[0]
+    r.close()
+    assert ep.won and ep.steps[-1].progress == 100.0
 
 
 @settings(max_examples=300, deadline=None)

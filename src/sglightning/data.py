@@ -58,8 +58,9 @@ class RolloutConfig:
     dynamic_sampling_rounds: int = 0
     """DAPO's dynamic sampling: a group whose returns are all equal carries no gradient; up to this many extra rounds
     of new tasks (the number of groups still missing) top the step up to ``groups_per_step`` informative groups
-    (judged with the schedule's λ).  0 = off.  The step's first round is kept whole, so rollout statistics still
-    describe the policy; added groups are counted as ``rollout/dynamic_sampling_groups``"""
+    (judged with the schedule's λ).  0 = off.  The step's first round is kept whole, and ``rollout/…`` and
+    ``guidance/…`` describe it alone (the policy's own draw); added groups are counted as
+    ``rollout/dynamic_sampling_groups``, and the trained batch is described under ``dynamic_sampling/…``"""
     env_max_concurrency: int = 0
     """env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
     raise it for envs that mostly wait, e.g. remote env servers)"""

@@ -187,11 +187,15 @@ class RolloutBatch:
     policy_version: int = 0  # the trainer step whose weights sampled this batch (logged as rollout/policy_lag)
     guided: bool = True
     extra_groups: int = 0  # informative groups added by dynamic sampling (rollout.dynamic_sampling_rounds)
+    #: how many of ``episodes`` the first round played (the policy's own draw); None = all of them (nothing added)
+    first_round: int | None = None
     #: the rollout's peak memory ({"memory/rollout_peak_rss_gb": GB, ...}; filled by the trainer: sglightning.memory)
     peak_memory: dict[str, float] = field(default_factory=dict)
 
     def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:
         """Append ``other``'s groups ``groups`` (renumbered after this batch's groups and episodes) and its costs."""
+        if self.first_round is None:
+            self.first_round = len(self.episodes)
         next_index = max((e.index for e in self.episodes), default=-1) + 1
         next_group = max((e.group for e in self.episodes), default=-1) + 1
         renumber = {g: next_group + k for k, g in enumerate(sorted(groups))}
@@ -212,3 +216,10 @@ class RolloutBatch:
     @property
     def samples(self) -> list[Sample]:
         return [s for e in self.episodes for s in e.samples]
+
+    def policy_round(self) -> RolloutBatch:
+        """The first round alone: what describes the policy (dynamic sampling's added groups were *selected* for
+        having unequal returns, so they are not a draw of the policy's success or labels)."""
+        if self.first_round is None:
+            return self
+        return dataclasses.replace(self, episodes=self.episodes[: self.first_round], extra_groups=0, first_round=None)

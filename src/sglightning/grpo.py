@@ -51,9 +51,11 @@ Departures from the paper (and why)
   say which.
 * Degenerate groups (all returns bitwise equal, incl. groups of size 1) get advantage exactly 0, set explicitly,
   rather than 0/(0+eps) which can leave float noise. They carry no learning signal; ``degenerate_groups`` counts them.
-* KL estimator: default ``low_var_kl`` (Schulman's k3, clamped to [-10, 10] as verl does, with the log-ratio first
-  clamped to [-20, 20]); the paper only says "KL penalty" and ran on verl-agent whose default this is. The KL is
-  added per token inside the loss (GRPO style), not subtracted from the reward.
+* KL estimator: default ``low_var_kl`` (Schulman's k3, e^d − d − 1 with d = log π_ref − log π_θ); past d* ≈ 2.6,
+  where it reaches 10, it continues as its tangent line (value ≤ a line, gradient e^d* − 1 ≈ 12.6). verl clamps the
+  value at 10, which zeroes the gradient of exactly the tokens that drifted farthest; the paper only says "KL
+  penalty" and ran on verl-agent. The KL is added per token inside the loss (GRPO style), not subtracted from the
+  reward.
 * Token log-ratios are clamped to [-20, 20] before ``exp`` (verl does the same) so garbage never overflows.
 * Loss aggregation defaults to token-mean over all policy tokens of the batch (DAPO); the per-sequence mean of the
   original GRPO is available as ``seq_mean_token_mean``.
@@ -111,6 +113,19 @@ LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
 
 _LOG_RATIO_CLAMP = 20.0
 _KL_CLAMP = 10.0
+
+
+def _k3_knee(bound: float) -> float:
+    """The log-ratio d* > 0 at which k3 = e^d − d − 1 reaches ``bound`` (Newton's method)."""
+    d = math.log(bound + 1.0) + 1.0
+    for _ in range(50):
+        d -= (math.exp(d) - d - 1.0 - bound) / (math.exp(d) - 1.0)
+    return d
+
+
+#: k3 continues as a straight line past the point where it reaches _KL_CLAMP: (d*, slope e^d* − 1)
+_K3_KNEE = _k3_knee(_KL_CLAMP)
+_K3_SLOPE = math.exp(_K3_KNEE) - 1.0
 
 
 def check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
@@ -449,15 +464,20 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tens
     """Per-token KL estimate of KL(pi_theta || pi_ref) from sampled-token log-probs (elementwise).
 
     "k1": logp - ref; "k2": 0.5 (logp - ref)^2; "k3" / "low_var_kl": exp(ref - logp) - (ref - logp) - 1 with
-    ref - logp clamped to [-20, 20] and the result clamped to [-10, 10] (verl's low_var_kl).
+    d = ref - logp, continued as its tangent line past the point d* ≈ 2.6 where it reaches 10 (so the value stays
+    bounded by a line, never overflows, and the gradient never vanishes; verl's low_var_kl clamps the value to 10
+    instead, which leaves no gradient exactly where the policy has drifted farthest from the reference).
     """
     check_choice("grpo.kl_kind", kind, KL_KINDS)
     if kind == "k1":
         return logp - ref_logp
     if kind == "k2":
         return 0.5 * (logp - ref_logp).square()
-    d = (ref_logp - logp).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    return (torch.exp(d) - d - 1.0).clamp(-_KL_CLAMP, _KL_CLAMP)
+    d = ref_logp - logp
+    d_in = d.clamp(max=_K3_KNEE)  # finite in the branch not taken (no inf · 0 in the backward)
+    curve = torch.exp(d_in.clamp(min=-_LOG_RATIO_CLAMP)) - d_in - 1.0  # below −20, e^d ≈ 0: k3 ≈ −d − 1 (slope −1)
+    line = _KL_CLAMP + _K3_SLOPE * (d - _K3_KNEE)
+    return torch.where(d > _K3_KNEE, line, curve)
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
@@ -588,7 +608,8 @@ class GRPOConfig:
     """β, the weight of the per-token KL to the reference policy (the same model with adapters off); 0 skips the
     reference pass"""
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
-    """KL estimator: k1, k2, k3 or low_var_kl (k3 clamped, as verl)"""
+    """KL estimator: k1, k2, k3 or low_var_kl (both k3, continued linearly past k3 = 10 so the gradient never
+    vanishes)"""
     loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
     """loss aggregation: token_mean over all policy tokens of the step (DAPO, the paper) or seq_mean_token_mean"""
     advantage: str = "grpo"

@@ -63,25 +63,23 @@ class ActorFormat:
     closer: str  # between the thought and the action ("" = no thought)
     end: str  # after the action
     source: str  # the ``parse_action`` source of a well-formed answer
-    markers: tuple[str, ...]  # (lowercase) where the action part of a free single-stream turn starts
 
 
 ACTOR_FORMATS = {
     "action_line": ActorFormat(
         "action_line", "Answer with one line:\nAction: <one action>", "Action: <one action>", "Action:", "", "", "line",
-        ("action:",),
     ),
     "json": ActorFormat(
         "json",
         'Answer with one line of JSON and nothing else:\n{"think": "<your brief reasoning>", "action": "<one action>"}',
         '{"think": "<brief reasoning>", "action": "<one action>"}',
-        '{"think": "', '", "action": "', '"}', "json", ("{",),
+        '{"think": "', '", "action": "', '"}', "json",
     ),
     "think_tags": ActorFormat(
         "think_tags",
         "Think briefly, then act. Answer as:\n<think>your brief reasoning</think><action>one action</action>",
         "<think>brief reasoning</think><action>one action</action>",
-        "<think>", "</think><action>", "</action>", "tag", ("<think>", "<action>"),
+        "<think>", "</think><action>", "</action>", "tag",
     ),
 }
 
@@ -185,13 +183,20 @@ ORACLE_REASONS = {"positive": "the last action brought the goal closer.",
                   None: "no action has been taken yet."}
 
 
+def progress_label(progress: float | None) -> str:
+    """The label that describes an action's measured ``progress``: its sign (neutral for 0 or unknown)."""
+    return "neutral" if progress is None or progress == 0 else "positive" if progress > 0 else "negative"
+
+
 def oracle_guidance(progress: float | None, first: bool) -> Guidance:
-    """The oracle's guidance before a step: the sign of the previous action's measured ``progress`` (neutral at the
-    ``first`` step or when unknown)."""
+    """The oracle's guidance shown before a step: the label of the previous action's measured ``progress``
+    (:func:`progress_label`; at the ``first`` step there is no action yet).  What the oracle *pays* is the credit of
+    each action itself (:func:`progress_label` of its own progress, every action the env measured, the last one
+    included: ``Rollout``), not this shown label."""
     if first:
         label, reason = "neutral", ORACLE_REASONS[None]
     else:
-        label = "neutral" if progress is None or progress == 0 else "positive" if progress > 0 else "negative"
+        label = progress_label(progress)
         reason = ORACLE_REASONS[label]
     return Guidance(label, reason, f"Reason: {reason}\nLabel: {label}")
 
@@ -215,6 +220,9 @@ _LABEL_LINE = re.compile(
 _REASON_LINE = re.compile(r"reason\s*[:=\-]\s*(.*)", re.IGNORECASE)
 # where the guidance part of a turn ends: the action part starts (``Action:`` line, a JSON object, an action tag)
 _GUIDANCE_END = re.compile(r"^[^\S\n]*(?:\**action\**[^\S\n]*[:=]|\{|<action>)", re.IGNORECASE | re.MULTILINE)
+# where the actor's part of a free single-stream turn starts: the same line rule, and for the think_tags format a line
+# that opens the thought (the thought belongs to the actor's answer)
+_ACTION_PART = re.compile(r"^[^\S\n]*(?:\**action\**[^\S\n]*[:=]|\{|<action>|<think>)", re.IGNORECASE | re.MULTILINE)
 _ACTION_LINE = re.compile(r"^[^\S\n]*\**action\**\s*[:=]\s*(.+)", re.IGNORECASE | re.MULTILINE)
 _ACTION_TAG = re.compile(r"<action>(.*?)(?:</action>|$)", re.IGNORECASE | re.DOTALL)
 # the "action" member of a JSON object that did not parse (cut by the token cap, a missing brace): its string value
@@ -256,6 +264,14 @@ class Guidance:
     @property
     def parsed(self) -> bool:
         return self.label is not None
+
+
+def action_part_start(text: str) -> int | None:
+    """Where the actor's answer starts in a freely written ``Reason/Label/Action`` turn: the character offset of the
+    first line that starts it (``Action:``, ``{``, ``<action>`` or ``<think>``, by the line rule of
+    :func:`parse_guidance`), or None.  An "action:" inside a reason line is not a line start and does not count."""
+    m = _ACTION_PART.search(text) if isinstance(text, str) else None
+    return m.start() if m else None
 
 
 def parse_guidance(text: object) -> Guidance:

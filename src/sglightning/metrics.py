@@ -46,7 +46,8 @@ SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups"
                       "tokens/forced_choice", "tokens/total", "tokens/prefill_positions",
                       "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples",
                       "guidance/calibration_pairs", "guidance/auroc_labels",
-                      "rollout/dynamic_sampling_groups"})
+                      "rollout/dynamic_sampling_groups", "dynamic_sampling/groups",
+                      "dynamic_sampling/degenerate_groups"})
 
 
 def _episode_values(ep: Episode) -> dict[str, float]:
@@ -99,19 +100,25 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
     """What one training step logs about its rollout and its prepared update (the per-episode means come from
     :class:`EpisodeMetrics`; the loss terms from the update): the batch-level rollout numbers, λ, blended and
     internal returns, extra reward terms, degenerate groups (every return equal: no gradient), the policy lag, the
-    generation speed, and the rows and tokens the update scores."""
-    returns, groups = prepared.returns, prepared.groups  # [N], [N]
-    return {
-        **batch_stats(batch),
+    generation speed, and the rows and tokens the update scores.
+
+    ``rollout/…`` and ``guidance/…`` describe the policy: the first round only.  With dynamic sampling the trained
+    batch also holds groups selected for having unequal returns; those are described under ``dynamic_sampling/…``
+    (and ``reward/…`` is the return of every episode trained on)."""
+    policy = batch.policy_round()
+    n = len(policy.episodes)
+    returns, groups = prepared.returns, prepared.groups  # [N], [N] (every episode trained on)
+    logs = {
+        **batch_stats(policy),
         "reward/lambda": prepared.lam,
         "reward/blended_return": float(returns.mean()),
         "reward/internal_return": float(prepared.internal.mean()),  # S_i as blended (sum, or mean over steps)
         **{f"reward/{name}": float(v.mean()) for name, v in prepared.terms.items()},
-        "rollout/degenerate_groups": float(degenerate_groups(returns, groups)),
+        "rollout/degenerate_groups": float(degenerate_groups(returns[:n], groups[:n])),
         # the rollout must come from the weights being trained (0 = on-policy; a sampler that never received the
         # trained adapter shows up here)
         "rollout/policy_lag": float(global_step - batch.policy_version),
-        "rollout/groups": float(groups.unique().numel()),
+        "rollout/groups": float(groups[:n].unique().numel()),
         "time/rollout_s": batch.seconds,
         "tokens/generated": float(batch.generated_tokens),
         "tokens/generated_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
@@ -120,6 +127,12 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
         **batch.peak_memory,
         **prepared.stats,
     }
+    if batch.first_round is not None:  # dynamic sampling added groups: the trained batch, described on its own
+        eps = batch.episodes
+        logs["dynamic_sampling/success_rate"] = sum(e.won for e in eps) / len(eps)
+        logs["dynamic_sampling/groups"] = float(groups.unique().numel())
+        logs["dynamic_sampling/degenerate_groups"] = float(degenerate_groups(returns, groups))
+    return logs
 
 
 def per_task_type_success(episodes: list[Episode]) -> dict[str, float]:

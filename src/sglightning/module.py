@@ -18,6 +18,7 @@ Distributed plumbing (FSDP units, rollouts on gathered weights, gradient sync, m
 
 from __future__ import annotations
 
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -110,6 +111,7 @@ class SelfGuideModule(LightningModule):
         self.val_report: dict[str, Any] | None = None
         self.val_report_before: dict[str, Any] | None = None  # evaluation.before_fit
         self.trust_meter = rewards.TrustMeter(self.grpo_cfg.trust_window)
+        self._horizon: int | None = None  # the trust schedule's horizon restored from a checkpoint
 
     # ------------------------------------------------------------------------------------------------------------------
     # model, env, engine
@@ -205,12 +207,23 @@ class SelfGuideModule(LightningModule):
     # ------------------------------------------------------------------------------------------------------------------
     # data
     def total_steps(self) -> int:
+        """Steps of this run: ``grpo.total_steps``, else ``trainer.max_steps / grpo.ppo_epochs``."""
         if self.grpo_cfg.total_steps:
             return self.grpo_cfg.total_steps
         max_steps = self.trainer.max_steps if self._trainer is not None else -1
         if max_steps is None or max_steps < 0:
             raise ValueError("trainer.max_steps must be set (or grpo.total_steps) for the trust schedule")
         return max(1, max_steps // self.grpo_cfg.ppo_epochs)
+
+    def schedule_horizon(self) -> int:
+        """The steps the trust schedule's fractional breakpoints refer to: this run's :meth:`total_steps`, or — on a
+        resume — the horizon the checkpoint was trained with (so a resume with another ``trainer.max_steps`` does not
+        rescale λ mid-run; ``grpo.total_steps`` set explicitly wins)."""
+        return self._horizon if self._horizon is not None else self.total_steps()
+
+    def _schedule_is_relative(self) -> bool:
+        c = self.grpo_cfg
+        return c.trust_constant is None and max(c.trust_breakpoints) <= 1.0
 
     def _world(self) -> tuple[int, int]:
         """(rank, world size): (0, 1) without a trainer or outside distributed runs."""
@@ -232,7 +245,7 @@ class SelfGuideModule(LightningModule):
         """λ(u) of the trust schedule at step ``step`` (default: the step being trained)."""
         u = self.rollouts_done if step is None else step
         c = self.grpo_cfg
-        return trust_schedule(u, self.total_steps(), c.trust_breakpoints, constant=c.trust_constant)
+        return trust_schedule(u, self.schedule_horizon(), c.trust_breakpoints, constant=c.trust_constant)
 
     def informative_groups(self, episodes: list[Episode]) -> set[int]:
         """The groups whose returns, blended with this step's scheduled λ, are not all equal (dynamic sampling)."""
@@ -266,7 +279,8 @@ class SelfGuideModule(LightningModule):
         update_logs = self.update(prepared)
         # the step's numbers, merged over ranks
         logs = step_logs(rb, prepared, step)
-        self.train_metrics.update(rb)  # per-episode means through torchmetrics: under DDP, over all ranks' episodes
+        # per-episode means through torchmetrics (under DDP over all ranks' episodes), of the policy's own draw
+        self.train_metrics.update(rb.policy_round())
         logs.update(self.train_metrics.compute())
         self.train_metrics.reset()
         if self.grpo_cfg.trust_adaptive:
@@ -441,7 +455,8 @@ class SelfGuideModule(LightningModule):
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                         if distributed.clean_name(k) in trainable}
         checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates,
-                                     "trust_meter": self.trust_meter.state_dict()}
+                                     "trust_meter": self.trust_meter.state_dict(),
+                                     "trust_horizon": self.schedule_horizon() if self._trainer is not None else None}
         # the config lives in the run's config.yaml; kept out of the checkpoint so that `validate --ckpt_path` uses the
         # config it is given (LightningCLI would otherwise re-apply the training-time values over it)
         checkpoint.pop("hyper_parameters", None)
@@ -462,3 +477,22 @@ class SelfGuideModule(LightningModule):
         self.rollouts_done = int(state.get("rollouts_done", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.trust_meter.load_state_dict(state.get("trust_meter", {}))
+        self._restore_horizon(state.get("trust_horizon"))
+
+    def _restore_horizon(self, saved: int | None) -> None:
+        """Keep the checkpoint's trust-schedule horizon when this run's differs (a resume with another
+        ``trainer.max_steps``), unless ``grpo.total_steps`` sets one; say so in one line when it matters."""
+        if saved is None or self._trainer is None:
+            return
+        saved, current = int(saved), self.total_steps()
+        explicit = self.grpo_cfg.total_steps is not None
+        self._horizon = None if explicit else saved
+        if saved == current or not self._schedule_is_relative() or self.trainer.global_rank != 0:
+            return
+        if explicit:
+            msg = (f"the trust schedule's horizon changes from the checkpoint's {saved} steps to grpo.total_steps="
+                   f"{current}: λ(u) is rescaled from here on")
+        else:
+            msg = (f"trainer.max_steps gives {current} steps, the checkpoint was trained for {saved}: the trust "
+                   f"schedule keeps its horizon of {saved} steps (set grpo.total_steps to change it)")
+        print(f"sglightning: {msg}", file=sys.stderr, flush=True)

@@ -56,11 +56,13 @@ from sglightning.guidance import (
     Guidance,
     GuidanceConfig,
     StepView,
+    action_part_start,
     actor_messages,
     match_admissible,
     oracle_guidance,
     parse_action,
     parse_guidance,
+    progress_label,
     rate_messages,
     stream_first_messages,
     stream_next_user,
@@ -301,7 +303,7 @@ class Rollout:
                     ep.samples[0].extend_piece(p, t)
                     stats["tokens"] += sum(p.policy)
                 if guided and not constrained and not oracle:
-                    _split_free_turn(ep.samples[0], pieces, self.tok, self.guidance.format.markers)
+                    _split_free_turn(ep.samples[0], pieces, self.tok)
             self._apply_turns(live, results, guided)
             # next turn: observation for the survivors, drop finished rows from the cache
             keep, blocks = [], []
@@ -447,13 +449,18 @@ class Rollout:
             oracle = self.guidance.source == "oracle"
             g = self._oracle(ep) if oracle else _guidance_from_pieces(pieces[: last_g + 1], self.tok)
             rec.guidance_text, rec.label, rec.reason = g.text, g.label, g.reason
-            rec.internal_reward = self.guidance.reward(g.label)
+            # the model's label is its reward; the oracle's credit is set once the env has measured this action
+            rec.internal_reward = 0.0 if oracle else self.guidance.reward(g.label)
         choice = next((p.choice_index for p in actor if p.kind == KIND_ACTION and p.choice_index is not None), None)
         if choice is not None and ep.admissible:
             action = ep.admissible[choice]
+        elif actor and not a_text.strip():
+            # the actor wrote nothing: an invalid action (counted), never the guidance text in its place
+            action = None
+            rec.format_ok = False
         else:
             # free single-stream turns are all guidance pieces (split afterwards): parse the whole turn
-            parsed = parse_action(actor_text if a_text.strip() else g_text, prefer=self.guidance.format.source)
+            parsed = parse_action(actor_text if actor else g_text, prefer=self.guidance.format.source)
             action = parsed.action
             rec.format_ok = parsed.source == self.guidance.format.source
             if ep.admissible is not None:
@@ -481,6 +488,11 @@ class Rollout:
             rec.progress = float(res.score) - ep.score
         if res.score is not None:
             ep.score = float(res.score)
+        if ep.guided and self.guidance.source == "oracle":
+            # the oracle credits every action the env measured with the label of its own progress — the last action
+            # too, and nothing for an action it could not measure — so among equal outcomes no path earns more by
+            # taking longer (the label it showed before this step rated the previous action)
+            rec.internal_reward = self.guidance.reward(progress_label(rec.progress))
         if res.done:
             ep.done = True
             ep.won = bool(res.won)
@@ -517,26 +529,21 @@ def _guidance_from_pieces(pieces: list[Piece], tok) -> Guidance:
     return g
 
 
-def _split_free_turn(sample: Sample, pieces: list[Piece], tok, markers: Sequence[str] = ("action:",)) -> None:
+def _split_free_turn(sample: Sample, pieces: list[Piece], tok) -> None:
     """Free single-stream turns are generated as one guidance piece; re-label the tokens from the one that starts the
-    action part (``Action:``, or the thinking format's ``{`` / ``<think>``) onwards as action tokens (on the sampled
-    ids: decoding prefixes, never re-tokenising)."""
+    actor's part onwards as action tokens.  Where that part starts is the guidance parser's line rule
+    (:func:`~sglightning.guidance.action_part_start`: a line starting ``Action:``, ``{``, ``<action>`` or ``<think>``),
+    so "my last action: it was fine" inside a reason line stays guidance.  Works on the sampled ids (decoded prefixes,
+    never re-tokenised); the token that holds the line's first character starts the action part."""
     ids = [t for p in pieces for t in p.ids]
     n = len(ids)
     start = len(sample.ids) - n
-
-    def has_marker(k0: int, k1: int) -> bool:
-        text = tok.decode(ids[k0:k1]).lower()
-        return any(m in text for m in markers)
-
-    boundary = next((k for k in range(n) if has_marker(0, k + 1)), None)
-    if boundary is None:
+    offset = action_part_start(tok.decode(ids))
+    if offset is None:
         return
-    # the run of tokens spelling the marker may start before the token that completed it: the latest start that
-    # still spells it
-    first = boundary
-    while first > 0 and not has_marker(first, boundary + 1):
-        first -= 1
+    first = next((k for k in range(n) if len(tok.decode(ids[: k + 1])) > offset), None)
+    if first is None:
+        return
     for k in range(first, n):
         if sample.policy[start + k]:
             sample.kinds[start + k] = KIND_ACTION

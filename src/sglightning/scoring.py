@@ -117,7 +117,7 @@ def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[st
     return out
 
 
-def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: Tensor, first_epoch: bool
+def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: dict[str, Tensor], first_epoch: bool
                      ) -> dict[str, float]:
     """The statistics one micro-batch logs (averaged over the step weighted by its policy tokens): loss terms, ratio,
     entropies by token kind and, at the first PPO epoch, sampler-vs-trainer log-prob gap (≈0 unless the weights or
@@ -130,9 +130,12 @@ def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: Tensor
         "loss/kl": float(st["kl"]),
         "loss/clip_frac": float(st["clip_frac"]),
         "policy/ratio_mean": float(st["ratio_mean"]),
-        "policy/entropy": float(masked_mean(ent, m)),
-        "policy/entropy_guidance": float(masked_mean(ent, m & (kinds == KIND_GUIDANCE))),
-        "policy/entropy_action": float(masked_mean(ent, m & (kinds == KIND_ACTION))),
+        # the entropy of the distribution each token was drawn from (over its restriction where sampling was
+        # restricted: at a label token, the entropy of the label choice), and of the unrestricted π
+        "policy/entropy": float(masked_mean(ent["sampled"], m)),
+        "policy/entropy_guidance": float(masked_mean(ent["sampled"], m & (kinds == KIND_GUIDANCE))),
+        "policy/entropy_action": float(masked_mean(ent["sampled"], m & (kinds == KIND_ACTION))),
+        "policy/entropy_unrestricted": float(masked_mean(ent["unrestricted"], m)),
     }
     if first_epoch:
         old, full = mb["old_logp"], mb["full_logp"]
@@ -167,10 +170,13 @@ def logprobs_from_logits(
     ``ids`` [B, L]; ``sel`` [B, L-1]: the positions whose *next* token is scored (token i is predicted at i-1);
     ``logits`` [M, V]: the LM head at those positions, already divided by the temperature (M = sel.sum());
     ``restrict``: :func:`restrictions_of` for these rows (None = no restricted tokens).
-    Returns (logp [B, L] — 0 where not scored — and, with ``entropy``, the unrestricted entropy [B, L])."""
+    Returns (logp [B, L] — 0 where not scored — and, with ``entropy``, ``{"sampled": [B, L], "unrestricted": [B, L]}``:
+    the entropy of the distribution each token was drawn from (q over its restriction A; π where unrestricted) and of
+    the unrestricted π)."""
     logp_all = torch.log_softmax(logits, dim=-1)  # [M, V]
     tok = ids[:, 1:][sel]  # [M]
     logp_sel = logp_all.gather(-1, tok[:, None]).squeeze(-1)  # [M] log π(y)
+    restricted = None
     if restrict is not None:
         ridx = restrict["index"].to(ids.device)[:, 1:][sel]  # [M] row of the restriction table or -1
         rows = (ridx >= 0).nonzero().squeeze(-1)  # [R]
@@ -181,13 +187,39 @@ def logprobs_from_logits(
             valid, exclude = restrict["valid"].to(ids.device)[u], restrict["exclude"].to(ids.device)[u]  # [R, K], [R]
             log_z = restricted_log_mass(listed, valid, exclude)  # [R]
             logp_sel = logp_sel.index_add(0, rows, -log_z)  # [M] log q(y) = log π(y) − log Z(A)
+            restricted = (rows, listed, valid, exclude, log_z)
     logp = torch.zeros(ids.shape, dtype=logp_sel.dtype, device=ids.device)  # [B, L]
     logp[:, 1:][sel] = logp_sel
-    ent = None
-    if entropy:
-        ent = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # [B, L]
-        ent[:, 1:][sel] = entropy_from_logits(logits.detach())
-    return logp, ent
+    if not entropy:
+        return logp, None
+    with torch.no_grad():
+        h_pi = entropy_from_logits(logits.detach())  # [M] H(π)
+        h_q = h_pi.clone()  # [M] H of the sampling distribution
+        if restricted is not None:
+            rows, listed, valid, exclude, log_z = (t.detach() for t in restricted)
+            h_q[rows] = restricted_entropy(listed.float(), valid, exclude, log_z.float(), h_pi[rows])
+    out = {}
+    for key, h in (("sampled", h_q), ("unrestricted", h_pi)):
+        full = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # [B, L]
+        full[:, 1:][sel] = h
+        out[key] = full
+    return logp, out
+
+
+def restricted_entropy(logp_listed: Tensor, valid: Tensor, exclude: Tensor, log_z: Tensor, h_full: Tensor) -> Tensor:
+    """Entropy of q = π/Z(A) over its set A, per row.  ``logp_listed`` [R, K]: log π of the listed ids; ``valid``
+    [R, K]; ``exclude`` [R]; ``log_z`` [R] = log Z(A); ``h_full`` [R] = H(π).
+
+        A = the listed ids:           H(q) = −Σ_{a∈A} q_a log q_a,   log q_a = log π_a − log Z
+        A = all but the listed ids B: H(q) = (H(π) + Σ_{b∈B} π_b log π_b) / Z + log Z
+
+    Returns [R]."""
+    zero = torch.zeros((), dtype=logp_listed.dtype, device=logp_listed.device)
+    logq = logp_listed - log_z[:, None]  # [R, K]
+    h_in = -torch.where(valid, logq.exp() * logq, zero).sum(-1)  # [R]
+    pb_logpb = torch.where(valid, logp_listed.exp() * logp_listed, zero).sum(-1)  # [R] Σ_B π log π (≤ 0)
+    h_out = (h_full + pb_logpb) / log_z.exp() + log_z  # [R]
+    return torch.where(exclude, h_out, h_in)
 
 
 def token_logprobs(
@@ -202,8 +234,8 @@ def token_logprobs(
     ``whole_model`` (FSDP: the root's forward is what gathers the weights, so the whole model is called and full logits
     are computed).  With ``share_prefix`` the decoder runs through :func:`shared_prefix_hidden` (same values, a prefix
     shared by several rows computed once).  No KV cache is built (nothing decodes after a scoring pass; with gradient
-    checkpointing transformers would drop it with a warning).  Returns (logp [B, L], unrestricted entropy [B, L] or
-    None)."""
+    checkpointing transformers would drop it with a warning).  Returns (logp [B, L], and with ``entropy`` the entropies
+    of :func:`logprobs_from_logits`, else None)."""
     sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
     if share_prefix and not whole_model:
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy

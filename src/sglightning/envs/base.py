@@ -35,8 +35,9 @@ class ResetResult:
     info: dict[str, Any] = field(default_factory=dict)
     #: per-task action help (e.g. ScienceWorld's grammar + room list); None = the env's ``action_help``
     action_help: str | None = None
-    #: the env's 0-100 score at the start, where it has one (ScienceWorld starts some tasks above 0): episodes
-    #: report the score gained from here beside the raw final score
+    #: the env's 0-100 score at the start, where it has one (ScienceWorld starts some tasks above 0): the first
+    #: action's progress is measured against it (left None, that action's progress is unknown), and episodes report
+    #: the score gained from here beside the raw final score
     score: float | None = None
 
 

@@ -188,7 +188,7 @@ class HouseholdEnv(TextEnv):
         obs = f"{self._look()}\nYour task is to: {self._task}."
         info = {"seed": seed, "expert_plan_length": plan_len, "task_id": f"{ttype}-{seed}",
                 "target_objects": [target_obj, target_kind] + ([_kind(appliance)] if appliance else [])}
-        return ResetResult(obs, self._task, list(self._adm), ttype, info)
+        return ResetResult(obs, self._task, list(self._adm), ttype, info, score=self._score(False))
 
     def step(self, action: str) -> StepResult:
         if self._task is None:

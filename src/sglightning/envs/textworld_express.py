@@ -11,8 +11,9 @@ Install: ``pip install "sglightning[twx]"`` (the wheel ships its jar; needs a Ja
   split) is the same game.
 * Admissible actions come back with every step (``validActions``); the engine's "Unknown action" answer and any action
   outside the list count as invalid.
-* Score: the engine's normalised score × 100; success = ``tasksuccess``; reward = 1.0 on the winning step (the
-  engine's own reward is a score delta that is 0 on the last step of some games, so success is the sparse reward).
+* Score: the engine's normalised score × 100, reported at reset too (so the first action's progress is measured);
+  success = ``tasksuccess``; reward = 1.0 on the winning step (the engine's own reward is a score delta that is 0 on
+  the last step of some games, so success is the sparse reward).
 * One JVM per env instance (≈100–200 MB); ``close()`` ends it.  The engine's own step limit is set above the rollout's
   ``max_steps`` so the rollout, not the engine, ends episodes.
 * ``expert_action()`` follows the engine's gold path while the agent has followed it too.
@@ -40,6 +41,11 @@ def _require_twx():
             "(textworld-express==1.1.0, needs a Java 17 runtime)"
         ) from err
     return TextWorldExpressEnv
+
+
+def _score(info: dict) -> float:
+    """The engine's normalised score as 0-100 (never below 0)."""
+    return 100.0 * max(0.0, float(info.get("score", 0.0)))
 
 
 class TextWorldExpressEnv(JvmGoldPathEnv):
@@ -93,6 +99,7 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
             task_type=self.game,
             info={"task_id": f"{self.game}/{split}/{game_seed}", "game_seed": game_seed,
                   "gold_path_length": len(self._gold)},
+            score=_score(info),  # the starting score: the first action's progress is measured against it
         )
 
     def step(self, action: str) -> StepResult:
@@ -109,7 +116,7 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
             reward=1.0 if won else 0.0,
             done=done,
             won=won,
-            score=100.0 * max(0.0, float(info.get("score", 0.0))),
+            score=_score(info),
             admissible_actions=list(self._valid),
             invalid_action=invalid,
             info={"moves": info.get("numMoves")},

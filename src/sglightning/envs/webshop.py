@@ -185,6 +185,7 @@ class WebShopEnv(TextEnv):
             admissible_actions=None,
             task_type="webshop",
             info={"task_id": f"webshop/{split}/{session}", "session": session},
+            score=0.0,  # nothing bought yet: the purchase's progress is measured against it
         )
 
     def step(self, action: str) -> StepResult:
