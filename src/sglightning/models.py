@@ -155,12 +155,22 @@ def ensure_smollm2_folder(cfg: PolicyConfig | None = None) -> Path:
     target = cache_root(cfg) / "models" / "SmolLM2-135M-Instruct"
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
         return target
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     gguf = smollm2_gguf_path()
     log.warning("converting %s to an HF folder at %s (once)", gguf.name, target)
+    # torch's RNG is left as it was: the model built from the config draws random weights (overwritten at once), and
+    # the run that converts would otherwise initialise its LoRA adapters from another RNG state than every later run
+    # with the same seed; transformers' progress bars are not this run's news
+    with torch.random.fork_rng(devices=[]), _no_progress_bars():
+        _convert_smollm2(gguf, target)
+    return target
+
+
+def _convert_smollm2(gguf: Path, target: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _quiet_gguf_reader():
+        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config_dict = gguf_model.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_dict)
@@ -181,7 +191,6 @@ def ensure_smollm2_folder(cfg: PolicyConfig | None = None) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -254,6 +263,23 @@ def _no_progress_bars():
     finally:
         if was:
             hf_logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
+def _quiet_gguf_reader():
+    """The GGUF reader of transformers draws its own tqdm bar (not behind its progress-bar switch): hidden here."""
+    try:
+        import transformers.modeling_gguf_pytorch_utils as reader
+    except ImportError:
+        yield
+        return
+    bar = getattr(reader, "tqdm", None)
+    reader.tqdm = lambda iterable, *args, **kwargs: iterable
+    try:
+        yield
+    finally:
+        if bar is not None:
+            reader.tqdm = bar
 
 
 @contextlib.contextmanager
