@@ -267,6 +267,11 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.policy.name_or_path=my_models/smol2"],
          "'my_models/smol2' is not a local folder, not in the local Hugging Face cache"),
         (["--model.policy.name_or_path=tests"], "'tests' is not a model folder (no config.json in it)"),
+        # a value that fits no member of a union: what is allowed, in words
+        (["--threads", "0"], "--threads: '0' is not a positive integer, auto or null"),
+        (["--threads=abc"], "--threads: 'abc' is not a positive integer, auto or null"),
+        (["--model.grpo.trust_constant=half"], "model.grpo.trust_constant: 'half' is not a number or null"),
+        (["--ckpt_path=tests"], "--ckpt_path: tests is a folder, not a checkpoint"),
         # keys that moved: the message says where to
         (["--model.grpo.micro_batch_size=4"], "model.grpo.micro_batch_size is now model.update.micro_batch_size"),
         (["--model.rollout.invalid_action_penalty=0.1"],
@@ -285,6 +290,74 @@ def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys, tmp
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sglightning fit: error: "), lines  # one line, no usage dump
     assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))  # a run that never started leaves no folder
+
+
+@pytest.mark.parametrize("text, needle", [("", "the config is empty"),
+                                          ("- a\n- b\n", "the config holds a list, not a mapping")])
+def test_a_config_that_is_not_a_mapping_names_the_file(tmp_path, capsys, text, needle):
+    bad = tmp_path / "odd.yaml"
+    bad.write_text(text)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", TINY, "--config", str(bad)])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"sglightning fit: error: {bad}: {needle}")
+
+
+def test_fit_without_a_config_uses_the_default_optimiser(tmp_path):
+    """No --config: the defaults (AdamW, lr 1e-5) train; the optimiser default used to be an unresolved string."""
+    cli = cli_main(["fit", "--model.policy.name_or_path=embedded:tiny", "--trainer.max_steps=1",
+                    "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                    "--model.rollout.groups_per_step=1", "--model.rollout.group_size=2", "--model.rollout.max_steps=1",
+                    f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    opt = cli.trainer.optimizers[0]
+    assert type(opt) is torch.optim.AdamW and opt.param_groups[0]["lr"] == 1e-5
+    assert cli.model.rollouts_done == 1
+
+
+def test_python_dash_m_runs_the_cli():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "sglightning", "fit", "--config", TINY, "--threads", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "sglightning fit: error: --threads: '0' is not" in res.stderr
+
+
+def test_validate_resolves_last_like_fit_and_reports_the_checkpoints_step(cli_run, capsys):
+    cli_fit, run_dir = cli_run
+    save_dir = run_dir.parent.parent  # <save_dir>/tiny/version_k
+    cli = cli_main(["validate", "--config", TINY, f"--trainer.logger.init_args.save_dir={save_dir}",
+                    f"--trainer.default_root_dir={save_dir}", "--ckpt_path=last",
+                    "--model.evaluation.self_guidance=on"])
+    assert f"validating {run_dir / 'checkpoints' / 'last.ckpt'}" in capsys.readouterr().err
+    trained = {n: p for n, p in cli_fit.model.policy.named_parameters() if "lora_" in n}
+    loaded = dict(cli.model.policy.named_parameters())
+    assert all(torch.equal(trained[n].detach(), loaded[n].detach()) for n in trained)  # the trained adapters
+    assert cli.model.val_report["step"] == cli_fit.trainer.global_step == 2  # not 0
+    report = json.loads((Path(cli.trainer.log_dir) / "validation_report.json").read_text())
+    assert report["step"] == 2 and report["config"]["checkpoint"].endswith("last.ckpt")
+
+
+def test_validate_with_last_and_no_run_is_one_error_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["validate", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+                  f"--trainer.default_root_dir={tmp_path}", "--ckpt_path=last"])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "--ckpt_path last: no last.ckpt from a run of this config" in line
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_the_printed_tensorboard_command_pastes_into_a_shell(tmp_path):
+    import shlex
+
+    from sglightning.report import fit_summary
+
+    folder = tmp_path / "my runs" / "version_0"
+    text = fit_summary([{"rollout/success_rate": 0.5}], 0, None, None, folder, None)
+    line = next(x for x in text.splitlines() if "tensorboard --logdir" in x)
+    assert shlex.split(line.split("TensorBoard", 1)[1]) == ["tensorboard", "--logdir", str(folder)]
 
 
 def test_yaml_syntax_error_names_the_file_and_the_line(tmp_path, capsys):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -80,6 +81,30 @@ MOVED_KEYS = {
 }
 
 
+_TYPE_WORDS = {"PositiveInt": "a positive integer", "NonNegativeInt": "an integer >= 0", "NoneType": "null",
+               "int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+_UNION = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*Does not validate against any of the Union subtypes'
+                    r'\s+Subtypes:\s*\[(?P<types>.*)\]\s+Errors:.*Given value: (?P<value>.*?)\s*$', re.DOTALL)
+
+
+def union_in_words(message: str) -> str:
+    """The parser's dump for a value that fits no member of a union type (``--threads 0``,
+    ``grpo.trust_constant=half``), as one sentence: the key, what it allows, the value given."""
+    m = _UNION.match(message.strip())
+    if not m:
+        return message
+    allowed = []
+    for t in re.split(r",\s*(?![^\[]*\])", m["types"]):
+        lit = re.search(r"Literal\[(.*)\]", t)
+        if lit:
+            allowed += [v.strip(" '\"") for v in lit[1].split(",")]
+            continue
+        name = re.sub(r"^.*[.']|[>'\]]+$", "", t.strip(" <>").removeprefix("class ").strip("'"))
+        allowed.append(_TYPE_WORDS.get(name, name))
+    key = f"--{m['key']}" if m["key"] in ("threads", "ckpt_path") else m["key"]
+    return f"{key}: {m['value']!r} is not {', '.join(allowed[:-1]) + ' or ' if len(allowed) > 1 else ''}{allowed[-1]}"
+
+
 def moved_key_hint(message: str) -> str:
     """``message`` preceded by where a moved key went, when it names one (``--model.grpo.micro_batch_size=4`` or a
     config file's ``model.grpo.micro_batch_size``)."""
@@ -96,7 +121,7 @@ class OneLineParser(LightningArgumentParser):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
-        sys.stderr.write(f"{prog}: error: {one_line(moved_key_hint(message))} (see: {prog} --help)\n")
+        sys.stderr.write(f"{prog}: error: {one_line(moved_key_hint(union_in_words(message)))} (see: {prog} --help)\n")
         self.exit(2)
 
 
@@ -146,6 +171,9 @@ class SGLightningCLI(LightningCLI):
         and every requeue after a preemption)."""
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         threads.apply(cfg.get("threads", "auto"), cfg.get("trainer"))
+        if self.subcommand == "validate":
+            self._resolve_validate_checkpoint(cfg)
+            return
         if self.subcommand != "fit":
             return
         if cfg.get("model.evaluation.before_fit") and cfg.get("trainer") is not None:
@@ -171,14 +199,33 @@ class SGLightningCLI(LightningCLI):
                 init["version"] = version
         print(f"sglightning: resuming from {ckpt}", file=sys.stderr)
 
+    def _resolve_validate_checkpoint(self, cfg) -> None:
+        """``validate --ckpt_path last``: the newest ``last.ckpt`` of this config's runs, found as ``fit`` finds it
+        (Lightning alone would validate the untrained adapters); none is an error — validating "the last
+        checkpoint" of a config that has none would report an untrained model as if it were trained."""
+        if cfg.get("ckpt_path") != "last":
+            return
+        found = find_last_checkpoint(cfg)
+        if found is None:
+            self._error("--ckpt_path last: no last.ckpt from a run of this config (its logger's save_dir/name); "
+                        "give a checkpoint file, or run fit first")
+        cfg["ckpt_path"] = str(found[0])
+        print(f"sglightning: validating {found[0]}", file=sys.stderr)
+
     def _parse_ckpt_path(self) -> None:
         """Check ``--ckpt_path`` up front (safe load, sglightning checkpoint); our checkpoints carry no
         hyper-parameters, so there is nothing to merge into the config (the config file is the source of truth)."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if not path or path in ("last", "best", "hpc") or not Path(str(path)).is_file():
-            return  # Lightning resolves the keywords; distributed checkpoints are folders; a missing file is reported
-            # when it is loaded
+        if not path or path in ("last", "best", "hpc"):
+            return  # resolved later (last: before_instantiate_classes; the others: Lightning)
+        p = Path(str(path))
+        if p.is_dir() and not (p / "meta.pt").is_file() and not (p / ".metadata").is_file():
+            print(f"sglightning {sub}: error: --ckpt_path: {p} is a folder, not a checkpoint (give a .ckpt file such "
+                  f"as {p / 'last.ckpt'}, a distributed checkpoint folder, or last)", file=sys.stderr)
+            sys.exit(2)
+        if not p.is_file():
+            return  # a distributed checkpoint (a folder); a missing file is reported when it is loaded
         try:
             load_checkpoint_file(path)
         except CheckpointError as err:
@@ -297,13 +344,18 @@ def _check_config_files(argv: list[str], prog: str) -> None:
         if not p.is_file():
             continue  # the parser says "File does not exist" with the path
         try:
-            yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_text())
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err)
             tab = " (YAML does not allow tabs for indentation)" if "\t" in p.read_text() and "token" in problem else ""
             sys.stderr.write(f"{prog}: error: {path}:{where} YAML syntax error: {problem}{tab}\n")
+            sys.exit(2)
+        if not isinstance(loaded, dict):
+            what = "is empty" if loaded is None else f"holds a {type(loaded).__name__}, not a mapping"
+            sys.stderr.write(f"{prog}: error: {path}: the config {what}; a config maps sections to settings "
+                             "(trainer: …, model: …)\n")
             sys.exit(2)
 
 

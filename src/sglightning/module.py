@@ -51,7 +51,8 @@ from sglightning.update import UpdateBatch, UpdateConfig, prepare_update
 
 quiet()
 
-def _default_optimizer(params):
+def default_optimizer(params):
+    """AdamW at lr 1e-5, used when the config names no ``model.optimizer``."""
     return torch.optim.AdamW(params, lr=1e-5)
 
 
@@ -65,7 +66,7 @@ class SelfGuideModule(LightningModule):
         grpo: GRPOConfig = GRPOConfig(),
         update: UpdateConfig = UpdateConfig(),
         evaluation: EvalConfig = EvalConfig(),
-        optimizer: OptimizerCallable = _default_optimizer,
+        optimizer: OptimizerCallable | None = None,
         adapter_path: str | None = None,
         decoder: DecoderFactory = DecodeSession,
         reward_terms: list[RewardTerm] | None = None,
@@ -79,7 +80,7 @@ class SelfGuideModule(LightningModule):
         grpo: the algorithm: blended return, trust schedule, advantages, loss.
         update: how the update is computed (micro-batches, shared prefixes, skipping zero-advantage rows).
         evaluation: the validation episode set.
-        optimizer: optimiser for the adapter parameters.
+        optimizer: optimiser for the adapter parameters (default: AdamW, lr 1e-5).
         adapter_path: start from a saved peft adapter folder.
         decoder: the generation engine rollouts run on (a ``sglightning.sampler.Decoder``; ``class_path`` and
             ``init_args`` like ``env``); default: batched forwards of the policy with a persistent KV cache.
@@ -90,7 +91,7 @@ class SelfGuideModule(LightningModule):
         self.save_hyperparameters(ignore=["optimizer", "decoder", "reward_terms"])
         self.policy_cfg, self.env_class, self.rollout_cfg = policy, env, rollout
         self.guidance_cfg, self.grpo_cfg, self.update_cfg, self.eval_cfg = guidance, grpo, update, evaluation
-        self.optimizer_factory = optimizer
+        self.optimizer_factory = optimizer if optimizer is not None else default_optimizer
         self.adapter_path = adapter_path
         self.decoder = decoder
         self.reward_terms = list(reward_terms or [])
@@ -112,6 +113,7 @@ class SelfGuideModule(LightningModule):
         self.val_report_before: dict[str, Any] | None = None  # evaluation.before_fit
         self.trust_meter = rewards.TrustMeter(self.grpo_cfg.trust_window)
         self._horizon: int | None = None  # the trust schedule's horizon restored from a checkpoint
+        self._checkpoint_step = 0  # the global step of the checkpoint loaded (validate reports it)
 
     # ------------------------------------------------------------------------------------------------------------------
     # model, env, engine
@@ -425,7 +427,9 @@ class SelfGuideModule(LightningModule):
             self.val_episodes[mode] = episodes
             means = {**self.val_metrics[mode].compute(), **self._peak_over_ranks(self.val_peak_memory[mode])}
             modes[mode] = (means, episodes)
-        built = report.build_report(int(self.global_step), self._world()[1], self.eval_cfg.split,
+        # the optimiser steps the evaluated adapters had taken (validate restores no loop state: the checkpoint's)
+        step = max(int(self.global_step), self._checkpoint_step)
+        built = report.build_report(step, self._world()[1], self.eval_cfg.split,
                                     self.package_versions(), modes)
         if self.trainer.sanity_checking:
             # evaluation.before_fit: Lightning discards what a sanity check logs, so the "before" validation goes to
@@ -474,6 +478,7 @@ class SelfGuideModule(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("sglightning", {})
+        self._checkpoint_step = int(checkpoint.get("global_step", 0))
         self.rollouts_done = int(state.get("rollouts_done", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
         self.trust_meter.load_state_dict(state.get("trust_meter", {}))

@@ -9,6 +9,7 @@ episodes (:mod:`sglightning.diagnostics`) and every episode as plain data; plus 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -185,7 +186,7 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
         *_memory_lines(hist),
     ]
     lines += _validation_lines(before, after)
-    lines.append(f"  TensorBoard       tensorboard --logdir {run_dir}")
+    lines.append(f"  TensorBoard       tensorboard --logdir {shlex.quote(str(run_dir))}")  # pastes into a shell
     lines.append(f"  adapter           {adapter_dir or run_dir / 'adapter'}")
     return "\n".join(lines)
 
