@@ -529,3 +529,18 @@ def test_native_gqa_attention_on_cpu_gives_the_same_logits_and_gradients(monkeyp
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     for x, y in zip(ga, gb):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_an_adapter_without_a_record_is_checked_tensor_by_tensor(tmp_path):
+    """An adapter saved by peft alone (no sglightning.json): tensors with no place in the model are refused, not
+    skipped."""
+    from sglightning.errors import ConfigError
+
+    cfg = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8)
+    model, _ = models.load_policy(cfg)
+    model.save_pretrained(tmp_path / "adapter")
+    loaded, _ = models.load_policy(cfg, adapter_path=str(tmp_path / "adapter"))  # fits: loads
+    assert any("lora_A" in n for n, _ in loaded.named_parameters())
+    shallow = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, tiny=TinyModelConfig(num_layers=1))
+    with pytest.raises(ConfigError, match="model.adapter_path: .*have no place in the model"):
+        models.load_policy(shallow, adapter_path=str(tmp_path / "adapter"))

@@ -272,6 +272,8 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--threads=abc"], "--threads: 'abc' is not a positive integer, auto or null"),
         (["--model.grpo.trust_constant=half"], "model.grpo.trust_constant: 'half' is not a number or null"),
         (["--ckpt_path=tests"], "--ckpt_path: tests is a folder, not a checkpoint"),
+        (["--model.adapter_path=/no/such/adapter"], "model.adapter_path: /no/such/adapter does not exist"),
+        (["--model.adapter_path=tests"], "model.adapter_path: tests is not a peft adapter folder"),
         # keys that moved: the message says where to
         (["--model.grpo.micro_batch_size=4"], "model.grpo.micro_batch_size is now model.update.micro_batch_size"),
         (["--model.rollout.invalid_action_penalty=0.1"],
@@ -337,6 +339,23 @@ def test_validate_resolves_last_like_fit_and_reports_the_checkpoints_step(cli_ru
     assert cli.model.val_report["step"] == cli_fit.trainer.global_step == 2  # not 0
     report = json.loads((Path(cli.trainer.log_dir) / "validation_report.json").read_text())
     assert report["step"] == 2 and report["config"]["checkpoint"].endswith("last.ckpt")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--model.policy.tiny.num_layers=3"], "num_hidden_layers=2 (this model: 3)"),  # a deeper base: peft loads it
+    (["--model.policy.tiny.num_layers=1"], "num_hidden_layers=2 (this model: 1)"),  # a shallower one
+    (["--model.policy.tiny.hidden_size=32"], "hidden_size=64 (this model: 32)"),  # peft: a size-mismatch wall
+])
+def test_an_adapter_from_another_model_is_one_error_line(cli_run, tmp_path, capsys, args, needle):
+    _, run_dir = cli_run
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["validate", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+                  f"--trainer.default_root_dir={tmp_path}", f"--model.adapter_path={run_dir / 'adapter'}", *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    lines = [x for x in err.strip().splitlines() if "error" in x]
+    assert len(lines) == 1 and "model.adapter_path: the adapter in" in lines[0] and needle in lines[0], err
+    assert "Traceback" not in err and not any(tmp_path.rglob("*.yaml"))
 
 
 def test_validate_with_last_and_no_run_is_one_error_line(tmp_path, capsys):

@@ -33,6 +33,7 @@ from sglightning.episodes import Episode, RolloutBatch
 from sglightning.errors import ConfigError
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
+from sglightning.models import base_signature
 from sglightning.preemption import PreemptionCheckpoint, agree_on_sigterm, sigterm_check
 from sglightning.report import fit_summary, trajectory_markdown
 from sglightning.rollout import Rollout, RolloutAborted
@@ -196,9 +197,11 @@ class AdapterExport(Callback):
         try:
             pl_module.peft_model.save_pretrained(tmp, state_dict=state)
             _strip_wrapper_names(tmp / "adapter_model.safetensors", pl_module.peft_model.active_adapter)
-            (tmp / "sglightning.json").write_text(
-                json.dumps({"global_step": int(pl_module.global_step), "rollouts_done": pl_module.rollouts_done})
-            )
+            (tmp / "sglightning.json").write_text(json.dumps({
+                "global_step": int(pl_module.global_step), "rollouts_done": pl_module.rollouts_done,
+                "base_model": {"name_or_path": pl_module.policy_cfg.name_or_path,
+                               **base_signature(pl_module.peft_model.get_base_model())},
+            }))
             old = target.with_name(target.name + ".old")
             if target.exists():
                 os.replace(target, old)

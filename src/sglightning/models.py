@@ -447,6 +447,91 @@ def use_native_gqa_attention(device: torch.device | str) -> bool:
     return os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] == "1"
 
 
+_ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def check_adapter_folder(path: str | None, key: str = "model.adapter_path") -> None:
+    """A peft adapter folder: it exists, holds ``adapter_config.json`` and the weights (``ConfigError`` naming
+    ``key``).  Checked before anything starts; whether the adapter fits the model is checked when it is loaded."""
+    if path is None:
+        return
+    folder = Path(path)
+    if not folder.exists():
+        raise ConfigError(f"{key}: {path} does not exist (give the adapter folder a fit exported: <run dir>/adapter)")
+    if not folder.is_dir() or not (folder / "adapter_config.json").is_file():
+        raise ConfigError(f"{key}: {path} is not a peft adapter folder (no adapter_config.json in it)")
+    if not any((folder / name).is_file() for name in _ADAPTER_WEIGHTS):
+        raise ConfigError(f"{key}: {path} holds no adapter weights ({' or '.join(_ADAPTER_WEIGHTS)})")
+
+
+#: the base model's config fields an adapter records (``sglightning.json`` beside it) and is checked against
+BASE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "intermediate_size", "vocab_size")
+
+
+def base_signature(base) -> dict[str, Any]:
+    """The shape of ``base`` (a transformers model): what an adapter trained on it depends on."""
+    config = getattr(base, "config", None)
+    return {k: getattr(config, k) for k in BASE_FIELDS if getattr(config, k, None) is not None}
+
+
+def _check_base_signature(base, folder: Path, cfg: PolicyConfig, key: str) -> None:
+    meta = folder / "sglightning.json"
+    if not meta.is_file():
+        return  # not exported by sglightning: the tensors are checked after loading
+    import json
+
+    try:
+        recorded = json.loads(meta.read_text()).get("base_model") or {}
+    except (OSError, ValueError):
+        return
+    here = base_signature(base)
+    differ = [f"{k}={recorded[k]} (this model: {here[k]})" for k in BASE_FIELDS
+              if k in recorded and k in here and recorded[k] != here[k]]
+    if differ:
+        raise ConfigError(f"{key}: the adapter in {folder} was trained on another base model than "
+                          f"{cfg.name_or_path} as configured: {', '.join(differ)}")
+
+
+def _saved_adapter_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    weights = folder / _ADAPTER_WEIGHTS[0]
+    if weights.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    state = torch.load(folder / _ADAPTER_WEIGHTS[1], map_location="cpu", weights_only=True)
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def load_adapter(base, cfg: PolicyConfig, path: str, key: str = "model.adapter_path"):
+    """``PeftModel.from_pretrained`` (trainable), refusing an adapter that does not fit this base model in one line
+    naming ``key``: a base of another shape than the one the adapter recorded (``sglightning.json``: an adapter
+    naming its modules loads into a deeper base without complaint), a tensor of another shape (peft raises a
+    size-mismatch wall) or a tensor with no place in the model (peft skips those silently)."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    folder = Path(path)
+    _check_base_signature(base, folder, cfg, key)
+    saved = _saved_adapter_shapes(folder)
+    try:
+        model = PeftModel.from_pretrained(base, str(folder), is_trainable=True)
+    except (RuntimeError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{key}: the adapter in {path} does not fit {cfg.name_or_path}: {first[:300]}") from None
+    expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    unplaced = sorted(set(saved) - set(expected))
+    missing = sorted(set(expected) - set(saved))
+    resized = sorted(k for k in set(saved) & set(expected) if saved[k] != expected[k])
+    if unplaced or missing or resized:
+        what = [f"{len(unplaced)} of its tensors have no place in the model (e.g. {unplaced[0]})" if unplaced else "",
+                f"{len(missing)} adapter tensors of the model are not in it (e.g. {missing[0]})" if missing else "",
+                f"{len(resized)} have another shape (e.g. {resized[0]})" if resized else ""]
+        raise ConfigError(f"{key}: the adapter in {path} was not trained on {cfg.name_or_path} as configured: "
+                          + "; ".join(w for w in what if w))
+    return model
+
+
 def load_policy(cfg: PolicyConfig, device: torch.device | str = "cpu", adapter_path: str | None = None):
     """Return ``(peft_model, tokenizer)``.  With ``adapter_path`` the saved adapter is loaded (trainable).  On CPU,
     grouped-query attention runs natively in SDPA (:func:`use_native_gqa_attention`)."""
@@ -454,9 +539,8 @@ def load_policy(cfg: PolicyConfig, device: torch.device | str = "cpu", adapter_p
     tok = load_tokenizer(cfg)
     base = load_base_model(cfg, len(tok), device)
     if adapter_path is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(base, adapter_path, is_trainable=True)
+        check_adapter_folder(adapter_path)
+        model = load_adapter(base, cfg, adapter_path)
     else:
         model = add_lora(base, cfg)
     return model, tok

@@ -43,7 +43,13 @@ from sglightning.grpo import GRPOConfig, grpo_loss, microbatch_weight, trust_sch
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
 from sglightning.metrics import SUM_KEYS, EpisodeMetrics, step_logs
-from sglightning.models import PolicyConfig, check_model_source, load_policy, warn_low_precision_adapters
+from sglightning.models import (
+    PolicyConfig,
+    check_adapter_folder,
+    check_model_source,
+    load_policy,
+    warn_low_precision_adapters,
+)
 from sglightning.rewards import RewardTerm
 from sglightning.sampler import DecoderFactory, DecodeSession
 from sglightning.strategies import check_quantization, check_tensor_parallel, sharding_of
@@ -140,6 +146,7 @@ class SelfGuideModule(LightningModule):
         check_tensor_parallel(strategy)
         self.share_prefix(strategy)
         check_model_source(self.policy_cfg)
+        check_adapter_folder(self.adapter_path)
         try:
             self.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
         except (TypeError, ValueError) as err:
