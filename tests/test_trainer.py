@@ -306,6 +306,24 @@ def test_a_config_that_is_not_a_mapping_names_the_file(tmp_path, capsys, text, n
     assert line.startswith(f"sglightning fit: error: {bad}: {needle}")
 
 
+@pytest.mark.parametrize("var, value, needle", [
+    ("OMP_NUM_THREADS", "abc", "OMP_NUM_THREADS: 'abc' is not a positive integer"),
+    ("OMP_NUM_THREADS", "0", "OMP_NUM_THREADS: '0' is not a positive integer"),
+    ("SGLIGHTNING_CACHE", "", "SGLIGHTNING_CACHE: empty"),
+    ("SGLIGHTNING_CACHE", __file__, "is a file, not a folder"),
+    ("HF_HUB_OFFLINE", "maybe", "HF_HUB_OFFLINE: 'maybe' is not one of"),
+])
+def test_a_bad_environment_variable_is_one_line_naming_it(var, value, needle, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+                  f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("sglightning fit: error: ") and needle in line
+    assert not any(tmp_path.rglob("*"))
+
+
 def test_fit_without_a_config_uses_the_default_optimiser(tmp_path):
     """No --config: the defaults (AdamW, lr 1e-5) train; the optimiser default used to be an unresolved string."""
     cli = cli_main(["fit", "--model.policy.name_or_path=embedded:tiny", "--trainer.max_steps=1",

@@ -25,6 +25,7 @@ from sglightning import threads
 from sglightning.checkpointing import CheckpointError, load_checkpoint_file, run_dir
 from sglightning.console import StepProgressBar, quiet
 from sglightning.errors import ConfigError
+from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
 from sglightning.preemption import PreemptionCheckpoint
 from sglightning.report import report_markdown
@@ -170,6 +171,11 @@ class SGLightningCLI(LightningCLI):
         and continue in that run's folder; with none, start fresh (so one command line serves both the first launch
         and every requeue after a preemption)."""
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        try:
+            threads.check_environment()
+            check_model_environment()
+        except ConfigError as err:
+            self._error(str(err))
         threads.apply(cfg.get("threads", "auto"), cfg.get("trainer"))
         if self.subcommand == "validate":
             self._resolve_validate_checkpoint(cfg)

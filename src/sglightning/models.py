@@ -119,6 +119,25 @@ class PolicyConfig:
             raise ValueError(f"model.policy.name_or_path: local folder {name!r} does not exist")
 
 
+_TRUTHY = ("1", "true", "yes", "on")
+_FALSY = ("", "0", "false", "no", "off")
+
+
+def check_environment() -> None:
+    """The variables model loading reads, when set: ``SGLIGHTNING_CACHE`` a folder path (not empty, not a file),
+    ``HF_HUB_OFFLINE`` a boolean word.  ``ConfigError`` naming the variable and what is allowed."""
+    cache = os.environ.get("SGLIGHTNING_CACHE")
+    if cache is not None:
+        if not cache.strip():
+            raise ConfigError("SGLIGHTNING_CACHE: empty; unset it (the cache is then ~/.cache/sglightning) or give a "
+                              "folder")
+        if Path(cache).expanduser().exists() and not Path(cache).expanduser().is_dir():
+            raise ConfigError(f"SGLIGHTNING_CACHE: {cache} is a file, not a folder")
+    offline = os.environ.get("HF_HUB_OFFLINE")
+    if offline is not None and offline.strip().lower() not in _TRUTHY + _FALSY:
+        raise ConfigError(f"HF_HUB_OFFLINE: {offline!r} is not one of 1/0, true/false, yes/no, on/off")
+
+
 def cache_root(cfg: PolicyConfig | None = None) -> Path:
     if cfg is not None and cfg.cache_dir:
         return Path(cfg.cache_dir).expanduser()
@@ -426,7 +445,7 @@ def check_model_source(cfg: PolicyConfig, key: str = "model.policy.name_or_path"
         return
     if cached:
         return
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false") or not _hub_reachable():
+    if os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in _TRUTHY or not _hub_reachable():
         raise ConfigError(
             f"{key}: {name!r} is not a local folder, not in the local Hugging Face cache, and the hub cannot be "
             f"reached from here; download it on a networked machine (or give a local folder)"

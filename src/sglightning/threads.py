@@ -111,6 +111,17 @@ def machine_load() -> float:
         return float("inf")
 
 
+def check_environment() -> None:
+    """``OMP_NUM_THREADS``, when set, must be a positive integer (torch would otherwise ignore it or fail later):
+    ``ConfigError`` naming the variable."""
+    from sglightning.errors import ConfigError
+
+    value = os.environ.get("OMP_NUM_THREADS")
+    if value is not None and not (value.strip().isdigit() and int(value) >= 1):
+        raise ConfigError(f"OMP_NUM_THREADS: {value!r} is not a positive integer (unset it, or give the threads per "
+                          "process; --threads auto leaves a core free by itself)")
+
+
 def resolve(setting: Threads, processes: int = 1, cpus: int | None = None, load: float | None = None) -> int | None:
     """The torch thread count for ``setting`` (``None``: leave torch's default). ``auto`` → max(1, cpus/processes − 1),
     or 2 for one process with a share of exactly 2 cores on an idle machine (``load``: the busy CPUs,
