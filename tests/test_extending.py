@@ -1,4 +1,4 @@
-"""The README's "Extending" examples (examples/extending/): a new environment, reward term, advantage estimator and
+"""The examples of docs/extending.md (examples/extending/): a new environment, reward term, advantage estimator and
 decoder backend, each one file, together in one config — trained through the real CLI."""
 
 from __future__ import annotations
