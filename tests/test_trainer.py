@@ -278,6 +278,12 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.grpo.micro_batch_size=4"], "model.grpo.micro_batch_size is now model.update.micro_batch_size"),
         (["--model.rollout.invalid_action_penalty=0.1"],
          "model.rollout.invalid_action_penalty is now model.grpo.invalid_action_penalty"),
+        # a run folder that cannot be created (was a 40-line traceback from the logger, after the model loaded)
+        (["--trainer.logger.init_args.save_dir=/proc/sglightning/runs"],
+         "trainer.logger.init_args.save_dir: cannot write the run folder /proc/sglightning/runs/tiny: /proc does not "
+         "take new folders"),
+        (["--trainer.logger=false", "--trainer.default_root_dir=/proc/sglightning"],
+         "trainer.default_root_dir: cannot write the run folder /proc/sglightning: /proc does not take new folders"),
     ],
 )
 def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys, tmp_path, monkeypatch):
@@ -292,6 +298,26 @@ def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys, tmp
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sglightning fit: error: "), lines  # one line, no usage dump
     assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))  # a run that never started leaves no folder
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_a_run_folder_that_cannot_be_written_is_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch,
+                                                                                subcommand):
+    """The logger's folder lies under a regular file (chmod does not stop root, a file in the path does): one line
+    naming the folder, the key that sets it and why, exit 2, before the model loads; nothing written."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    loads = []
+    monkeypatch.setattr(sglightning.module, "load_policy", lambda *a, **kw: loads.append(a))
+    with pytest.raises(SystemExit) as exc:
+        cli_main([subcommand, "--config", TINY, f"--trainer.default_root_dir={tmp_path / 'root'}",
+                  f"--trainer.logger.init_args.save_dir={blocker / 'runs'}"])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == (f"sglightning {subcommand}: error: trainer.logger.init_args.save_dir: cannot write the run folder "
+                    f"{blocker / 'runs' / 'tiny'}: {blocker} is a file, not a folder; give a folder you can write to "
+                    f"(see: sglightning {subcommand} --help)")
+    assert loads == [] and list(tmp_path.iterdir()) == [blocker]
 
 
 @pytest.mark.parametrize("text, needle", [("", "the config is empty"),

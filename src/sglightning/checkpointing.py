@@ -2,6 +2,8 @@
 
 * **The run directory.** :func:`run_dir`: the first logger's version folder (``runs/<name>/version_<k>``), else the
   trainer's ``default_root_dir``; the config, checkpoints, adapter and reports of a run are written there.
+  :func:`check_run_dir` refuses one that cannot be created or written, naming the folder and the key, before the
+  model loads.
 
 * **Atomic writes.** :class:`AtomicCheckpointIO` writes ``<name>.tmp-<pid>`` next to the target, flushes and fsyncs
   it, then ``os.replace``-s it over the target (atomic on POSIX within one filesystem) and fsyncs the folder.  A kill
@@ -15,11 +17,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from sglightning.errors import ConfigError
 
 
 def run_dir(trainer) -> Path:
@@ -30,6 +35,43 @@ def run_dir(trainer) -> Path:
         logger = trainer.loggers[0]
         path = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
     return Path(path or trainer.default_root_dir)
+
+
+def check_run_dir(trainer) -> None:
+    """The run directory can be created and written: else ``ConfigError`` naming the folder and the config key that
+    sets it — checked when the trainer is built, before the model loads (a run that could not save its config,
+    checkpoints or adapter would otherwise end in a traceback from deep inside the logger).  Nothing is left behind:
+    the probe is an empty folder, removed at once.  The version folder itself is checked when it is fixed (a resume);
+    otherwise the logger's root (``save_dir/name``), where the next version folder will be made."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    if logger is not None:
+        key = "trainer.logger.init_args.save_dir"
+        folder = getattr(logger, "root_dir", None) or getattr(logger, "save_dir", None)
+        if folder is not None and getattr(logger, "_version", None) is not None:
+            folder = getattr(logger, "log_dir", None) or folder  # a resume continues in a given version folder
+    else:
+        key, folder = "trainer.default_root_dir", trainer.default_root_dir
+    if folder is None or "://" in str(folder):
+        return  # a logger without a local folder, or a remote file system: its own business
+    folder = Path(folder).absolute()
+    reason = _not_writable(folder)
+    if reason:
+        raise ConfigError(f"{key}: cannot write the run folder {folder}: {reason}; give a folder you can write to")
+
+
+def _not_writable(folder: Path) -> str | None:
+    """Why ``folder`` cannot be created or written (its deepest existing ancestor is tried), or None."""
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        probe = tempfile.mkdtemp(prefix=".sglightning-write-check-", dir=existing)
+    except OSError as err:
+        return f"{existing} does not take new folders ({err.strerror or type(err).__name__})"
+    os.rmdir(probe)
+    return None
 
 
 class CheckpointError(ValueError):

@@ -22,7 +22,7 @@ from jsonargparse.typing import PositiveInt
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from sglightning import threads
-from sglightning.checkpointing import CheckpointError, load_checkpoint_file, run_dir
+from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
 from sglightning.console import StepProgressBar, quiet
 from sglightning.errors import ConfigError
 from sglightning.models import check_environment as check_model_environment
@@ -148,6 +148,7 @@ class SGLightningCLI(LightningCLI):
         except MisconfigurationException as err:
             self._error(f"trainer: {err}")
         try:
+            check_run_dir(self.trainer)  # a folder that cannot be written: one line, before the model loads
             self.model.preflight(self.trainer.strategy)
         except (ConfigError, ValueError) as err:
             self._error(str(err))
