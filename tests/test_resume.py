@@ -3,11 +3,21 @@ metrics)."""
 
 from __future__ import annotations
 
+import io
+import sys
+from pathlib import Path
+
+import pytest
 import torch
+import tqdm.std
 from lightning.pytorch import Callback
 from tiny import tiny_module, tiny_trainer
 
+from sglightning.cli import cli_main
 from sglightning.grpo import GRPOConfig
+from sglightning.module import SelfGuideModule
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 
 KEYS = ("rollout/success_rate", "reward/internal_sum", "reward/lambda", "loss/policy", "loss/kl", "tokens/policy")
 
@@ -83,3 +93,47 @@ def test_a_resume_with_another_max_steps_keeps_the_trust_schedule(tmp_path, caps
     tiny_trainer(tmp_path / "d", steps=8).fit(explicit, ckpt_path=str(ckpt))
     assert [h["reward/lambda"] for h in explicit.history[:2]] == [0.0, 0.0]  # λ of an 8-step schedule at steps 2, 3
     assert "grpo.total_steps=8: λ(u) is rescaled" in capsys.readouterr().err
+
+
+class _Terminal(io.StringIO):
+    """Standard output as a terminal (the progress bar draws itself there)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """A 2-step tiny fit through the CLI, then ``--ckpt_path last --trainer.max_steps=4`` (the finished run, taken
+    further) on a terminal, under a clock that moves 1 s per training step and stands still otherwise.  Returns the
+    resumed CLI, the save_dir and what the resumed run wrote on the terminal."""
+    out = tmp_path_factory.mktemp("resume")
+    args = ["fit", "--config", TINY, f"--trainer.default_root_dir={out}", f"--trainer.logger.init_args.save_dir={out}"]
+    cli_main([*args, "--trainer.max_steps=2"])
+    clock = [1000.0]
+    real_step = SelfGuideModule.training_step
+
+    def one_second_step(self, *a, **kw):
+        clock[0] += 1.0
+        return real_step(self, *a, **kw)
+
+    terminal = _Terminal()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tqdm.std, "time", lambda: clock[0])
+        mp.setattr(SelfGuideModule, "training_step", one_second_step)
+        mp.setattr(sys, "stdout", terminal)
+        cli = cli_main([*args, "--trainer.max_steps=4", "--ckpt_path=last"])
+    return cli, out, terminal.getvalue()
+
+
+def test_the_progress_bar_after_a_resume_counts_on_from_the_restored_step(resumed):
+    """After ``--ckpt_path last`` the bar reads ``fit: k/N`` (it read ``Training 4/?``: Lightning's label, no total)
+    and its rate is over the steps this process ran (2 steps in 2 s: 1.00 s/step; the restored steps counted in gave
+    0.50)."""
+    cli, _, text = resumed
+    assert cli.trainer.global_step == 4
+    frames = [f.strip() for f in text.replace("\n", "\r").split("\r") if "/step" in f]
+    assert frames and all(f.startswith("fit: ") for f in frames), frames
+    assert "Training" not in text
+    assert any(" 3/4 " in f for f in frames) and " 4/4 " in frames[-1], frames
+    assert "1.00s/step" in frames[-1], frames[-1]

@@ -7,9 +7,11 @@ Each filter below removes one message we understand and that says nothing about 
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 
 from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
 #: (message start, category) of warnings that are expected in every run of this trainer
 _EXPECTED_WARNINGS = (
@@ -55,25 +57,29 @@ def quiet() -> None:
 
 
 class StepProgressBar(TQDMProgressBar):
-    """One bar for the whole run: ``fit  k/N`` in optimiser steps (right after a resume too), seconds per step, and
-    the last step's success rate and trust weight λ."""
+    """One bar for the whole run: ``fit  k/N`` in optimiser steps (right after a resume too: the restored steps are
+    counted in ``k`` but not in the rate, which is over the steps this process ran), seconds per step, and the last
+    step's success rate and trust weight λ."""
+
+    BAR_FORMAT_STEPS = "{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}{postfix}]"
 
     @property
     def sanity_check_description(self) -> str:
         return "Validation before training"  # evaluation.before_fit runs as Lightning's sanity check
 
     def init_train_tqdm(self):
-        bar = super().init_train_tqdm()
-        bar.unit = "step"
-        bar.bar_format = "{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}{postfix}]"
-        return bar
+        """The bar, made at the start of fit with its final label, total and start (Lightning's would first print
+        ``Training 0/?``, and a resume — which calls no ``on_train_epoch_start`` when it continues an epoch — kept
+        that label and counted the restored steps in the rate): ``initial`` is the restored step, so tqdm's rate is
+        (n − initial) / elapsed."""
+        trainer = self.trainer
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+        return Tqdm(desc="fit:", initial=trainer.global_step, total=total, unit="step",
+                    position=2 * self.process_position, disable=self.is_disabled, leave=True, dynamic_ncols=True,
+                    file=sys.stdout, smoothing=0, bar_format=self.BAR_FORMAT_STEPS)
 
     def on_train_epoch_start(self, trainer, *_) -> None:
-        bar = self.train_progress_bar
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        bar.reset(total=total)
-        bar.initial = bar.n = trainer.global_step
-        bar.set_description("fit")
+        pass  # one bar for the whole run, across epochs (Lightning's resets it to "Epoch k" at 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         bar = self.train_progress_bar
