@@ -137,3 +137,20 @@ def test_the_progress_bar_after_a_resume_counts_on_from_the_restored_step(resume
     assert "Training" not in text
     assert any(" 3/4 " in f for f in frames) and " 4/4 " in frames[-1], frames
     assert "1.00s/step" in frames[-1], frames[-1]
+
+
+def test_tensorboard_keeps_every_step_once_across_a_resume(resumed):
+    """Step k's scalars and its trajectory text sit at step k (the scalars were one behind), each validation at the
+    step it evaluated, and the resumed run goes on at 3, 4 (it logged its first step where step 2 already was, and
+    TensorBoard dropped what came after)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, out, _ = resumed
+    acc = EventAccumulator(str(out / "tiny" / "version_0"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    for tag in ("rollout/success_rate", "loss/policy", "reward/lambda", "time/update_s"):
+        assert [e.step for e in acc.Scalars(tag)] == [1, 2, 3, 4], tag
+    text = next(t for t in acc.Tags()["tensors"] if t.startswith("rollout/trajectory"))
+    assert [e.step for e in acc.Tensors(text)] == [1, 2, 3, 4]
+    assert [(e.step, e.value) for e in acc.Scalars("val/global_step")] == [(2, 2.0), (4, 4.0)]
+    assert [e.step for e in acc.Scalars("val/sg/success_rate")] == [2, 4]

@@ -302,6 +302,7 @@ class SelfGuideModule(LightningModule):
         logs = distributed.reduce_logs(logs, SUM_KEYS, self._world()[1])
         self.history.append(logs)
         self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(rb.episodes))
+        self._log_at_global_step(on_step=True, on_epoch=False)
         self.log("success", logs["rollout/success_rate"], on_step=True, prog_bar=True, logger=False)
         self.log("lam", lam, on_step=True, prog_bar=True, logger=False)
 
@@ -448,6 +449,16 @@ class SelfGuideModule(LightningModule):
         self.val_report = built
         for key, value in report.scalars(self.val_report).items():
             self.log(key, value, on_epoch=True, batch_size=1, sync_dist=distributed.is_distributed())
+        self._log_at_global_step(step, on_epoch=True)
+
+    def _log_at_global_step(self, step: int | None = None, **kw) -> None:
+        """The loggers' x-axis is the optimiser steps the weights have taken (``step``, default ``global_step``):
+        step k's scalars, its ``rollout/trajectory`` text (written at ``global_step`` after the update) and the
+        validation after it all sit at k, the "before" validation at 0, and a resumed run goes on at k+1.  Lightning's
+        own logging step lags one behind (it counts the batches before this one), and a resumed run logged its first
+        step where the checkpoint's last one already was (TensorBoard drops what is logged again at an earlier step).
+        A logged ``step`` is the one Lightning's logger connector uses."""
+        self.log("step", float(self.global_step if step is None else step), prog_bar=False, batch_size=1, **kw)
 
     def _peak_over_ranks(self, peaks: dict[str, float]) -> dict[str, float]:
         """A validation's peak memory (:mod:`sglightning.memory`), the maximum over ranks (a rank that played only
