@@ -683,6 +683,40 @@ def test_a_tiny_fit_prints_only_its_progress_bar_and_summary(tmp_path, extra):
     assert "sglightning fit: 2 GRPO steps" in res.stdout
 
 
+def test_a_run_logged_to_a_file_writes_one_plain_line_per_step_and_per_validation(tmp_path):
+    """Output to files (not a terminal: a batch job's log, ``> run.log 2>&1``): no carriage returns or escape codes,
+    no bar frames, no validation bars — one line per training step (its step k/N, s/step, success and λ) and one per
+    validation, then the summary; nothing on stderr."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    out, err = tmp_path / "out.log", tmp_path / "err.log"
+    with out.open("w") as o, err.open("w") as e:
+        res = subprocess.run(
+            [sys.executable, "-m", "sglightning", "fit", "--config", TINY, "--trainer.max_steps=3",
+             f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.evaluation.before_fit=true"],
+            stdout=o, stderr=e, timeout=900, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), cwd=tmp_path)
+    text, errors = out.read_text(), err.read_text()
+    assert res.returncode == 0, errors[-3000:]
+    assert errors == ""
+    assert "\r" not in text and "\x1b" not in text, repr(text[:500])
+    lines = text.splitlines()
+    steps = [x for x in lines if x.startswith("fit: step ")]
+    assert [x.split()[2] for x in steps] == ["1/3", "2/3", "3/3"], lines
+    line = re.compile(r"fit: step \d/3  \d+\.\d\d s/step  success=\d\.\d{3}  lam=\d\.\d{3}")
+    assert all(line.fullmatch(x) for x in steps), steps
+    validations = [x for x in lines if x.startswith("validation ")]
+    assert len(validations) == 2, lines
+    assert validations[0].startswith("validation before training at step 0: self-guidance on success=")
+    assert validations[1].startswith("validation at step 3: self-guidance on success=")
+    assert "off success=" in validations[1] and "(4 episodes each, " in validations[1]
+    assert lines.index(steps[0]) > lines.index(validations[0]) and lines.index(validations[1]) > lines.index(steps[-1])
+    assert not [x for x in lines if "Validation" in x or "it/s" in x]  # no bar of any kind
+    assert "sglightning fit: 3 GRPO steps" in text
+
+
 def test_validation_before_fit_is_logged_and_summarised_before_and_after(tmp_path, capsys):
     """evaluation.before_fit: the untrained adapters are validated before step 1 (same tasks as the end-of-fit
     validation), at logger step 0, and the summary reads "before … -> after …"."""

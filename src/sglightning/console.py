@@ -1,5 +1,9 @@
 """What a run prints: one progress bar (step k/N, s/step, success, λ), and nothing its user did not ask to see.
 
+On a terminal the bar redraws itself in place; when standard output is not a terminal (a file, a pipe, a batch
+job's log) the run writes plain lines instead — one per training step and one per validation, without carriage
+returns or escape codes.
+
 Each filter below removes one message we understand and that says nothing about the run (found by running
 ``sglightning fit`` on a fresh box); everything else — a real warning — still prints.
 """
@@ -8,10 +12,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import warnings
 
 from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+from sglightning.report import validation_line
 
 #: (message start, category) of warnings that are expected in every run of this trainer
 _EXPECTED_WARNINGS = (
@@ -56,40 +63,117 @@ def quiet() -> None:
             logger.addFilter(_DropNoise())
 
 
+def is_terminal(stream) -> bool:
+    """Whether ``stream`` is a terminal (a bar can redraw itself there)."""
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
+
+
 class StepProgressBar(TQDMProgressBar):
     """One bar for the whole run: ``fit  k/N`` in optimiser steps (right after a resume too: the restored steps are
     counted in ``k`` but not in the rate, which is over the steps this process ran), seconds per step, and the last
-    step's success rate and trust weight λ."""
+    step's success rate and trust weight λ.
+
+    When standard output (where the bar writes) is not a terminal, plain lines instead: ``fit: step k/N  0.61 s/step
+    success=0.250  lam=0.000`` after each step and ``validation at step k: …`` after each validation, nothing else
+    (no bar frames, no validation bars)."""
 
     BAR_FORMAT_STEPS = "{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}{postfix}]"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.plain = False  # set at setup: standard output is not a terminal
+        self._started: tuple[float, int] = (0.0, 0)  # (when, global step) this process's training started
+        self._validation_started = 0.0
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self.plain = not is_terminal(sys.stdout)
 
     @property
     def sanity_check_description(self) -> str:
         return "Validation before training"  # evaluation.before_fit runs as Lightning's sanity check
+
+    def init_sanity_tqdm(self):
+        return Tqdm(disable=True) if self.plain else super().init_sanity_tqdm()
+
+    def init_validation_tqdm(self):
+        return Tqdm(disable=True) if self.plain else super().init_validation_tqdm()
 
     def init_train_tqdm(self):
         """The bar, made at the start of fit with its final label, total and start (Lightning's would first print
         ``Training 0/?``, and a resume — which calls no ``on_train_epoch_start`` when it continues an epoch — kept
         that label and counted the restored steps in the rate): ``initial`` is the restored step, so tqdm's rate is
         (n − initial) / elapsed."""
+        if self.plain:
+            return Tqdm(disable=True)
         trainer = self.trainer
-        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        return Tqdm(desc="fit:", initial=trainer.global_step, total=total, unit="step",
+        return Tqdm(desc="fit:", initial=trainer.global_step, total=self._total(trainer), unit="step",
                     position=2 * self.process_position, disable=self.is_disabled, leave=True, dynamic_ncols=True,
                     file=sys.stdout, smoothing=0, bar_format=self.BAR_FORMAT_STEPS)
+
+    @staticmethod
+    def _total(trainer) -> int | None:
+        return trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._started = (time.perf_counter(), trainer.global_step)
 
     def on_train_epoch_start(self, trainer, *_) -> None:
         pass  # one bar for the whole run, across epochs (Lightning's resets it to "Epoch k" at 0)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.plain:
+            self._line(self._step_line(trainer, pl_module))
+            return
         bar = self.train_progress_bar
         bar.n = trainer.global_step
         bar.set_postfix(self.get_metrics(trainer, pl_module))
         bar.refresh()
 
+    def _step_line(self, trainer, pl_module) -> str:
+        """``fit: step k/N  s/step  success=…  lam=…``: the rate over the steps this process ran."""
+        step, total = trainer.global_step, self._total(trainer)
+        since, first = self._started
+        ran = step - first
+        rate = f"  {(time.perf_counter() - since) / ran:.2f} s/step" if ran > 0 else ""
+        metrics = "".join(f"  {k}={v:.3f}" if isinstance(v, float) else f"  {k}={v}"
+                          for k, v in self.get_metrics(trainer, pl_module).items())
+        return f"fit: step {step}{f'/{total}' if total else ''}{rate}{metrics}"
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if not self.train_progress_bar.disable:
             self.train_progress_bar.set_postfix(self.get_metrics(trainer, pl_module))
+
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        super().on_sanity_check_start(trainer, pl_module)
+        self._validation_started = time.perf_counter()
+
+    def on_sanity_check_end(self, trainer, pl_module) -> None:
+        super().on_sanity_check_end(trainer, pl_module)
+        self._validation_done(getattr(pl_module, "val_report_before", None), before_training=True)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        super().on_validation_start(trainer, pl_module)
+        if not trainer.sanity_checking:
+            self._validation_started = time.perf_counter()
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        super().on_validation_end(trainer, pl_module)
+        if not trainer.sanity_checking:
+            self._validation_done(getattr(pl_module, "val_report", None))
+
+    def _validation_done(self, report, before_training: bool = False) -> None:
+        if self.plain and report is not None:
+            self._line(validation_line(report, time.perf_counter() - self._validation_started, before_training))
+
+    def _line(self, text: str) -> None:
+        if not self.is_disabled:  # rank 0 only, as the bar
+            print(text, file=sys.stdout, flush=True)
 
     def get_metrics(self, trainer, pl_module) -> dict:
         items = super().get_metrics(trainer, pl_module)

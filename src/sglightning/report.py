@@ -59,6 +59,19 @@ def scalars(report: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def validation_line(report: dict[str, Any], seconds: float | None = None, before_training: bool = False) -> str:
+    """A validation in one line (what a run writes to a log that is not a terminal): the step it evaluated, each
+    mode's success rate, the episodes per mode and the time it took."""
+    modes = report["modes"]
+    parts = [f"{'off' if mode == 'nosg' else 'on'} success={stats.get('rollout/success_rate', float('nan')):.3f}"
+             for mode, stats in modes.items()]
+    episodes = max((stats.get("episodes", 0) for stats in modes.values()), default=0)
+    when = f"before training at step {report['step']}" if before_training else f"at step {report['step']}"
+    took = f", {seconds:.1f} s" if seconds is not None else ""
+    each = " each" if len(modes) > 1 else ""
+    return f"validation {when}: self-guidance {', '.join(parts)} ({episodes} episodes{each}{took})"
+
+
 def report_markdown(report: dict[str, Any]) -> str:
     cols = [
         ("success", "rollout/success_rate"),
