@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -482,6 +483,83 @@ def test_help_documents_every_key_with_its_choices(capsys):
     assert "episodes per group (G); GRPO needs >= 2" in out  # a field's attribute docstring
     assert "{single_stream,two_call}" in out and "{action_line,json,think_tags}" in out  # Literal choices
     assert "r_t for a positive label" in out
+
+
+def _help(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit):
+        cli_main([*args, "--help"])
+    return capsys.readouterr().out
+
+
+def _options(text: str) -> dict[str, str]:
+    """Each option of a help text (its first flag) with its description, without jsonargparse's
+    ``(type: …, default: …)`` tail (what remains is what a person wrote)."""
+    entries: list[list[str]] = []
+    current = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            current = [line.strip()]
+            entries.append(current)
+        elif line.startswith("    ") and current is not None:
+            current.append(line.strip())
+        else:
+            current = None
+    out = {}
+    for first, *more in entries:
+        invocation, *start = re.split(r"\s{2,}", first, maxsplit=1)
+        text = " ".join([*start, *more]).strip()
+        out[invocation.split()[0].rstrip(",")] = text.split("(type:")[0].split("(default:")[0].strip()
+    return out
+
+
+def test_help_reads_top_down_and_documents_every_model_key(capsys):
+    """``fit --help``: a one-line usage (it was 135 lines), the options, then sglightning's keys section by section
+    (each headed by its key; the model's own section was headed ``Args:`` and started at line 531), then Lightning's
+    Trainer; every ``--model.*`` option says what it is (env, optimizer, adapter_path, decoder and reward_terms had
+    only their type); ``--ckpt_path`` and ``--threads`` in sglightning's words."""
+    text = _help(capsys, "fit")
+    lines = text.splitlines()
+    assert lines[0].startswith("usage: sglightning fit ") and lines[1] == ""
+    first = {k: next(i for i, x in enumerate(lines) if x.lstrip().startswith(k)) for k in ("--model.", "--trainer.")}
+    assert first["--model."] < 60 < first["--trainer."], first
+    headings = [x for x in lines if x and not x.startswith(" ")]
+    assert not [h for h in headings if re.fullmatch(r"\s*Args:+", h)], headings
+    model_headings = [h for h in headings if h.startswith("model")]
+    assert [h.split(" — ")[0] for h in model_headings[:3]] == ["model", "model.policy", "model.policy.tiny"]
+    assert all(" — " in h and len(h.split(" — ")[1]) > 10 for h in model_headings), model_headings
+    assert "--data" not in text  # a LightningDataModule: not how this trainer gets its data
+    opts = _options(text)
+    model = {k: v for k, v in opts.items() if k.startswith("--model.")}
+    assert len(model) > 60 and {"--model.env", "--model.optimizer", "--model.adapter_path"} <= model.keys()
+    assert not [k for k, v in model.items() if not v], [k for k, v in model.items() if not v]
+    assert "last" in opts["--ckpt_path"] and "starts fresh" in opts["--ckpt_path"]
+    assert "registry" not in opts["--ckpt_path"]  # Lightning's text described its model registry
+    assert opts["--threads"].startswith("torch CPU threads per process: auto =")
+    assert "weights_only=True" in opts["--weights_only"]
+    validate = _options(_help(capsys, "validate"))
+    assert "last" in validate["--ckpt_path"] and "none is an error" in validate["--ckpt_path"]
+
+
+def test_a_subcommand_builds_only_its_own_parser(monkeypatch, capsys):
+    """``sglightning fit …`` builds fit's parser only (each takes ~1 s of signatures and docstrings); the bare
+    ``sglightning --help`` builds both and lists them in sglightning's words."""
+    from sglightning.cli import SGLightningCLI
+
+    built = []
+    real = SGLightningCLI._prepare_subcommand_parser
+
+    def spy(self, klass, subcommand, **kw):
+        built.append(subcommand)
+        return real(self, klass, subcommand, **kw)
+
+    monkeypatch.setattr(SGLightningCLI, "_prepare_subcommand_parser", spy)
+    _help(capsys, "validate")
+    assert built == ["validate"]
+    built.clear()
+    text = " ".join(_help(capsys).split())
+    assert built == ["fit", "validate"]
+    assert "usage: sglightning " in text and "fit Train the adapters with self-guided GRPO" in text
+    assert "validate Validate a model on the evaluation episodes" in text
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -113,9 +114,68 @@ def moved_key_hint(message: str) -> str:
     return "; ".join(hints) + " — " + message if hints else message
 
 
+#: what ``--help`` says about the options sglightning gives its own meaning (Lightning's text describes its loader)
+CKPT_PATH_HELP = {
+    "fit": "resume from this checkpoint: a .ckpt file, a distributed checkpoint folder, or last = the newest "
+           "last.ckpt of this config's runs (<save_dir>/<name>/version_*/checkpoints/), continuing in that run's "
+           "folder; with none, fit starts fresh, so one command line serves the first launch and every requeue. The "
+           "config is not read from the checkpoint: the --config given is the run's",
+    "validate": "the trained adapters to validate: a .ckpt file, a distributed checkpoint folder, or last = the "
+                "newest last.ckpt of this config's runs (none is an error); without it the model is validated as "
+                "configured (model.adapter_path's adapter, or the untrained one)",
+}
+WEIGHTS_ONLY_HELP = ("ignored: sglightning loads checkpoints with weights_only=True (tensors and plain containers, "
+                     "never pickled code) unless a checkpoint_io plugin of your own is set")
+SEED_HELP = ("seed set before the classes are built (the LoRA initialisation); training and validation episodes "
+             "draw from model.rollout.seed and model.evaluation.seed. true = a random seed")
+USAGE = "sglightning {sub} [-h] [-c CONFIG ...] [--print_config] [--KEY VALUE ...]"
+#: the subcommands, as ``sglightning --help`` lists them and each one's ``--help`` describes it
+SUBCOMMANDS = {
+    "fit": "Train the adapters with self-guided GRPO (a run folder with config.yaml, TensorBoard events, checkpoints "
+           "and the adapter).",
+    "validate": "Validate a model on the evaluation episodes (validation_report.json and .md in its run folder).",
+}
+
+
 class OneLineParser(LightningArgumentParser):
     """Every parse error is one line on stderr — what is wrong, naming the key or file — and exit 2; no usage dump
-    (``--help`` lists every key with its documentation and allowed values)."""
+    (``--help`` lists every key with its documentation and allowed values).
+
+    ``--help`` reads top down: the options, then sglightning's keys (``model.*``, section by section, each headed by
+    its key), then Lightning's Trainer keys; ``--data`` (a LightningDataModule: this trainer makes its own data) is
+    left out."""
+
+    def format_help(self, *args, **kwargs) -> str:
+        saved = self._action_groups, {g: (g.title, list(g._group_actions)) for g in self._action_groups}
+        try:
+            self._action_groups = self._groups_for_help()
+            return super().format_help(*args, **kwargs)
+        finally:
+            self._action_groups = saved[0]
+            for group, (title, actions) in saved[1].items():
+                group.title, group._group_actions = title, actions
+
+    def _groups_for_help(self) -> list:
+        """The groups in reading order, titled by their key; the subcommand's own group (``--ckpt_path``,
+        ``--weights_only``) folded into the options.  The caller restores titles and lists."""
+        names = {id(g): n for n, g in (self.groups or {}).items()}
+        options = [g for g in self._action_groups if id(g) not in names]
+        model = [g for g in self._action_groups if names.get(id(g), "").split(".")[0] == "model"]
+        trainer = [g for g in self._action_groups if names.get(id(g), "").split(".")[0] == "trainer"]
+        method = [g for g in self._action_groups if names.get(id(g)) in ("fit", "validate")]
+        for group in method:
+            opts = next((g for g in options if g.title == "options"), None)
+            if opts is not None:
+                opts._group_actions = opts._group_actions + group._group_actions
+        for group in model + trainer:
+            title = (group.title or "").rstrip(":")
+            group.title = f"{names[id(group)]} — {title}" if title else names[id(group)]
+        for group in trainer[:1]:
+            group.title = ("trainer — Lightning's Trainer (the Lightning documentation has the details; the defaults "
+                           "shown are sglightning's)")
+        known = {id(g) for g in options + model + trainer + method}
+        rest = [g for g in self._action_groups if id(g) not in known and names.get(id(g)) != "data"]
+        return options + model + rest + trainer
 
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
@@ -127,10 +187,36 @@ class OneLineParser(LightningArgumentParser):
 
 
 class SGLightningCLI(LightningCLI):
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
+    def __init__(self, *args, subcommand: str | None = None, **kwargs):
+        """``subcommand``: build only that subcommand's parser (the command line names it; building each parser
+        reads the signatures and docstrings of every class in it: ~1 s apiece on 2 cores)."""
+        self._only = subcommand
+        super().__init__(*args, **kwargs)
+
+    def subcommands(self=None) -> dict[str, set[str]]:
         full = LightningCLI.subcommands()
-        return {k: full[k] for k in ("fit", "validate")}
+        only = getattr(self, "_only", None)
+        return {k: full[k] for k in ((only,) if only else ("fit", "validate"))}
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """Lightning's, listed in ``sglightning --help`` in sglightning's words."""
+        super()._add_subcommands(parser, **kwargs)
+        for action in parser._actions:
+            for choice in getattr(action, "_choices_actions", []):
+                choice.help = SUBCOMMANDS.get(choice.dest, choice.help)
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        """Lightning's, with sglightning's words for the options it gives its own meaning."""
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        for dest, text in (("ckpt_path", CKPT_PATH_HELP.get(subcommand)), ("weights_only", WEIGHTS_ONLY_HELP),
+                           ("seed_everything", SEED_HELP)):
+            action = next((a for a in parser._actions if a.dest == dest), None)
+            if action is not None and text:
+                action.help = text
+        for action in parser._actions:
+            if action.dest in ("data", "data.help"):
+                action.help = argparse.SUPPRESS  # a LightningDataModule: this trainer makes its own data
+        return parser
 
     def instantiate_classes(self) -> None:
         """Config values our dataclasses, the Trainer or the optimiser reject become a one-line parser error (exit 2)
@@ -370,8 +456,10 @@ def cli_main(args: list[str] | None = None) -> SGLightningCLI:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(args) if args is not None else sys.argv[1:]
     _check_config_files(argv, "sglightning " + (argv[0] if argv and not argv[0].startswith("-") else ""))
+    subcommand = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     return SGLightningCLI(
         SelfGuideModule,
+        subcommand=subcommand,
         # the one progress bar (given to the Trainer: Lightning would otherwise add its own, rich when installed)
         trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [StepProgressBar()]},
         save_config_callback=VersionedSaveConfig,
@@ -380,7 +468,11 @@ def cli_main(args: list[str] | None = None) -> SGLightningCLI:
         auto_configure_optimizers=False,
         seed_everything_default=0,
         args=args,
-        parser_kwargs={"fit": {"description": "Train with self-guided GRPO"}},
+        parser_kwargs={"prog": "sglightning",
+                       "description": "Self-guided GRPO for LLM agents. `sglightning fit --help` and `sglightning "
+                                      "validate --help` list every key with its documentation and allowed values.",
+                       **{sub: {"description": text, "usage": USAGE.format(sub=sub)}
+                          for sub, text in SUBCOMMANDS.items() if subcommand in (None, sub)}},
     )
 
 

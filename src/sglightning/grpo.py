@@ -596,8 +596,9 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 @dataclass
 class GRPOConfig:
-    """The algorithm: the blended return, the trust schedule, advantages and the clipped surrogate with KL (how the
-    update is computed — micro-batches, shared prefixes — is ``update``)."""
+    """The algorithm: the blended return, the trust schedule, advantages and the clipped surrogate with KL.
+
+    How the update is computed (micro-batches, shared prefixes) is ``update``."""
 
     clip_low: float = 0.2
     """ε_low: the ratio is clipped below at 1 − clip_low (0 < clip_low < 1)"""

@@ -77,21 +77,23 @@ class SelfGuideModule(LightningModule):
         decoder: DecoderFactory = DecodeSession,
         reward_terms: list[RewardTerm] | None = None,
     ):
-        """Args:
-        policy: which LM and how to adapt it (LoRA/QLoRA).
-        env: the environment: ``class_path`` (a ``TextEnv`` subclass; bare class names of imported envs work)
-            and ``init_args``; called once per episode slot, instances are reused across steps.
-        rollout: groups per step, group size, max env steps, temperature.
-        guidance: self-guidance prompts and decoding modes.
-        grpo: the algorithm: blended return, trust schedule, advantages, loss.
-        update: how the update is computed (micro-batches, shared prefixes, skipping zero-advantage rows).
-        evaluation: the validation episode set.
-        optimizer: optimiser for the adapter parameters (default: AdamW, lr 1e-5).
-        adapter_path: start from a saved peft adapter folder.
-        decoder: the generation engine rollouts run on (a ``sglightning.sampler.Decoder``; ``class_path`` and
-            ``init_args`` like ``env``); default: batched forwards of the policy with a persistent KV cache.
-        reward_terms: extra per-episode rewards added to the return (``sglightning.rewards.RewardTerm``
-            subclasses; none by default, as in the paper).
+        """What is trained, on which environment, and how (each argument is a section of ``model``).
+
+        Args:
+            policy: which LM and how to adapt it (LoRA/QLoRA).
+            env: the environment: ``class_path`` (a ``TextEnv`` subclass; bare class names of imported envs work)
+                and ``init_args``; called once per episode slot, instances are reused across steps.
+            rollout: groups per step, group size, max env steps, temperature.
+            guidance: self-guidance prompts and decoding modes.
+            grpo: the algorithm: blended return, trust schedule, advantages, loss.
+            update: how the update is computed (micro-batches, shared prefixes, skipping zero-advantage rows).
+            evaluation: the validation episode set.
+            optimizer: optimiser for the adapter parameters (default: AdamW, lr 1e-5).
+            adapter_path: start from a saved peft adapter folder.
+            decoder: the generation engine rollouts run on (a ``sglightning.sampler.Decoder``; ``class_path`` and
+                ``init_args`` like ``env``); default: batched forwards of the policy with a persistent KV cache.
+            reward_terms: extra per-episode rewards added to the return (``sglightning.rewards.RewardTerm``
+                subclasses; none by default, as in the paper).
         """
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "decoder", "reward_terms"])
