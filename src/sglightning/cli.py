@@ -25,7 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from sglightning import threads
 from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
 from sglightning.console import StepProgressBar, quiet
-from sglightning.errors import ConfigError
+from sglightning.errors import ConfigError, EngineError
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
 from sglightning.preemption import PreemptionCheckpoint
@@ -346,6 +346,10 @@ class SGLightningCLI(LightningCLI):
             _remove_unstarted_run(self.trainer)
             print(f"sglightning {subcommand}: error: {one_line(str(err))}", file=sys.stderr)
             sys.exit(2)
+        except EngineError as err:  # the generation engine died mid-run: the step was abandoned, one line says so
+            _remove_unstarted_run(self.trainer)
+            print(f"sglightning {subcommand}: error: {one_line(str(err))}", file=sys.stderr)
+            sys.exit(1)
 
     def _interruption_code(self) -> int:
         trainer = getattr(self, "trainer", None)

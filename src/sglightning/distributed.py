@@ -138,6 +138,21 @@ def gather_objects(items: list, world_size: int) -> list:
     return [x for part in gathered if part for x in part]
 
 
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (one ``broadcast_object_list``); ``obj`` itself outside."""
+    if not is_distributed():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def barrier() -> None:
+    """Every rank waits here for the others (a no-op outside distributed runs)."""
+    if is_distributed():
+        torch.distributed.barrier()
+
+
 def dummy_microbatches(n: int, score: Callable, backward: Callable, device, with_ref: bool,
                        disable_adapter: Callable) -> None:
     """``n`` zero-weight forward/backward passes on a 2-token input (FSDP: keeps every rank's collectives in step).

@@ -51,6 +51,7 @@ class Piece:
     choice_index: int | None = None  # for Choice: which option was taken
     hit_stop: bool = False  # for Free: ended on a stop token (not on the cap)
     forced: int = 0  # Choice tokens that had a single allowed continuation (recorded as context)
+    error: str | None = None  # the engine failed this row's turn here (its episode fails; the pieces are partial)
 
     def add(
         self, tok: int, logprob: float, policy: bool, restriction: Restriction | None = None,
@@ -191,6 +192,9 @@ class RolloutBatch:
     first_round: int | None = None
     #: the rollout's peak memory ({"memory/rollout_peak_rss_gb": GB, ...}; filled by the trainer: sglightning.memory)
     peak_memory: dict[str, float] = field(default_factory=dict)
+    #: an external engine's counters (requests, prompt_tokens, cached_tokens; the adapter sync's sync_s, sync_gap,
+    #: loaded_adapters); empty for the built-in decoder
+    engine: dict[str, float] = field(default_factory=dict)
 
     def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:
         """Append ``other``'s groups ``groups`` (renumbered after this batch's groups and episodes) and its costs."""
@@ -212,6 +216,9 @@ class RolloutBatch:
         self.generated_tokens += other.generated_tokens
         self.forward_calls += other.forward_calls
         self.prefill_positions += other.prefill_positions
+        for key in ("requests", "prompt_tokens", "cached_tokens"):
+            if key in other.engine:
+                self.engine[key] = self.engine.get(key, 0.0) + other.engine[key]
 
     @property
     def samples(self) -> list[Sample]:

@@ -59,6 +59,10 @@ Departures from the paper (and why)
 * Token log-ratios are clamped to [-20, 20] before ``exp`` (verl does the same) so garbage never overflows.
 * Loss aggregation defaults to token-mean over all policy tokens of the batch (DAPO); the per-sequence mean of the
   original GRPO is available as ``seq_mean_token_mean``.
+* ``rollout_correction`` (opt-in; for engines that sample in lower precision than the trainer, e.g. a bf16 vLLM
+  server): the old log-probs are recomputed by the trainer and each token's policy term is weighted by the truncated
+  importance weight between the trainer's old policy and the engine (TIS, as verl's rollout correction and TRL's
+  vLLM importance sampling); the paper samples and trains in one framework and needs none.
 * ``guidance_advantage_scale`` (opt-in; 1 = the paper): when the model writes a reason line before every action,
   the guidance tokens can be ~90 % of a step's policy tokens (TextWorldExpress twc, SmolLM2-135M: ~1 100 of ~1 200),
   so under the token-mean the action tokens steer a small share of the update. A scale w < 1 on the guidance
@@ -98,6 +102,7 @@ __all__ = [
     "microbatch_weight",
     "kl_penalty",
     "masked_mean",
+    "rollout_correction_weights",
     "grpo_loss",
     "entropy_from_logits",
     "NORMALISE_CHOICES",
@@ -110,6 +115,7 @@ NORMALISE_CHOICES = ("sum", "mean")
 SCALE_CHOICES = ("std", "none")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+ROLLOUT_CORRECTIONS = (None, "token", "sequence")
 
 _LOG_RATIO_CLAMP = 20.0
 _KL_CLAMP = 10.0
@@ -133,7 +139,7 @@ def check_choice(key: str, value: str, allowed: Sequence[str]) -> None:
     string choice of the update (the config runs it at parse time; the function that branches on it runs it too, so a
     direct call with a bad value fails instead of taking a default branch)."""
     if value not in allowed:
-        raise ValueError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+        raise ValueError(f"{key}: {value!r} is not one of {', '.join('null' if a is None else a for a in allowed)}")
 
 
 def check_trust_constant(constant: float | None) -> None:
@@ -504,10 +510,14 @@ def grpo_loss(
     kl_coef: float = 0.0,
     kl_kind: str = "low_var_kl",
     loss_agg: str = "token_mean",
+    is_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO surrogate + optional per-token KL (paper eq. 9). Returns ``(loss, stats)``.
 
-    Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``: ``[S, L]``; ``advantages``: ``[S, L]`` or ``[S]``.
+    Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``is_weight``: ``[S, L]``; ``advantages``: ``[S, L]`` or
+    ``[S]``.  ``is_weight`` (rollout correction, :func:`rollout_correction_weights`) multiplies each token's policy
+    term (not its KL term): the tokens were sampled by an engine whose distribution differs slightly from the
+    trainer's old policy.
     Gradient flows only through ``logp``. Stats are detached scalars: policy_loss (surrogate part, same
     aggregation as the loss), kl (token-mean KL over policy tokens; computed whenever ``ref_logp`` is given, even
     if ``kl_coef`` is 0), clip_frac, ratio_mean, ratio_max, num_tokens (float), adv_mean. An empty mask gives
@@ -544,6 +554,8 @@ def grpo_loss(
     surr1 = ratio * adv  # [S, L]
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # [S, L]
     pg = torch.where(m, -torch.minimum(surr1, surr2), zero)  # [S, L] per-token policy loss
+    if is_weight is not None:
+        pg = pg * torch.where(m, is_weight.detach().to(logp.dtype), zero)  # [S, L] rollout correction
     clipped = (surr2 < surr1) & m  # [S, L] the clipped term is the active (smaller) one
 
     if ref_logp is not None:
@@ -579,6 +591,31 @@ def grpo_loss(
             "adv_mean": masked_mean(adv, m),
         }
     return loss, stats
+
+
+def rollout_correction_weights(trainer_old: Tensor, engine: Tensor, mask: Tensor, mode: str, cap: float
+                               ) -> tuple[Tensor, Tensor]:
+    """Truncated importance weights between the engine that sampled and the trainer's old policy (TIS)::
+
+        token:     w_k = min(exp(log π_old(y_k) − log π_engine(y_k)), C)
+        sequence:  w_s = min(exp(Σ_{k∈s} (log π_old(y_k) − log π_engine(y_k))), C)   for every token of sample s
+
+    and the engine/trainer mismatch as the k3 estimate of KL(π_engine ‖ π_old) over the sampled tokens,
+    mean_k (e^d − d − 1), d = log π_old − log π_engine.  Shapes ``[S, L]``; returns (weights ``[S, L]``, mismatch
+    scalar)."""
+    check_choice("grpo.rollout_correction", mode, ROLLOUT_CORRECTIONS[1:])
+    m = mask.bool()
+    zero = torch.zeros((), dtype=trainer_old.dtype, device=trainer_old.device)
+    d = torch.where(m, trainer_old - engine.to(trainer_old.dtype), zero).clamp(-_LOG_RATIO_CLAMP,
+                                                                               _LOG_RATIO_CLAMP)  # [S, L]
+    if mode == "token":
+        w = d.exp().clamp(max=cap)  # [S, L]
+    else:
+        w = d.sum(dim=1, keepdim=True).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp().clamp(max=cap)  # [S, 1]
+        w = w.expand_as(d)  # [S, L]
+    w = torch.where(m, w, zero)
+    mismatch = masked_mean(d.exp() - d - 1.0, m)
+    return w, mismatch
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
@@ -649,6 +686,14 @@ class GRPOConfig:
     """optimiser steps per rollout (1 = on-policy; more reuse the rollout with the clipped ratio)"""
     max_grad_norm: float | None = 1.0
     """clip the total gradient norm to this (null: no clipping; the norm is logged either way)"""
+    rollout_correction: Literal["token", "sequence"] | None = None
+    """an engine that samples in another precision than the trainer (a bf16 vLLM engine): the trainer recomputes
+    the old log-probs and weights each token's policy loss by the truncated importance weight
+    min(π_old,trainer / π_engine, rollout_correction_cap), per token or per sequence; null = the sampler's log-probs
+    are the old policy (the built-in decoder, an fp32 engine)"""
+    rollout_correction_cap: float = 2.0
+    """the truncation C of the rollout-correction weight"""
+
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)
         if self.kl_coef < 0:
@@ -671,3 +716,7 @@ class GRPOConfig:
             raise ValueError(f"grpo.ppo_epochs: must be >= 1, got {self.ppo_epochs}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"grpo.max_grad_norm: must be > 0 or null, got {self.max_grad_norm}")
+        check_choice("grpo.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if not (math.isfinite(self.rollout_correction_cap) and self.rollout_correction_cap >= 1):
+            raise ValueError(f"grpo.rollout_correction_cap: must be a finite number >= 1, got "
+                             f"{self.rollout_correction_cap}")

@@ -47,7 +47,7 @@ SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups"
                       "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples",
                       "guidance/calibration_pairs", "guidance/auroc_labels",
                       "rollout/dynamic_sampling_groups", "dynamic_sampling/groups",
-                      "dynamic_sampling/degenerate_groups"})
+                      "dynamic_sampling/degenerate_groups", "engine/requests"})
 
 
 def _episode_values(ep: Episode) -> dict[str, float]:
@@ -127,12 +127,27 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
         **batch.peak_memory,
         **prepared.stats,
     }
+    logs.update(engine_logs(batch.engine))
     if batch.first_round is not None:  # dynamic sampling added groups: the trained batch, described on its own
         eps = batch.episodes
         logs["dynamic_sampling/success_rate"] = sum(e.won for e in eps) / len(eps)
         logs["dynamic_sampling/groups"] = float(groups.unique().numel())
         logs["dynamic_sampling/degenerate_groups"] = float(degenerate_groups(returns, groups))
     return logs
+
+
+def engine_logs(engine: dict[str, float]) -> dict[str, float]:
+    """An external engine's numbers (nothing for the built-in decoder): requests, the share of prompt tokens its
+    prefix cache served, and the adapter sync (seconds, the probe's log-prob gap, adapters loaded)."""
+    out: dict[str, float] = {}
+    if "requests" in engine:
+        out["engine/requests"] = engine["requests"]
+    if engine.get("prompt_tokens"):
+        out["engine/prefix_cache_hit_rate"] = engine.get("cached_tokens", 0.0) / engine["prompt_tokens"]
+    for key in ("sync_s", "sync_gap", "loaded_adapters"):
+        if key in engine:
+            out[f"engine/{key}"] = engine[key]
+    return out
 
 
 def per_task_type_success(episodes: list[Episode]) -> dict[str, float]:

@@ -565,6 +565,48 @@ def load_policy(cfg: PolicyConfig, device: torch.device | str = "cpu", adapter_p
     return model, tok
 
 
+def served_model(cfg: PolicyConfig) -> str:
+    """What an external engine (a vLLM server) loads as the base: a local HF folder holding the same weights and
+    tokenizer the trainer loads — the converted SmolLM2 folder, the in-process tiny model saved once under the cache
+    (keyed by its shape and seed), a local folder as given — or the hub id (the engine reads the same HF cache)."""
+    name = cfg.name_or_path
+    if name == EMBEDDED_SMOLLM2:
+        return str(ensure_smollm2_folder(cfg))
+    if name != EMBEDDED_TINY:
+        return str(Path(name).expanduser()) if name.startswith((".", "/", "~")) else name
+    t = cfg.tiny
+    target = cache_root(cfg) / "models" / (f"tiny-h{t.hidden_size}-l{t.num_layers}-a{t.num_heads}-"
+                                           f"i{t.intermediate_size}-v{t.vocab_size}-s{t.seed}")
+    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+        return str(target)
+    tok = build_tiny_tokenizer(t.vocab_size)
+    model = build_tiny_model(t, len(tok))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
+    try:
+        with _no_progress_bars():
+            model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if target.exists():  # another process won the race: keep its folder
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def max_positions(model_path: str) -> int | None:
+    """The model's own context limit (``max_position_embeddings`` of a local folder's config), or None."""
+    import json
+
+    config = Path(model_path) / "config.json"
+    try:
+        return int(json.loads(config.read_text()).get("max_position_embeddings"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
 def warn_low_precision_adapters(policy: torch.nn.Module) -> None:
     """Adam steps of ~lr on bf16/fp16 weights round away once |w| ≳ lr / 2⁻⁸ (bf16 keeps 8 significant bits): with
     the paper's lr 1e-6 LoRA A (|w| ~ 1e-2) would never move.  LoRA weights are kept in fp32 (peft casts them up);

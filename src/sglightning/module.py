@@ -18,10 +18,13 @@ Distributed plumbing (FSDP units, rollouts on gathered weights, gradient sync, m
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,12 +37,13 @@ from sglightning.chat import pad_token_id
 from sglightning.checkpointing import run_dir, use_atomic_io
 from sglightning.console import quiet
 from sglightning.data import EvalConfig, RolloutConfig
+from sglightning.engines import EngineConfig
 from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Episode
 from sglightning.errors import ConfigError
-from sglightning.grpo import GRPOConfig, grpo_loss, microbatch_weight, trust_schedule
+from sglightning.grpo import GRPOConfig, grpo_loss, microbatch_weight, rollout_correction_weights, trust_schedule
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
 from sglightning.metrics import SUM_KEYS, EpisodeMetrics, step_logs
@@ -56,6 +60,13 @@ from sglightning.strategies import check_quantization, check_tensor_parallel, sh
 from sglightning.update import UpdateBatch, UpdateConfig, prepare_update
 
 quiet()
+
+def _decoder_class(decoder) -> object:
+    """The class behind a decoder factory (the CLI hands the class over wrapped in a partial with its init args)."""
+    if isinstance(decoder, functools.partial):
+        return next((a for a in decoder.args if isinstance(a, type)), decoder.func)
+    return decoder
+
 
 def default_optimizer(params):
     """AdamW at lr 1e-5, used when the config names no ``model.optimizer``."""
@@ -76,6 +87,7 @@ class SelfGuideModule(LightningModule):
         adapter_path: str | None = None,
         decoder: DecoderFactory = DecodeSession,
         reward_terms: list[RewardTerm] | None = None,
+        engine: EngineConfig = EngineConfig(),
     ):
         """What is trained, on which environment, and how (each argument is a section of ``model``).
 
@@ -94,6 +106,8 @@ class SelfGuideModule(LightningModule):
                 ``init_args`` like ``env``); default: batched forwards of the policy with a persistent KV cache.
             reward_terms: extra per-episode rewards added to the return (``sglightning.rewards.RewardTerm``
                 subclasses; none by default, as in the paper).
+            engine: where rollouts are generated: ``backend: builtin`` (this process, ``decoder``) or ``vllm`` (a vLLM
+                server launched from ``engine.python`` or reached at ``engine.url``; the adapter is synced every step).
         """
         super().__init__()
         self.save_hyperparameters(ignore=["optimizer", "decoder", "reward_terms"])
@@ -102,6 +116,7 @@ class SelfGuideModule(LightningModule):
         self.optimizer_factory = optimizer if optimizer is not None else default_optimizer
         self.adapter_path = adapter_path
         self.decoder = decoder
+        self.engine_cfg = engine
         self.reward_terms = list(reward_terms or [])
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the adapters only
@@ -149,10 +164,41 @@ class SelfGuideModule(LightningModule):
         self.share_prefix(strategy)
         check_model_source(self.policy_cfg)
         check_adapter_folder(self.adapter_path)
+        self._check_engine()
         try:
             self.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model.optimizer: {err}") from None
+
+    def _check_engine(self) -> None:
+        """An external engine's settings that cannot work, before anything starts (one line naming the key)."""
+        e = self.engine_cfg
+        if e.backend != "vllm":
+            return
+        if _decoder_class(self.decoder) is not DecodeSession:
+            raise ConfigError("model.engine.backend: vllm generates the rollouts; model.decoder names another engine "
+                              "(set one of them)")
+        if self.rollout_cfg.top_k:
+            raise ConfigError("rollout.top_k: top-k sampling is not supported with model.engine.backend vllm "
+                              "(the set each token was drawn from would not be known)")
+        if self.policy_cfg.quantization:
+            raise ConfigError("model.policy.quantization: a 4-bit base is not what the vLLM engine serves; set it to "
+                              "null with model.engine.backend vllm")
+        if e.dtype != "float32" and self.grpo_cfg.rollout_correction is None:
+            raise ConfigError(f"grpo.rollout_correction: an engine in {e.dtype} samples from other log-probs than "
+                              "the trainer's; set grpo.rollout_correction (token or sequence) or model.engine.dtype "
+                              "float32")
+        if e.url is None:
+            python = Path(e.python).expanduser()
+            if not (python.is_file() and os.access(python, os.X_OK)):
+                raise ConfigError(f"model.engine.python: {e.python} is not an executable python (the environment vLLM "
+                                  "is installed in; see the README's vLLM set-up), or set model.engine.url to a "
+                                  "running server")
+        else:
+            from sglightning.engines.server import VLLMClient
+
+            if not VLLMClient(e.url).healthy(timeout=10):
+                raise ConfigError(f"model.engine.url: no vLLM server answers /health at {e.url}")
 
     def share_prefix(self, strategy=None) -> bool:
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
@@ -201,7 +247,7 @@ class SelfGuideModule(LightningModule):
         """The rollout collector for this module's configs (:func:`configure_callbacks` installs one)."""
         return RolloutCallback(self.rollout_cfg, self.eval_cfg, self.guidance_cfg, self.env_factory,
                                decoder=self.decoder, chat_template_kwargs=self.policy_cfg.chat_template_kwargs,
-                               informative=self.informative_groups)
+                               informative=self.informative_groups, engine=self.engine_cfg, policy=self.policy_cfg)
 
     def configure_callbacks(self):
         return default_callbacks(self.trainer if self._trainer is not None else None, self.rollout_callback())
@@ -318,9 +364,33 @@ class SelfGuideModule(LightningModule):
         adv = prepared.adv.to(self.device) if prepared.adv is not None else None
         opt = self.optimizers()
         out: dict[str, float] = {}
+        if self.grpo_cfg.rollout_correction and data is not None:
+            data, mismatch = self._rollout_correction(data)
+            out["policy/engine_mismatch_kl"] = mismatch
         for epoch in range(self.grpo_cfg.ppo_epochs):
             out.update(self._optimiser_step(data, adv, totals, prepared.rows_left_out, opt, first_epoch=epoch == 0))
         return out
+
+    @torch.no_grad()
+    def _rollout_correction(self, step_data: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+        """``grpo.rollout_correction``: the old log-probs recomputed by the trainer (the weights have not moved yet
+        this step) replace the engine's; the truncated importance weight between the two
+        (:func:`sglightning.grpo.rollout_correction_weights`) weights each token's policy term.  Returns the data with
+        ``old_logp`` (the trainer's), ``sampler_logp`` (the engine's) and ``is_weight``, and the mismatch KL."""
+        c, mbs, temp = self.grpo_cfg, self.update_cfg.micro_batch_size, self.rollout_cfg.temperature
+        mask = step_data["mask"]
+        trainer_old = torch.zeros_like(step_data["old_logp"])  # [S, L]
+        for start in range(0, mask.shape[0], mbs):
+            rows = slice(start, start + mbs)
+            if not mask[rows].any():
+                continue
+            mb = scoring.microbatch(step_data, torch.zeros_like(step_data["old_logp"]), rows)
+            logp, _ = self.token_logprobs(mb["ids"], mb["attn"], mb["mask"], temp, restrict=mb["restrict"])
+            trainer_old[rows, : logp.shape[1]] = logp
+        weights, mismatch = rollout_correction_weights(trainer_old, step_data["old_logp"], mask,
+                                                            c.rollout_correction, c.rollout_correction_cap)
+        out = dict(step_data, old_logp=trainer_old, sampler_logp=step_data["old_logp"], is_weight=weights)
+        return out, float(mismatch)
 
     def _optimiser_step(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None,
                         totals: torch.Tensor, skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
@@ -356,7 +426,7 @@ class SelfGuideModule(LightningModule):
             logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True, restrict=restrict)
             loss, st = grpo_loss(
                 logp, mb["old_logp"], mb["adv"], m, clip_low=c.clip_low, clip_high=c.clip_high, ref_logp=ref,
-                kl_coef=c.kl_coef, kl_kind=c.kl_kind, loss_agg=c.loss_agg,
+                kl_coef=c.kl_coef, kl_kind=c.kl_kind, loss_agg=c.loss_agg, is_weight=mb.get("is_weight"),
             )
             w = microbatch_weight(m, totals, c.loss_agg).to(self.device)
             if not torch.isfinite(loss):

@@ -205,6 +205,7 @@ class Rollout:
             prefill_positions=stats["prefill"],
             policy_version=policy_version,
             guided=guided,
+            engine=dict(stats.get("engine", {})),
         )
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -304,7 +305,7 @@ class Rollout:
                     stats["tokens"] += sum(p.policy)
                 if guided and not constrained and not oracle:
                     _split_free_turn(ep.samples[0], pieces, self.tok)
-            self._apply_turns(live, results, guided)
+            self._apply_turns(*self._engine_failures(live, results), guided)
             # next turn: observation for the survivors, drop finished rows from the cache
             keep, blocks = [], []
             for row, ep in enumerate(live):
@@ -323,6 +324,7 @@ class Rollout:
                 blocks.append(ids)
             stats["forward"] = session.forward_calls
             stats["prefill"] = getattr(session, "fed_positions", 0)
+            stats["engine"] = dict(getattr(session, "engine_stats", {}))
             live = [live[r] for r in keep]
             if not live:
                 break
@@ -333,6 +335,7 @@ class Rollout:
             ep.done = True
         stats["forward"] = session.forward_calls
         stats["prefill"] = getattr(session, "fed_positions", 0)
+        stats["engine"] = dict(getattr(session, "engine_stats", {}))
 
     def _run_two_call(self, episodes, temperature, guided, generator, greedy, stats) -> None:
         """two_call (paper): a rate call then an act call per step, each a fresh prompt (no rate call when the
@@ -355,6 +358,9 @@ class Rollout:
                 for ep, prompt, pieces in zip(live, prompts, results):
                     ep.samples.append(_sample_of(ep.index, prompt, pieces, t))
                     guid[ep.index] = pieces
+                live = self._engine_failures(live, results)[0]
+                if not live:
+                    break
             prompts, programs = [], []
             for ep in live:
                 g = None
@@ -368,6 +374,7 @@ class Rollout:
             results = self._call(prompts, programs, temperature, generator, greedy, stats)
             for ep, prompt, pieces in zip(live, prompts, results):
                 ep.samples.append(_sample_of(ep.index, prompt, pieces, t))
+            live, results = self._engine_failures(live, results)
             self._apply_turns(live, [guid.get(ep.index, []) + pieces for ep, pieces in zip(live, results)], guided)
             for ep in live:
                 rec = ep.steps[-1]
@@ -412,7 +419,24 @@ class Rollout:
         stats["forward"] += session.forward_calls
         stats["prefill"] += getattr(session, "fed_positions", 0)
         stats["tokens"] += sum(sum(p.policy) for pieces in out for p in pieces)
+        engine = stats.setdefault("engine", {})
+        for key, value in getattr(session, "engine_stats", {}).items():
+            engine[key] = engine.get(key, 0.0) + value
         return out
+
+    def _engine_failures(self, live: list[Episode], results: list[list[Piece]]
+                         ) -> tuple[list[Episode], list[list[Piece]]]:
+        """Fail the episodes whose turn the engine could not finish (a request that timed out or was refused: that
+        episode only, as an environment fault would); return the others with their turns."""
+        kept_eps, kept = [], []
+        for ep, pieces in zip(live, results):
+            error = next((p.error for p in pieces if p.error), None)
+            if error:
+                self._fail(ep, error)
+            else:
+                kept_eps.append(ep)
+                kept.append(pieces)
+        return kept_eps, kept
 
     # ------------------------------------------------------------------------------------------------------------------
     def _apply_turns(self, live: list[Episode], results: list[list[Piece]], guided: bool) -> None:

@@ -110,6 +110,9 @@ def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[st
     width = int(data["attn"][rows].sum(1).max())
     cols = (rows, slice(0, width))
     out = {k: data[k][cols] for k in ("ids", "attn", "mask", "old_logp", "full_logp", "kinds")}
+    for k in ("is_weight", "sampler_logp"):  # rollout correction (grpo.rollout_correction)
+        if k in data:
+            out[k] = data[k][cols]
     out["adv"] = tok_adv[cols]
     restrict = restrictions_of(data, rows)
     restrict["index"] = restrict["index"][:, :width]
@@ -139,9 +142,13 @@ def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: dict[s
     }
     if first_epoch:
         old, full = mb["old_logp"], mb["full_logp"]
-        out["policy/logprob_gap_sampler_trainer"] = float(masked_mean((logp.detach() - old).abs(), m))
-        out["policy/logprob_unrestricted"] = float(masked_mean(full, m))
-        out["policy/restricted_log_mass"] = float(masked_mean(full - old, m & (mb["restrict"]["index"] >= 0)))
+        sampler = mb.get("sampler_logp", old)  # with rollout correction `old` is the trainer's own recomputation
+        out["policy/logprob_gap_sampler_trainer"] = float(masked_mean((logp.detach() - sampler).abs(), m))
+        known = m & torch.isfinite(full)  # an engine that returns only log q records NaN for the unrestricted log π
+        if known.any():
+            out["policy/logprob_unrestricted"] = float(masked_mean(full.nan_to_num(0.0), known))
+            out["policy/restricted_log_mass"] = float(masked_mean((full - sampler).nan_to_num(0.0),
+                                                                  known & (mb["restrict"]["index"] >= 0)))
     return out
 
 

@@ -1,0 +1,150 @@
+"""The engine seam's parts that need no vLLM server: the engine config and its one-line errors, the launch that
+fails, the rollout-correction weights, and the process-group shutdown (tests/test_vllm.py runs a real server)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglightning.cli import cli_main
+from sglightning.engines import EngineConfig
+from sglightning.engines.server import VLLMServer, group_members
+from sglightning.grpo import grpo_loss, rollout_correction_weights
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+VLLM_PYTHON = os.environ.get("SGLIGHTNING_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+@pytest.mark.parametrize("kw,needle", [
+    ({"backend": "sglang"}, "model.engine.backend: 'sglang' is not one of builtin, vllm"),
+    ({"url": "127.0.0.1:8000"}, "model.engine.url: '127.0.0.1:8000' is not an http(s) URL"),
+    ({"max_loras": 1}, "model.engine.max_loras: must be >= 2"),
+    ({"kv_cache_gb": 0}, "model.engine.kv_cache_gb: must be > 0"),
+    ({"dtype": "int8"}, "model.engine.dtype: 'int8' is not one of float32, bfloat16, float16"),
+])
+def test_engine_config_names_the_key(kw, needle):
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model.engine.url=http://127.0.0.1:9"], "model.engine.url: no vLLM server answers /health at http://127.0.0.1:9"),
+    (["--model.engine.python=/no/such/python"], "model.engine.python: /no/such/python is not an executable python"),
+    (["--model.engine.python=/no/such/python", "--model.rollout.top_k=5"], "rollout.top_k: top-k sampling is not "
+     "supported with model.engine.backend vllm"),
+    (["--model.engine.dtype=bfloat16"], "grpo.rollout_correction: an engine in bfloat16 samples from other "
+     "log-probs than the trainer's"),
+    pytest.param(["--model.policy.name_or_path=embedded:tiny"],  # head size 16: vLLM's CPU attention starts at 32
+                 "model.engine: the vLLM server started but cannot run", marks=[
+                     pytest.mark.slow, pytest.mark.vllm,
+                     pytest.mark.skipif(not os.access(VLLM_PYTHON, os.X_OK), reason="no vLLM environment")]),
+])
+def test_a_vllm_engine_that_cannot_work_is_one_line_before_anything_starts(args, needle, tmp_path, capsys,
+                                                                           monkeypatch):
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["sglightning"])
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+                  f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.engine.backend=vllm",
+                  f"--model.engine.python={VLLM_PYTHON}", *args])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sglightning fit: error: "), lines
+    assert needle in lines[0], lines[0]
+    assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))  # nothing left behind
+
+
+def test_an_engine_that_fails_to_start_is_one_line_with_its_log(tmp_path, capsys, monkeypatch):
+    """A python without vLLM: the server process exits at once; the fit stops in one line quoting the server's
+    error and naming its log, exit 2, no run folder, no process left."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["sglightning"])
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+                  f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.engine.backend=vllm",
+                  f"--model.engine.python={sys.executable}", "--model.engine.startup_timeout_s=120"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "model.engine: the vLLM server exited with code 1 before it was ready" in lines[0]
+    assert "No module named 'vllm'" in lines[0] and "vllm-server.log" in lines[0]
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_stop_ends_the_whole_process_group(tmp_path):
+    """A server's process group — the process and the children it started — is gone after ``stop()``, even when
+    the process ignores SIGTERM (SIGKILL after the grace period)."""
+    script = ("import signal, subprocess, sys, time\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+              "time.sleep(600)\n")
+    server = VLLMServer([sys.executable, "-c", script], {}, "127.0.0.1", 9, 1, log_dir=str(tmp_path))
+    server.proc = subprocess.Popen(server.command, start_new_session=True)
+    deadline = time.monotonic() + 10
+    while len(group_members(server.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(group_members(server.pid)) == 2
+    t0 = time.monotonic()
+    server.stop(timeout_s=1.0)
+    assert group_members(server.pid) == [] and time.monotonic() - t0 < 10
+
+
+def test_rollout_correction_weights_by_hand():
+    """Token level: w = min(e^{old − engine}, C); sequence level: the product over the sample's tokens, truncated,
+    on every token of it; the mismatch is the k3 KL mean over the sampled tokens."""
+    old = torch.tensor([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]])
+    eng = torch.tensor([[0.0, -1.5, -1.0], [0.0, -0.5, 0.0]])
+    mask = torch.tensor([[False, True, True], [False, True, False]])
+    w, kl = rollout_correction_weights(old, eng, mask, "token", 2.0)
+    d = [0.5, -1.0, 0.0]  # old − engine at the three policy tokens
+    assert torch.allclose(w, torch.tensor([[0.0, math.exp(0.5), math.exp(-1.0)], [0.0, 1.0, 0.0]]))
+    assert math.isclose(float(kl), sum(math.exp(x) - x - 1 for x in d) / 3, rel_tol=1e-6)
+    w, _ = rollout_correction_weights(old, eng, mask, "sequence", 2.0)
+    assert torch.allclose(w, torch.tensor([[0.0, math.exp(-0.5), math.exp(-0.5)], [0.0, 1.0, 0.0]]))
+    w, _ = rollout_correction_weights(old + torch.tensor([[0.0, 3.0, 0.0], [0, 0, 0]]), eng, mask, "token", 2.0)
+    assert float(w[0, 1]) == 2.0  # truncated at C
+    with pytest.raises(ValueError, match="grpo.rollout_correction"):
+        rollout_correction_weights(old, eng, mask, "both", 2.0)
+
+
+def test_the_correction_weight_scales_each_tokens_policy_term_not_its_kl():
+    logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[0.0, -1.0, -2.0]])
+    mask = torch.tensor([[False, True, True]])
+    adv = torch.tensor([1.0])
+    w = torch.tensor([[0.0, 0.5, 2.0]])
+    plain, _ = grpo_loss(logp, old, adv, mask, ref_logp=old - 0.3, kl_coef=0.1)
+    weighted, _ = grpo_loss(logp, old, adv, mask, ref_logp=old - 0.3, kl_coef=0.1, is_weight=w)
+    kl = float(_k3(torch.tensor(-0.3)))  # d = ref − logp at both tokens
+    # ratio 1: pg = −A per token; loss = mean_k (w_k · (−A) + β·KL)
+    assert math.isclose(float(plain), -1.0 + 0.1 * kl, rel_tol=1e-6)
+    assert math.isclose(float(weighted), (0.5 * -1.0 + 2.0 * -1.0) / 2 + 0.1 * kl, rel_tol=1e-6)
+
+
+def _k3(d: torch.Tensor) -> torch.Tensor:
+    return d.exp() - d - 1
+
+
+def test_a_vllm_engine_and_another_decoder_are_refused():
+    from tiny import tiny_module
+
+    from sglightning.errors import ConfigError
+    from sglightning.sampler import DecodeSession
+
+    class Other(DecodeSession):
+        pass
+
+    module = tiny_module(decoder=Other, engine=EngineConfig(backend="vllm", python=sys.executable))
+    with pytest.raises(ConfigError, match="model.engine.backend: vllm generates the rollouts; model.decoder"):
+        module._check_engine()
+    tiny_module(engine=EngineConfig(backend="vllm", python=sys.executable))._check_engine()  # the default decoder

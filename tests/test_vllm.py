@@ -1,0 +1,219 @@
+"""vLLM as the rollout engine, against a real vLLM server (its CPU build, in the virtual environment ``.venv-vllm``
+that ``.ci/run`` installs; ``SGLIGHTNING_VLLM_PYTHON`` points elsewhere), started on 127.0.0.1 and stopped by its
+process group: log-probs per decoding mode equal to the trainer's, adapter sync after an update, a CLI fit, the engine
+dying mid-run and the resume after it, no engine process left behind."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglightning.cli import cli_main
+from sglightning.data import RolloutConfig
+from sglightning.engines import PROBE_TEXT, EngineConfig
+from sglightning.engines.server import group_members
+from sglightning.engines.vllm import VLLMEngine
+from sglightning.envs.household import HouseholdEnv
+from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE
+from sglightning.guidance import GuidanceConfig
+from sglightning.models import PolicyConfig, TinyModelConfig, load_policy, served_model
+from sglightning.rollout import Rollout
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_YAML = str(ROOT / "configs" / "tiny.yaml")
+PYTHON = os.environ.get("SGLIGHTNING_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+ENV = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
+#: the tiny test model in a shape vLLM's CPU attention takes (head size 64)
+SHAPE = TinyModelConfig(hidden_size=128, num_heads=2, intermediate_size=256)
+POLICY = PolicyConfig(name_or_path="embedded:tiny", lora_r=8, lora_alpha=16, tiny=SHAPE)
+SHAPE_ARGS = ["--model.policy.tiny.hidden_size=128", "--model.policy.tiny.num_heads=2",
+              "--model.policy.tiny.intermediate_size=256", "--model.policy.lora_r=8"]
+MAX_LEN = 4096
+_VERSIONS = itertools.count(100)  # adapter versions for the tests that sync their own policy
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(not os.access(PYTHON, os.X_OK),
+                       reason=f"no vLLM environment at {PYTHON} (.ci/run installs one)"),
+]
+
+
+def _engine_config(**kw) -> EngineConfig:
+    return EngineConfig(backend="vllm", python=PYTHON, kv_cache_gb=1, max_model_len=MAX_LEN, **kw)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """One server for the module: the tiny model, LoRA rank 8, fp32, processed log-probs."""
+    eng = VLLMEngine(_engine_config(), served_model(POLICY), POLICY.lora_r, MAX_LEN).start()
+    pgid = eng.server.pid
+    yield eng
+    eng.close()
+    assert group_members(pgid) == [], "engine processes left behind"
+
+
+@pytest.fixture()
+def policy():
+    """The trainer's tiny policy with LoRA weights that change its outputs (B is zero at initialisation)."""
+    model, tok = load_policy(POLICY)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.eval()
+    return model, tok
+
+
+def _trainer_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """[L-1, V] log π(· | ids[:i+1]) from one clean forward."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()  # [L, V]
+    return torch.log_softmax(logits[:-1] / temperature, dim=-1)
+
+
+def _sync(engine: VLLMEngine, model, tok, version: int) -> float:
+    probe = tok.encode(PROBE_TEXT)
+    rows = _trainer_logprobs(model, probe)
+    reference = [None] + [float(rows[i, probe[i + 1]]) for i in range(len(probe) - 1)]
+    return engine.sync(version, lambda folder: model.save_pretrained(folder), lambda ids: reference, probe)
+
+
+def _restricted(rows: torch.Tensor, ids: list[int], restrictions: list) -> torch.Tensor:
+    """Log q of each token: log π renormalised over its recorded allowed set (or all but its banned set)."""
+    out = []
+    for i, r in enumerate(restrictions[1:]):
+        lp = rows[i]
+        if r is None:
+            out.append(lp[ids[i + 1]])
+            continue
+        listed = torch.zeros(lp.numel(), dtype=torch.bool)
+        listed[list(r.ids)] = True
+        allowed = ~listed if r.exclude else listed
+        assert allowed[ids[i + 1]], "a token was sampled outside its recorded allowed set"
+        out.append(lp[ids[i + 1]] - torch.logsumexp(lp[allowed], dim=0))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "mode,decoding,action,fmt",
+    [("single_stream", "constrained", "admissible", "action_line"), ("single_stream", "free", "free", "action_line"),
+     ("two_call", "constrained", "free", "action_line"), ("two_call", "free", "admissible", "json"),
+     ("single_stream", "constrained", "admissible", "think_tags"), ("two_call", "constrained", "free", "json")],
+)
+def test_engine_logprobs_equal_the_trainers_in_every_decoding_mode(served, policy, mode, decoding, action, fmt):
+    """Every policy token the engine sampled, scored by the trainer over the restriction it records, has the
+    engine's log-prob within 1e-4 (fp32): the engine samples from exactly the distribution the trainer scores."""
+    model, tok = policy
+    _sync(served, model, tok, version=next(_VERSIONS))
+    gc = GuidanceConfig(prompt_mode=mode, decoding=decoding, action_decoding=action, max_guidance_tokens=6,
+                        max_action_tokens=6, max_think_tokens=5, actor_format=fmt)
+    r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=3, temperature=0.7), decoder=served)
+    try:
+        batch = r.run([1, 2, 3], generator=torch.Generator().manual_seed(0))
+    finally:
+        r.close()
+    assert batch.generated_tokens > 0 and batch.engine["requests"] > 0
+    assert not any(e.error for e in batch.episodes), [e.error for e in batch.episodes]
+    kinds, restricted, gaps = set(), 0, []
+    for s in batch.samples:
+        s.check()
+        pol = torch.tensor(s.policy[1:])
+        ref = _restricted(_trainer_logprobs(model, s.ids, 0.7), s.ids, s.restrictions)
+        got = torch.tensor(s.logprobs[1:])
+        gaps.append(float((got[pol] - ref[pol]).abs().max()) if pol.any() else 0.0)
+        kinds |= {k for k, p in zip(s.kinds, s.policy) if p}
+        restricted += sum(r is not None for r in s.restrictions)
+    assert max(gaps) <= 1e-4, max(gaps)
+    if decoding == "constrained" or action == "admissible":
+        assert restricted > 0
+    assert KIND_GUIDANCE in kinds and kinds <= {KIND_GUIDANCE, KIND_ACTION}
+    if mode == "single_stream":  # later turns extend the same context: the engine's prefix cache serves them
+        assert batch.engine["cached_tokens"] > 0
+
+
+def test_a_sync_after_an_update_gives_the_engine_the_trainers_weights(served, policy):
+    """Loading a new adapter version changes what the engine computes to the trainer's new log-probs; the old
+    version is unloaded and its folder removed; a folder the engine loaded is never written again."""
+    model, tok = policy
+    probe = tok.encode(PROBE_TEXT)
+    assert _sync(served, model, tok, version=1) <= 1e-4
+    first_name, first_folder = served.loaded[-1]
+    before = torch.tensor(served.prompt_logprobs(first_name, probe)[1:])
+    with torch.no_grad():  # an "update"
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.mul_(1.5)
+    assert _sync(served, model, tok, version=2) <= 1e-4
+    after = torch.tensor(served.prompt_logprobs(served.adapter_name, probe)[1:])
+    assert float((after - before).abs().max()) > 1e-2  # the engine's log-probs moved with the weights
+    assert served.adapter_name == "policy-v2" and served.version == 2
+    names = served.client.models()
+    assert "policy-v2" in names and first_name not in names
+    assert not first_folder.exists() and served.loaded[-1][1] != first_folder
+
+
+def _engine_processes() -> list[int]:
+    """Processes running a vLLM api_server on the tests' model (this machine's others are not ours)."""
+    model = served_model(POLICY).encode()
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in cmd and model in cmd:
+            found.append(int(pid))
+    return found
+
+
+def test_an_engine_that_dies_mid_run_stops_the_step_and_a_launched_engine_resumes(tmp_path, served):
+    """(Last in this file: it kills the module's server.)  A fit on a running server (``model.engine.url``) whose
+    engine dies after the first whole step stops with one line saying which step was abandoned and how to resume
+    (exit 1); ``last.ckpt`` holds the last whole step.  ``--ckpt_path last`` with an engine the CLI launches loads the
+    checkpoint's adapter before its first rollout (verified on the probe: policy lag 0, the engine's log-probs equal
+    the trainer's), trains the remaining steps with the engine's numbers logged, and leaves no engine process."""
+    args = ["fit", "--config", TINY_YAML, *SHAPE_ARGS, "--trainer.max_steps=4",
+            f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+            "--model.engine.backend=vllm", "--model.engine.kv_cache_gb=1", f"--model.engine.max_model_len={MAX_LEN}",
+            f"--model.engine.python={PYTHON}"]
+    proc = subprocess.Popen([sys.executable, "-m", "sglightning", *args, f"--model.engine.url={served.client.url}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    try:
+        deadline = time.monotonic() + 600
+        while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ckpt.exists(), proc.communicate()[1][-2000:]
+        os.killpg(served.server.pid, signal.SIGKILL)  # the engine dies while the run goes on
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("sglightning fit: error: ") and "abandoned" in last and "--ckpt_path last" in last, last
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"]
+    assert 1 <= saved < 4
+    cli = cli_main([*args, "--ckpt_path", "last"])  # an engine of its own this time
+    assert cli.trainer.global_step == 4
+    hist = cli.model.history
+    assert len(hist) == 4 - saved
+    for row in hist:
+        assert row["rollout/policy_lag"] == 0  # sampled with the adapter being trained, the restored one first
+        assert row["policy/logprob_gap_sampler_trainer"] <= 1e-4
+        assert 0.0 < row["engine/prefix_cache_hit_rate"] <= 1.0 and row["engine/requests"] > 0
+        assert row["engine/sync_gap"] <= 1e-3 and row["engine/loaded_adapters"] == 1
+    assert _engine_processes() == []  # the launched server is gone, and so is the killed one
