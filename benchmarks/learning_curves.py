@@ -13,6 +13,11 @@ Arms (each is the config plus a few overrides; validation plays the arm's own gu
     full_trust  λ ≡ 1 from step 0 (the paper's ablation)
     oracle      labels from the environment's measured progress (guidance.source: oracle), paper schedule
     adaptive    the paper schedule × the labels' measured reliability (grpo.trust_adaptive)
+    sg_gr_cal   sg_gr with the hindsight label loss (grpo.calibration: 1.0): the guide trained toward the sign of
+                the progress the env measured
+
+``--final-both`` also validates every finished run's last checkpoint with self-guidance on and off on the same
+episodes (``final`` in done.json; two more columns in curves.md): does self-guidance help the trained policy?
 
 A seed sets ``seed_everything`` (adapter initialisation) and ``model.rollout.seed`` (training tasks and sampling).
 Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k;
@@ -51,6 +56,7 @@ ARMS: dict[str, list[str]] = {
     "full_trust": ["--model.grpo.trust_constant=1.0", "--model.evaluation.self_guidance=on"],
     "oracle": ["--model.guidance.source=oracle", "--model.evaluation.self_guidance=on"],
     "adaptive": ["--model.grpo.trust_adaptive=true", "--model.evaluation.self_guidance=on"],
+    "sg_gr_cal": ["--model.grpo.calibration=1.0", "--model.evaluation.self_guidance=on"],
 }
 METRIC = "rollout/success_rate"
 
@@ -141,6 +147,9 @@ GUIDE_TAGS = {
     "negative": "guidance/label_negative",
     "lambda": "reward/lambda",
     "episode_length": "rollout/episode_length",
+    "calibration_loss": "loss/calibration",
+    "rollout_s": "time/rollout_s",
+    "update_s": "time/update_s",
 }
 
 
@@ -258,6 +267,28 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
     return result
 
 
+def final_both(config: str, arm: str, seed: int, out: Path, extra: list[str], result: dict) -> dict:
+    """Validate a finished run's last checkpoint with self-guidance on and off (the same episodes), once; stored as
+    ``final`` in its done.json."""
+    if "final" in result:
+        return result
+    name = f"{arm}-seed{seed}"
+    ckpts = sorted((out / name).glob("version_*/checkpoints/last.ckpt"))
+    if not ckpts:
+        raise SystemExit(f"learning_curves: {name}: no last.ckpt to validate")
+    fname = f"{name}-final"
+    args = ["validate", "--config", config, *ARMS[arm], f"--seed_everything={seed}", f"--model.rollout.seed={seed}",
+            "--trainer.logger.class_path=lightning.pytorch.loggers.TensorBoardLogger",
+            f"--trainer.logger.init_args.save_dir={out}", f"--trainer.logger.init_args.name={fname}",
+            "--trainer.enable_progress_bar=false", "--model.evaluation.self_guidance=both", *extra,
+            f"--ckpt_path={ckpts[-1]}"]
+    run_cli(args, out / name / "run.log")
+    report = json.loads(sorted((out / fname).glob("version_*/validation_report.json"))[-1].read_text())
+    result["final"] = {mode: report["modes"][mode][METRIC] for mode in ("sg", "nosg")}
+    (out / name / "done.json").write_text(json.dumps(result))
+    return result
+
+
 def finished_runs(out: Path) -> list[dict]:
     """Every finished run in ``out``, arms in :data:`ARMS` order, then by seed."""
     found = []
@@ -276,8 +307,10 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
+    finals = any("final" in r for r in results)
     rows = ["| arm | seeds | success at step 0 | success at the last step | by seed | last step | train success | "
-            "label accuracy | label AUROC | positive labels | mean λ |", "|---" * 11 + "|"]
+            "label accuracy | label AUROC | positive labels | mean λ |"
+            + (" final, SG on | final, SG off |" if finals else ""), "|---" * (13 if finals else 11) + "|"]
 
     def ms(vals: list[float]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -292,6 +325,10 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
         last = [r["curve"][-1][1] for r in runs]
         cells = [guide(runs, k) for k in ("train_success", "label_accuracy", "label_auroc", "positive", "lambda")]
         each = ", ".join(f"{r['seed']}: {r['curve'][-1][1]:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
+        if finals:
+            for mode in ("sg", "nosg"):
+                vals = [r["final"][mode] for r in runs if "final" in r]
+                cells.append(ms(vals) if vals else "–")
         rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | {runs[0]['curve'][-1][0]} | "
                     + " | ".join(cells) + " |")
     return {"metric": METRIC, "runs": results}, "\n".join(rows) + "\n"
@@ -347,6 +384,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, help="trainer.max_steps (default: the config's)")
     ap.add_argument("--eval-every", type=int, default=5, help="validate every k GRPO steps")
     ap.add_argument("--out", default="runs/curves")
+    ap.add_argument("--final-both", action="store_true",
+                    help="validate each finished run's last checkpoint with self-guidance on and off")
     ap.add_argument("--no-run", action="store_true",
                     help="run nothing: write the artefacts from the finished runs in --out (a partial study, or "
                          "one that another process is still running)")
@@ -363,7 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds:  # seed-major: a cut study has whole seeds of every arm first
             for arm in args.arms:
                 print(f"learning_curves: {arm} seed {seed}", flush=True)
-                one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra)
+                result = one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra)
+                if args.final_both:
+                    final_both(args.config, arm, seed, out, extra, result)
     results = finished_runs(out)  # the whole study, not only this command's arms and seeds
     if not results:
         raise SystemExit(f"learning_curves: no finished run in {out}")

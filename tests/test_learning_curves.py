@@ -202,3 +202,25 @@ def test_sigterm_to_the_runner_reaches_the_command_and_stops_the_study(tmp_path)
         assert signal.getsignal(signal.SIGTERM) is ours  # the handler before run_cli is back
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.slow
+def test_the_calibrated_arm_and_the_final_validation_with_guidance_on_and_off(tmp_path):
+    """``sg_gr_cal`` trains with the hindsight label loss (logged, so its mean is in the guide statistics), and
+    ``--final-both`` validates the last checkpoint with self-guidance on and off once, recorded and tabled."""
+    lc = _runner()
+    out = tmp_path / "curves"
+    extra = ["--", "--model.rollout.max_steps=2", "--model.evaluation.num_tasks=2",
+             "--model.evaluation.tasks_per_batch=2"]
+    args = ["--config", TINY, "--arms", "sg_gr_cal", "--seeds", "0", "--eval-every", "2", "--out", str(out),
+            "--steps", "2", "--final-both"]
+    lc.main([*args, *extra])
+    done = json.loads((out / "sg_gr_cal-seed0" / "done.json").read_text())
+    assert done["guide"]["calibration_loss"] > 0 and done["guide"]["update_s"] > 0
+    assert set(done["final"]) == {"sg", "nosg"} and all(0.0 <= v <= 1.0 for v in done["final"].values())
+    table = (out / "curves.md").read_text()
+    assert "final, SG on | final, SG off |" in table and table.count("|---") == 13
+    log = out / "sg_gr_cal-seed0" / "run.log"
+    before = log.read_text()
+    lc.main([*args, *extra])  # finished and validated: nothing runs again
+    assert log.read_text() == before

@@ -69,7 +69,7 @@ def test_returns_by_hand_and_every_policy_token_carries_its_episode_advantage():
         assert (u.adv[row][~m[row]] == 0).all()
     assert u.stats["tokens/policy"] == 12.0 and u.stats["tokens/guidance_share"] == pytest.approx(8 / 12)
     assert u.stats["tokens/zero_advantage_samples"] == 2.0 and u.stats["tokens/skipped_zero_advantage_samples"] == 0
-    assert u.counts.tolist() == [12.0, 4.0]
+    assert u.counts.tolist() == [12.0, 4.0, 0.0]
 
 
 def test_guidance_tokens_carry_the_scaled_advantage():
@@ -83,7 +83,7 @@ def test_without_kl_zero_advantage_rows_are_left_out_but_still_counted():
     u = _prepare()
     assert u.rows_left_out and u.data["ids"].shape[0] == 2 and u.adv.shape[0] == 2
     assert u.data["episode"].tolist() == [0, 1]
-    assert u.counts.tolist() == [12.0, 4.0]  # the token-mean's denominator keeps every row
+    assert u.counts.tolist() == [12.0, 4.0, 0.0]  # the token-mean's denominator keeps every row
     assert u.stats["tokens/skipped_zero_advantage_samples"] == 2.0
     kept = _prepare(update={"skip_zero_advantage": False})
     assert not kept.rows_left_out and kept.data["ids"].shape[0] == 4
@@ -97,7 +97,7 @@ def test_a_failed_group_is_dropped_only_when_asked():
     assert keep.stats["rollout/dropped_groups"] == 0.0
     drop = _prepare(batch, grpo={"kl_coef": 0.01}, drop_failed_groups=True)
     assert drop.data["episode"].tolist() == [0, 1] and drop.stats["rollout/dropped_groups"] == 1.0
-    assert drop.counts.tolist() == [6.0, 2.0]
+    assert drop.counts.tolist() == [6.0, 2.0, 0.0]
 
 
 def test_shared_prefixes_sit_side_by_side():
@@ -117,7 +117,7 @@ def test_shared_prefixes_sit_side_by_side():
 
 def test_a_rank_with_nothing_to_score():
     u = _prepare(RolloutBatch(episodes=[]))
-    assert u.data is None and u.adv is None and u.counts.tolist() == [0.0, 0.0]
+    assert u.data is None and u.adv is None and u.counts.tolist() == [0.0, 0.0, 0.0]
     assert u.stats["tokens/zero_advantage_samples"] == 0.0
 
 

@@ -52,6 +52,9 @@ class Piece:
     hit_stop: bool = False  # for Free: ended on a stop token (not on the cap)
     forced: int = 0  # Choice tokens that had a single allowed continuation (recorded as context)
     error: str | None = None  # the engine failed this row's turn here (its episode fails; the pieces are partial)
+    #: hindsight label targets, per token: the token the label that describes the rated action's measured progress
+    #: takes at this position (where the sampled path still agrees with it), −1 elsewhere; empty = none
+    targets: list[int] = field(default_factory=list)
 
     def add(
         self, tok: int, logprob: float, policy: bool, restriction: Restriction | None = None,
@@ -83,6 +86,9 @@ class Sample:
     """the episode step (0-based env step) each token belongs to: the prompt and guidance/action of step t, and the
     observation that opens step t, all carry t — what a step-level advantage estimator needs"""
     forced: int = 0  # choice tokens with a single allowed continuation (context, not policy)
+    #: hindsight label targets (:attr:`Piece.targets`) by position: token id the label should have there, for
+    #: ``grpo.calibration``
+    targets: dict[int, int] = field(default_factory=dict)
 
     def extend_context(self, ids: Sequence[int], step: int = 0) -> None:
         n = len(ids)
@@ -95,6 +101,8 @@ class Sample:
         self.full_logprobs += [0.0] * n
 
     def extend_piece(self, piece: Piece, step: int = 0) -> None:
+        start = len(self.ids)
+        self.targets.update({start + k: t for k, t in enumerate(piece.targets) if t >= 0})
         self.steps += [step] * len(piece.ids)
         self.ids += piece.ids
         self.policy += piece.policy

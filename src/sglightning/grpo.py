@@ -59,6 +59,11 @@ Departures from the paper (and why)
 * Token log-ratios are clamped to [-20, 20] before ``exp`` (verl does the same) so garbage never overflows.
 * Loss aggregation defaults to token-mean over all policy tokens of the batch (DAPO); the per-sequence mean of the
   original GRPO is available as ``seq_mean_token_mean``.
+* ``calibration`` (opt-in; α = 0 is the paper): a supervised term on the self-assessment itself.  Where the env
+  measured the progress p_{t−1} of the action a label z_t rates, the label's distribution (restricted to the label
+  words, as sampled) is pulled toward v* = sign(p_{t−1}) by α · mean_k(−log q_θ(y*_k)) over the label's policy tokens
+  whose sampled path agrees with v*'s.  The paper relies on the shared GRPO objective alone to improve the guide; the
+  target uses the env's progress at training time only (acting and validation need no env signal).
 * ``rollout_correction`` (opt-in; for engines that sample in lower precision than the trainer, e.g. a bf16 vLLM
   server): the old log-probs are recomputed by the trainer and each token's policy term is weighted by the truncated
   importance weight between the trainer's old policy and the engine (TIS, as verl's rollout correction and TRL's
@@ -693,6 +698,10 @@ class GRPOConfig:
     are the old policy (the built-in decoder, an fp32 engine)"""
     rollout_correction_cap: float = 2.0
     """the truncation C of the rollout-correction weight"""
+    calibration: float = 0.0
+    """α of the hindsight label loss: where the env measured the progress of the action a label rates, the label's
+    restricted distribution is trained toward the label of that progress's sign, α·mean(−log q(target)), in the same
+    forward as the policy loss (0 = off, the paper; needs guidance.decoding constrained)"""
 
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)
@@ -717,6 +726,8 @@ class GRPOConfig:
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ValueError(f"grpo.max_grad_norm: must be > 0 or null, got {self.max_grad_norm}")
         check_choice("grpo.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if not (math.isfinite(self.calibration) and self.calibration >= 0):
+            raise ValueError(f"grpo.calibration: must be a finite number >= 0, got {self.calibration}")
         if not (math.isfinite(self.rollout_correction_cap) and self.rollout_correction_cap >= 1):
             raise ValueError(f"grpo.rollout_correction_cap: must be a finite number >= 1, got "
                              f"{self.rollout_correction_cap}")

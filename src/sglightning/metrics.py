@@ -47,7 +47,8 @@ SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups"
                       "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples",
                       "guidance/calibration_pairs", "guidance/auroc_labels",
                       "rollout/dynamic_sampling_groups", "dynamic_sampling/groups",
-                      "dynamic_sampling/degenerate_groups", "engine/requests"})
+                      "dynamic_sampling/degenerate_groups", "engine/requests",
+                      "guidance/calibration_targets"})
 
 
 def _episode_values(ep: Episode) -> dict[str, float]:

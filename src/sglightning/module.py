@@ -165,10 +165,19 @@ class SelfGuideModule(LightningModule):
         check_model_source(self.policy_cfg)
         check_adapter_folder(self.adapter_path)
         self._check_engine()
+        self._check_calibration()
         try:
             self.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model.optimizer: {err}") from None
+
+    def _check_calibration(self) -> None:
+        if self.grpo_cfg.calibration <= 0:
+            return
+        g = self.guidance_cfg
+        if not g.enabled or g.source == "oracle" or g.decoding != "constrained":
+            raise ConfigError("grpo.calibration: trains the model's own sampled labels: it needs guidance.enabled, "
+                              "guidance.source model and guidance.decoding constrained")
 
     def _check_engine(self) -> None:
         """An external engine's settings that cannot work, before anything starts (one line naming the key)."""
@@ -380,10 +389,15 @@ class SelfGuideModule(LightningModule):
         c, mbs, temp = self.grpo_cfg, self.update_cfg.micro_batch_size, self.rollout_cfg.temperature
         mask = step_data["mask"]
         trainer_old = torch.zeros_like(step_data["old_logp"])  # [S, L]
-        for start in range(0, mask.shape[0], mbs):
+        starts = [st for st in range(0, mask.shape[0], mbs) if mask[st : st + mbs].any()]
+        if self._sharded():  # every forward is a collective: ranks with fewer micro-batches run empty ones
+            most = distributed.all_reduce(torch.tensor([len(starts)], device=self.device),
+                                          op=torch.distributed.ReduceOp.MAX)
+            ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+            for _ in range(int(most.item()) - len(starts)):
+                self.token_logprobs(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device), temp)
+        for start in starts:
             rows = slice(start, start + mbs)
-            if not mask[rows].any():
-                continue
             mb = scoring.microbatch(step_data, torch.zeros_like(step_data["old_logp"]), rows)
             logp, _ = self.token_logprobs(mb["ids"], mb["attn"], mb["mask"], temp, restrict=mb["restrict"])
             trainer_old[rows, : logp.shape[1]] = logp
@@ -403,6 +417,7 @@ class SelfGuideModule(LightningModule):
         temp = self.rollout_cfg.temperature
         sums: dict[str, float] = {}
         weights: dict[str, float] = {}
+        cal_sum = cal_n = 0.0
         finite = True
         opt.zero_grad()
         starts = ([st for st in range(0, mask.shape[0], mbs) if mask[st : st + mbs].any()]
@@ -429,15 +444,23 @@ class SelfGuideModule(LightningModule):
                 kl_coef=c.kl_coef, kl_kind=c.kl_kind, loss_agg=c.loss_agg, is_weight=mb.get("is_weight"),
             )
             w = microbatch_weight(m, totals, c.loss_agg).to(self.device)
-            if not torch.isfinite(loss):
+            objective = loss * w
+            if c.calibration > 0 and "target_logq" in ent:
+                # hindsight label loss, one mean over the step's targets (all micro-batches and ranks): α·(−log q(y*))
+                targets = (restrict["target"] >= 0) & m  # [B, W]
+                ce = -(ent["target_logq"] * targets).sum()
+                objective = objective + c.calibration * ce / totals[2].clamp(min=1).to(ce.dtype)
+                cal_sum += float(ce.detach())
+                cal_n += float(targets.sum())
+            if not torch.isfinite(objective):
                 finite = False
                 if not sharded:
                     break
-                loss = loss.nan_to_num(0.0, 0.0, 0.0) * 0.0  # keep the backward collective; the update is skipped
-            if sharded:
-                w = w * self._world()[1]  # FSDP averages gradients over ranks; the weights already are global shares
+                objective = objective.nan_to_num(0.0, 0.0, 0.0) * 0.0  # keep the backward collective; no update
+            if sharded:  # FSDP averages gradients over ranks; the weights already are global shares
+                objective = objective * self._world()[1]
             with distributed.no_sync(self.trainer.strategy.model if self._trainer is not None else None):
-                self.manual_backward(loss * w)
+                self.manual_backward(objective)
             extra = scoring.microbatch_stats(mb, loss, st, logp, ent, first_epoch)
             n = float(m.sum())
             for k, v in extra.items():
@@ -455,6 +478,8 @@ class SelfGuideModule(LightningModule):
         self.consecutive_skips = 0
         opt.step()
         out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
+        if cal_n:
+            out["loss/calibration"] = cal_sum / cal_n  # mean −log q(y*) over this rank's hindsight targets
         out["train/grad_norm"] = float(grad_norm)
         out["train/update_skipped"] = 0.0
         return out

@@ -162,12 +162,18 @@ def _phase_lines(hist: list[dict], mean) -> list[str]:
 
 
 def _guidance_lines(hist: list[dict], mean) -> list[str]:
-    """The guidance labels' shares, their calibration against measured progress, and both per trust phase."""
+    """The guidance labels' shares, their calibration against measured progress (over the run, and its first and
+    last third: did training make the guide more accurate?), and both per trust phase."""
+    third = max(1, len(hist) // 3)
     return [
         "  labels            "
         + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),
         f"  label calibration accuracy vs measured progress {mean('guidance/label_accuracy'):.2f}   AUROC vs "
         f"success {mean('guidance/label_auroc_success'):.2f}   (nan: the env or the episodes could not tell)",
+        f"  label accuracy    first third {mean('guidance/label_accuracy', hist[:third]):.2f} -> last third "
+        f"{mean('guidance/label_accuracy', hist[-third:]):.2f}"
+        + (f"   hindsight label loss {mean('loss/calibration'):.3f}" if any("loss/calibration" in r for r in hist)
+           else ""),
         *_phase_lines(hist, mean),
     ]
 

@@ -300,6 +300,7 @@ class Rollout:
                 programs.append(prog + self._action_program(ep, force_prefix=True))
             results = session.run(programs)
             for ep, pieces in zip(live, results):
+                self._label_targets(ep, pieces)
                 for p in pieces:
                     ep.samples[0].extend_piece(p, t)
                     stats["tokens"] += sum(p.policy)
@@ -356,6 +357,7 @@ class Rollout:
                 programs = [self._guidance_program(constrained) for _ in live]
                 results = self._call(prompts, programs, temperature, generator, greedy, stats)
                 for ep, prompt, pieces in zip(live, prompts, results):
+                    self._label_targets(ep, pieces)
                     ep.samples.append(_sample_of(ep.index, prompt, pieces, t))
                     guid[ep.index] = pieces
                 live = self._engine_failures(live, results)[0]
@@ -455,6 +457,12 @@ class Rollout:
                 self._fail(ep, f"step: malformed StepResult: {type(err).__name__}: {err}")
                 self.pool.retire(ep.index)
 
+    def _label_targets(self, ep: Episode, pieces: list[Piece]) -> None:
+        """The hindsight targets of this turn's sampled label (:func:`label_targets`): the label z_t rates the
+        previous action a_{t−1}, whose progress the env has measured by now (nothing at step 1)."""
+        if ep.steps:
+            label_targets(pieces, ep.steps[-1].progress, self.label_options)
+
     @staticmethod
     def _oracle(ep: Episode) -> Guidance:
         """``guidance.source: oracle``: the label is the sign of the previous action's measured progress."""
@@ -520,6 +528,26 @@ class Rollout:
         if res.done:
             ep.done = True
             ep.won = bool(res.won)
+
+
+def label_targets(pieces: list[Piece], progress: float | None, options: Sequence[Sequence[int]]) -> None:
+    """Set ``Piece.targets`` on the label choice among ``pieces`` (``grpo.calibration``): the target label is the
+    sign of the rated action's measured ``progress`` (:func:`~sglightning.guidance.progress_label`; nothing when the
+    env could not measure it), ``options`` the label words' token sequences in :data:`LABELS` order.  Each policy
+    token of the sampled label gets the target label's token at that position while the sampled path still agrees
+    with the target's (the logits there are conditioned on the target's own prefix); after the paths diverge, and at
+    forced tokens, there is none (−1)."""
+    if progress is None:
+        return
+    target = options[LABELS.index(progress_label(progress))]
+    for p in pieces:
+        if p.kind != KIND_GUIDANCE or p.choice_index is None:
+            continue
+        targets, agree = [], True
+        for k, (tok, pol) in enumerate(zip(p.ids, p.policy)):
+            targets.append(int(target[k]) if agree and pol and k < len(target) else -1)
+            agree = agree and k < len(target) and tok == target[k]
+        p.targets = targets
 
 
 def _clean_admissible(actions) -> list[str] | None:

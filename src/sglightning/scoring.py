@@ -37,13 +37,14 @@ from sglightning.sampler import (
 )
 
 
-def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
+def collate(samples: Sequence, pad_id: int, targets: bool = False) -> dict[str, Tensor]:
     """Right-pad samples into ``[S, L]`` tensors, each cut after its last policy token (the observation after the last
     action, which no policy token follows, cannot change any log-prob of a causal LM: it is not fed to the update).
 
     Keys: ``ids``, ``attn`` (1 = real token), ``mask`` (policy tokens), ``old_logp`` (sampler log q), ``full_logp``
     (sampler's unrestricted log π, diagnostic), ``kinds``, ``steps`` (the episode step of each token), ``episode`` [S],
-    and the restrictions: ``restrict_index``
+    with ``targets`` the hindsight label targets ``target`` [S, L] (token id, −1 = none), and the restrictions:
+    ``restrict_index``
     [S, L] (row of the restriction table, −1 = unrestricted), ``restrict_ids`` [U, K] / ``restrict_valid`` [U, K]
     (each distinct restriction's token ids, padded) and ``restrict_exclude`` [U].
     """
@@ -58,6 +59,7 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
     kinds = torch.zeros(S, L, dtype=torch.long)  # [S, L]
     steps = torch.zeros(S, L, dtype=torch.long)  # [S, L] episode step of each token
     rindex = torch.full((S, L), -1, dtype=torch.long)  # [S, L]
+    target = torch.full((S, L), -1, dtype=torch.long)  # [S, L]
     table: dict[Restriction, int] = {}
     seen: dict[int, int] = {}  # id(restriction) -> table row: the tokens of one segment share one object
     for i, s in enumerate(samples):
@@ -69,6 +71,10 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
         full[i, :n] = torch.tensor(s.full_logprobs[:n])
         kinds[i, :n] = torch.tensor(s.kinds[:n])
         steps[i, :n] = torch.tensor(s.steps[:n])
+        if targets:
+            for pos, tok in s.targets.items():
+                if pos < n:
+                    target[i, pos] = tok
         for k, r in enumerate(s.restrictions[:n]):
             if r is not None:
                 u = seen.get(id(r))
@@ -84,7 +90,8 @@ def collate(samples: Sequence, pad_id: int) -> dict[str, Tensor]:
         rvalid[u, : len(r.ids)] = True
         rexcl[u] = r.exclude
     episode = torch.tensor([s.episode for s in samples], dtype=torch.long)  # [S]
-    return {
+    extra = {"target": target} if targets else {}
+    return {**extra,
         "ids": ids, "attn": attn, "mask": mask, "old_logp": old, "full_logp": full, "kinds": kinds, "steps": steps,
         "episode": episode, "restrict_index": rindex, "restrict_ids": rids, "restrict_valid": rvalid,
         "restrict_exclude": rexcl,
@@ -116,6 +123,8 @@ def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[st
     out["adv"] = tok_adv[cols]
     restrict = restrictions_of(data, rows)
     restrict["index"] = restrict["index"][:, :width]
+    if "target" in restrict:
+        restrict["target"] = restrict["target"][:, :width]
     out["restrict"] = restrict
     return out
 
@@ -155,8 +164,11 @@ def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: dict[s
 def restrictions_of(data: dict[str, Tensor], rows: slice | None = None) -> dict[str, Tensor]:
     """The restriction tensors of a collated batch, for rows ``rows`` (the table itself is shared by all rows)."""
     index = data["restrict_index"] if rows is None else data["restrict_index"][rows]
-    return {"index": index, "ids": data["restrict_ids"], "valid": data["restrict_valid"],
-            "exclude": data["restrict_exclude"]}
+    out = {"index": index, "ids": data["restrict_ids"], "valid": data["restrict_valid"],
+           "exclude": data["restrict_exclude"]}
+    if "target" in data:  # hindsight label targets (grpo.calibration): scored over the same restriction
+        out["target"] = data["target"] if rows is None else data["target"][rows]
+    return out
 
 
 def restricted_log_mass(logp_sel: Tensor, valid: Tensor, exclude: Tensor) -> Tensor:
@@ -197,20 +209,40 @@ def logprobs_from_logits(
             restricted = (rows, listed, valid, exclude, log_z)
     logp = torch.zeros(ids.shape, dtype=logp_sel.dtype, device=ids.device)  # [B, L]
     logp[:, 1:][sel] = logp_sel
+    extras = {}
+    if restrict is not None and "target" in restrict:
+        extras["target_logq"] = _target_logq(ids, sel, logp_all, restrict["target"].to(ids.device), restricted)
     if not entropy:
-        return logp, None
+        return logp, extras or None
     with torch.no_grad():
         h_pi = entropy_from_logits(logits.detach())  # [M] H(π)
         h_q = h_pi.clone()  # [M] H of the sampling distribution
         if restricted is not None:
             rows, listed, valid, exclude, log_z = (t.detach() for t in restricted)
             h_q[rows] = restricted_entropy(listed.float(), valid, exclude, log_z.float(), h_pi[rows])
-    out = {}
+    out = dict(extras)
     for key, h in (("sampled", h_q), ("unrestricted", h_pi)):
         full = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # [B, L]
         full[:, 1:][sel] = h
         out[key] = full
     return logp, out
+
+
+def _target_logq(ids: Tensor, sel: Tensor, logp_all: Tensor, target: Tensor, restricted) -> Tensor:
+    """Log q_θ(y*) at the positions with a hindsight target y* (``target`` [B, L], −1 = none): the target token's
+    log-prob under the distribution the token there was drawn from (π renormalised over its restriction A; y* ∈ A),
+    with gradient.  [B, L], 0 where there is no target."""
+    out = torch.zeros(ids.shape, dtype=logp_all.dtype, device=ids.device)  # [B, L]
+    tgt = target[:, 1:][sel]  # [M] the target at each scored position (−1 = none)
+    if restricted is None or not bool((tgt >= 0).any()):
+        return out
+    rows, _, _, _, log_z = restricted
+    has = tgt[rows] >= 0  # [R] restricted positions with a target
+    vals_sel = torch.zeros_like(tgt, dtype=logp_all.dtype)  # [M]
+    r = rows[has]
+    vals_sel = vals_sel.index_put((r,), logp_all[r, tgt[r]] - log_z[has])  # log π(y*) − log Z(A)
+    out[:, 1:][sel] = vals_sel
+    return out
 
 
 def restricted_entropy(logp_listed: Tensor, valid: Tensor, exclude: Tensor, log_z: Tensor, h_full: Tensor) -> Tensor:

@@ -7,7 +7,10 @@ and minimise this loss", in the order the paper writes it:
     Â    = estimator(R, groups, step shares, …)                    [S, L] per policy token   (grpo.resolve_advantage)
     Â_k ← w·Â_k at self-assessment tokens                          grpo.guidance_advantage_scale
     rows: samples with a policy token; groups with a failed env left out (``rollout.failed_episodes: drop_group``);
-          with β = 0, rows whose every Â_k = 0 left out (their loss and gradient are exactly 0)
+          with β = 0, rows whose every Â_k = 0 and that hold no hindsight label target left out (their loss and
+          gradient are exactly 0)
+    y*   = hindsight label targets (``grpo.calibration`` > 0): the label token the rated action's measured progress
+           calls for, where the sampled label's path agrees with it (recorded by the rollout)
 
 It returns an :class:`UpdateBatch`: the collated rows to score (ids, masks, the sampler's log-probs, restrictions),
 their token advantages, the step's policy-token counts (the token-mean's denominator, taken *before* any row is
@@ -68,8 +71,8 @@ class UpdateBatch:
     #: the rows to score (:func:`sglightning.scoring.collate`, then row selection), or None: nothing to score here
     data: dict[str, Tensor] | None
     adv: Tensor | None  # [S, L] token advantages of those rows (0 off the policy tokens)
-    #: [2] float64: this rank's policy tokens and sequences *before* row selection — the loss is one mean over all of
-    #: them (summed over ranks by the caller)
+    #: [3] float64: this rank's policy tokens, sequences and hindsight label targets *before* row selection — the
+    #: loss is one mean over all of them (summed over ranks by the caller)
     counts: Tensor
     rows_left_out: bool = False  # zero-advantage rows were left out (their gradient is an exact 0)
     stats: dict[str, float] = field(default_factory=dict)  # logged: failed/dropped groups, token counts
@@ -108,9 +111,11 @@ def prepare_update(
         samples.sort(key=lambda s: s.ids)
     if not samples:  # nothing to score on this rank (it still takes part in the step's collectives)
         stats["tokens/zero_advantage_samples"] = stats["tokens/skipped_zero_advantage_samples"] = 0.0
-        return UpdateBatch(lam, returns, internal, terms, groups, None, None, grpo.policy_counts(None), stats=stats)
+        return UpdateBatch(lam, returns, internal, terms, groups, None, None, torch.zeros(3, dtype=torch.float64),
+                           stats=stats)
 
-    data = scoring.collate(samples, pad_id)  # [S, L] each (+ the restriction table)
+    calibrate = cfg.calibration > 0
+    data = scoring.collate(samples, pad_id, targets=calibrate)  # [S, L] each (+ the restriction table, targets)
     # the grpo estimator: every policy token of every call of episode i carries Â_i (guidance and action tokens, every
     # step); another estimator may give each step its own
     inputs = rewards.advantage_inputs(episodes, returns, lam, terms, data, cfg)
@@ -123,9 +128,13 @@ def prepare_update(
     # choice tokens with one allowed continuation: no choice was made, so no loss and no place in the mean
     stats["tokens/forced_choice"] = float(sum(s.forced for s in samples))
     stats["tokens/total"] = float(data["attn"].sum())
-    counts = grpo.policy_counts(mask)  # [2] every row, before selection: the token-mean's denominator
+    # [3] every row, before selection: the token-mean's denominator, and the hindsight targets' count
+    targets = (data["target"] >= 0) & mask if calibrate else torch.zeros_like(mask)  # [S, L]
+    counts = torch.cat([grpo.policy_counts(mask), torch.tensor([float(targets.sum())], dtype=torch.float64)])
+    if calibrate:
+        stats["guidance/calibration_targets"] = float(targets.sum())
 
-    zero = grpo.zero_advantage_rows(adv, mask)  # [S]
+    zero = grpo.zero_advantage_rows(adv, mask) & ~targets.any(1)  # [S] no advantage and no target: no gradient
     stats["tokens/zero_advantage_samples"] = float(zero.sum())
     left_out = bool(zero.any()) and update.skip_zero_advantage and cfg.kl_coef == 0
     if left_out:

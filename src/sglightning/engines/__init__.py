@@ -46,8 +46,8 @@ class EngineConfig:
     """the engine's weights: float32 makes its log-probs the trainer's within ~1e-5 (they then serve as the old
     policy); bfloat16/float16 are fast on GPUs and AVX512-BF16 CPUs and need ``grpo.rollout_correction``"""
     kv_cache_gb: float = 2.0
-    """the engine's KV cache (CPU: VLLM_CPU_KVCACHE_SPACE; GPU: converted into --gpu-memory-utilization is not done:
-    pass it in ``extra_args``)"""
+    """the engine's KV cache on CPU (``--kv-cache-memory-bytes``); on GPUs vLLM sizes it from
+    ``--gpu-memory-utilization`` (pass it in ``extra_args``)"""
     max_model_len: int | None = None
     """the longest context the engine accepts; null = rollout.max_context_tokens + 2048, at most the model's own"""
     max_loras: int = 2

@@ -173,8 +173,10 @@ class VLLMServer:
                 return line.strip()[:300]
         return text[-1].strip()[:300] if text else "empty log"
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the server's process group, SIGKILL after ``timeout_s``; waits until the group is gone."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM to the server's process group, SIGKILL after ``timeout_s`` (a vLLM server stopped while it starts
+        hangs in its engine core; a ready one is gone in 2-4 s); waits until the group is gone.  Always the group: a
+        SIGKILL to the API server alone would leave its engine core and worker running."""
         proc = self.proc
         with VLLMServer._lock:
             VLLMServer._live.discard(self)

@@ -238,14 +238,18 @@ class VLLMEngine:
         core dies).  Requests are seeded (reproducible draws), so prompts are scheduled whole instead."""
         if torch.cuda.is_available():
             return []
-        return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 8192))]
+        return ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(self.max_model_len, 8192)),
+                # the prefix cache reuses whole blocks only (128 tokens by default on CPU): a turn's short requests
+                # would recompute up to 127 positions each; 32 is the smallest the CPU kernels take
+                "--block-size", "32",
+                # the KV cache in bytes (the CPU default sizes it from the NUMA node's memory and can refuse to start)
+                "--kv-cache-memory-bytes", str(int(self.cfg.kv_cache_gb * 2**30))]
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         for key in ("PYTHONPATH", "OMP_NUM_THREADS"):  # the trainer's, not the engine's
             env.pop(key, None)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self.cfg.kv_cache_gb))))
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         binding = self.cfg.cpu_threads or _cores_spec()
         if binding:
