@@ -88,8 +88,8 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch,
     real = grpo.grpo_loss
     real_collate = scoring.collate
 
-    def collate_spy(samples, pad_id):
-        out = real_collate(samples, pad_id)
+    def collate_spy(samples, pad_id, **kw):
+        out = real_collate(samples, pad_id, **kw)
         seen["kinds"] = out["kinds"].clone()
         return out
 

@@ -120,9 +120,9 @@ class RolloutCallback(Callback):
         if rank == 0:
             eng.sync(pl_module.global_step, lambda folder: write_adapter(pl_module, state, folder),
                      lambda ids: reference, probe)
-        distributed.barrier()
+        name = distributed.broadcast_object(eng.adapter_name if rank == 0 else None)  # (a barrier, too)
         if rank != 0:  # the adapter rank 0 loaded into the shared server
-            eng.adopt(pl_module.global_step)
+            eng.adopt(pl_module.global_step, name)
         return {"sync_s": eng.last_sync_s, "sync_gap": eng.last_sync_gap, "loaded_adapters": float(len(eng.loaded))}
 
     def collect(self, pl_module: LightningModule, trainer: Trainer | None = None) -> RolloutBatch:

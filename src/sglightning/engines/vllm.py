@@ -214,6 +214,8 @@ class VLLMEngine:
                                                           thread_name_prefix="vllm-request")
         self.last_sync_s = 0.0
         self.last_sync_gap = 0.0
+        # adapter names are policy-v<step>.<tag>: runs (or tests) sharing one server never collide
+        self.tag = f"{os.getpid():x}{time.time_ns() % 16**6:06x}"
 
     # --------------------------------------------------------------------------------------------------------------
     def command(self, port: int) -> list[str]:
@@ -310,15 +312,15 @@ class VLLMEngine:
     def sync(self, version: int, save_adapter: Callable[[Path], None],
              trainer_logprobs: Callable[[list[int]], list[float]], probe_ids: list[int]) -> float:
         """Make the engine sample with the trainer's current adapter (trainer step ``version``): write it to a new
-        folder (``save_adapter(folder)``), load it as ``policy-v<version>``, check the probe's log-probs against
+        folder (``save_adapter(folder)``), load it as ``policy-v<version>.<tag>``, check the probe's log-probs against
         ``trainer_logprobs(probe_ids)``, switch requests to it, then unload the previous version and delete its
         folder.  A folder the engine has loaded is never written again.  Returns the probe's largest gap."""
         if self.version == version:
             return self.last_sync_gap
         self.check_alive()
         t0 = time.perf_counter()
-        name = f"policy-v{version}"
-        folder = self._adapter_root / f"{name}-{os.getpid()}-{time.time_ns()}"
+        name = f"policy-v{version}.{self.tag}"
+        folder = self._adapter_root / f"{name}-{time.time_ns()}"
         save_adapter(folder)
         self.client.load_lora(name, str(folder))
         try:
@@ -345,10 +347,10 @@ class VLLMEngine:
         self.last_sync_gap = gap
         return gap
 
-    def adopt(self, version: int) -> None:
-        """Another process of this run loaded (and verified) adapter version ``version`` into the shared server: send
-        requests to it."""
-        self.adapter_name, self.version = f"policy-v{version}", version
+    def adopt(self, version: int, name: str) -> None:
+        """Another process of this run loaded (and verified) adapter version ``version`` into the shared server under
+        ``name``: send requests to it."""
+        self.adapter_name, self.version = name, version
 
     def prompt_logprobs(self, name: str, ids: list[int]) -> list[float | None]:
         """The engine's log π(ids[i] | ids[:i]) under adapter ``name`` (temperature 1, unrestricted; None first)."""
@@ -367,6 +369,12 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.server is None and self.client is not None:  # a shared server: take this run's adapters back
+            for name, _ in self.loaded:
+                try:
+                    self.client.unload_lora(name)
+                except EngineError:
+                    break  # the server is gone
         if self.server is not None:
             self.server.stop()
             self.server = None
