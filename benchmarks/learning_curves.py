@@ -142,6 +142,7 @@ def val_curve(scalars: list[dict[str, dict[int, float]]], mode: str) -> list[tup
 GUIDE_TAGS = {
     "train_success": "rollout/success_rate",
     "label_accuracy": "guidance/label_accuracy",  # label vs the progress the env measured for the previous action
+    "constant_accuracy": "guidance/label_accuracy_constant",  # the best single label's, on the same pairs
     "label_auroc": "guidance/label_auroc_success",  # labels vs the episode's success (0.5: uninformative)
     "positive": "guidance/label_positive",
     "negative": "guidance/label_negative",
@@ -302,15 +303,16 @@ def finished_runs(out: Path) -> list[dict]:
 def summarise(results: list[dict]) -> tuple[dict, str]:
     """curves.json content and the Markdown table: validation success at step 0 and at the last step (mean ± std
     over seeds, then each seed's: with few seeds the spread says more than a mean), then training means over steps
-    and seeds — training success, the labels' accuracy against measured progress, their AUROC against success, the
+    and seeds — training success, the labels' accuracy against measured progress (and the best single label's on the
+    same pairs: the labels inform only above it), their AUROC against success, the
     share of positive labels, the mean trust weight λ ("–": not logged, e.g. no labels in plain GRPO)."""
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
     finals = any("final" in r for r in results)
     rows = ["| arm | seeds | success at step 0 | success at the last step | by seed | last step | train success | "
-            "label accuracy | label AUROC | positive labels | mean λ |"
-            + (" final, SG on | final, SG off |" if finals else ""), "|---" * (13 if finals else 11) + "|"]
+            "label accuracy | one constant label | label AUROC | positive labels | mean λ |"
+            + (" final, SG on | final, SG off |" if finals else ""), "|---" * (14 if finals else 12) + "|"]
 
     def ms(vals: list[float]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -323,7 +325,8 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
     for arm, runs in by_arm.items():
         first = [r["curve"][0][1] for r in runs]
         last = [r["curve"][-1][1] for r in runs]
-        cells = [guide(runs, k) for k in ("train_success", "label_accuracy", "label_auroc", "positive", "lambda")]
+        cells = [guide(runs, k) for k in ("train_success", "label_accuracy", "constant_accuracy", "label_auroc",
+                                          "positive", "lambda")]
         each = ", ".join(f"{r['seed']}: {r['curve'][-1][1]:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
         if finals:
             for mode in ("sg", "nosg"):

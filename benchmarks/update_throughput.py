@@ -3,6 +3,7 @@
     python benchmarks/update_throughput.py                          # SmolLM2, the quickstart's shape, 3 rounds
     python benchmarks/update_throughput.py --model tiny --repeats 1 # seconds, a smoke run
     python benchmarks/update_throughput.py --micro 2 4 8 --json out.json
+    python benchmarks/update_throughput.py --compare calibration   # the hindsight label loss on vs off
 
 One rollout is played with the quickstart's settings (household env, single-stream self-guidance, constrained label,
 admissible actions, LoRA r16 on every linear layer); its samples get fixed non-zero advantages, and one update
@@ -16,6 +17,12 @@ update's work into a floor:
 
 Prints seconds per update, tokens fed (positions, padding included), achieved GFLOP/s counted on the plain update's
 work (so a faster arm shows a higher rate for the same result), the ratio to the floor, and shared / plain.
+
+``--compare calibration`` times, the same way, the update as the trainer runs it (shared prefixes, entropies) without
+and with the hindsight label loss (``grpo.calibration`` = 1: the label tokens' log q(y*) from the logits the policy
+loss already computed, added to the objective): the cost of the extra term per scored row, on the same rows.  (In
+training the option also keeps zero-advantage rows that hold a target, so a step may score more rows; that shows in
+``time/update_s``, not here.)
 """
 
 from __future__ import annotations
@@ -47,12 +54,14 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
     return 2 * n**3 * reps / (time.perf_counter() - t0) / 1e9
 
 
-def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature: float) -> tuple[float, int]:
+def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature: float,
+               calibration: float | None = None) -> tuple[float, int]:
     """Forward + backward of every micro-batch of ``samples`` (as the trainer orders them); returns (seconds, positions
-    fed to the decoder)."""
+    fed to the decoder).  ``calibration``: score as the trainer does (entropies too) and, when > 0, add the hindsight
+    label loss α·Σ(−log q(y*)) / targets."""
     if share:
         samples = sorted(samples, key=lambda s: s.ids)
-    data = scoring.collate(samples, pad_id)
+    data = scoring.collate(samples, pad_id, targets=bool(calibration))
     adv = torch.where(data["mask"], (data["episode"] % 3 - 1).float()[:, None] + 0.5, torch.zeros(()))  # [S, L]
     totals = grpo.policy_counts(data["mask"])
     fed = 0
@@ -64,10 +73,16 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
             fed += _fed_positions(mb["ids"], mb["attn"])
         else:
             fed += mb["ids"].numel()
-        logp, _ = scoring.token_logprobs(model, mb["ids"], mb["attn"], mb["mask"], temperature,
-                                         restrict=mb["restrict"], share_prefix=share)
+        logp, ent = scoring.token_logprobs(model, mb["ids"], mb["attn"], mb["mask"], temperature,
+                                           restrict=mb["restrict"], share_prefix=share,
+                                           entropy=calibration is not None)
         loss, _ = grpo.grpo_loss(logp, mb["old_logp"], mb["adv"], mb["mask"], clip_low=0.2, clip_high=0.28)
-        (loss * grpo.microbatch_weight(mb["mask"], totals)).backward()
+        objective = loss * grpo.microbatch_weight(mb["mask"], totals)
+        if calibration:
+            targets = (mb["restrict"]["target"] >= 0) & mb["mask"]  # [B, W]
+            n_targets = float((data["target"] >= 0).sum().clamp(min=1))
+            objective = objective + calibration * -(ent["target_logq"] * targets).sum() / n_targets
+        objective.backward()
     return time.perf_counter() - t0, fed
 
 
@@ -93,6 +108,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the two arms, alternated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--json", help="write every measurement and the ratios here")
+    ap.add_argument("--compare", default="share_prefix", choices=["share_prefix", "calibration"],
+                    help="share_prefix: plain vs shared prefixes; calibration: the trainer's update without vs with "
+                         "the hindsight label loss (alpha 1)")
     args = ap.parse_args()
     quiet()
     if args.threads:
@@ -123,25 +141,37 @@ def main() -> None:
                     "matmul_gflops": rate, "runs": [], "ratios": {}}
     work = 4 * n_params * plain_tokens / 1e9  # GFLOP of the plain update
     floor = work / rate
+    if args.compare == "calibration":  # the trainer's update (shared prefixes, entropies), the label loss off / on
+        arms = {"cal_off": dict(share=True, calibration=0.0), "cal_on": dict(share=True, calibration=1.0)}
+        cal = scoring.collate(samples, pad, targets=True)
+        n_targets = int(((cal["target"] >= 0) & cal["mask"]).sum())
+        report["label_targets"] = n_targets
+        print(f"{n_targets} hindsight label targets among the policy tokens")
+    else:
+        arms = {"plain": dict(share=False), "shared": dict(share=True)}
+    first, second = arms
     for micro in args.micro:
-        secs: dict[str, list[float]] = {"plain": [], "shared": []}
+        secs: dict[str, list[float]] = {a: [] for a in arms}
         for rnd in range(args.repeats):
-            for arm in (("plain", "shared") if rnd % 2 == 0 else ("shared", "plain")):
-                sec, fed = one_update(model, samples, pad, micro, arm == "shared", 1.0)
+            for arm in ((first, second) if rnd % 2 == 0 else (second, first)):
+                sec, fed = one_update(model, samples, pad, micro, temperature=1.0, **arms[arm])
                 secs[arm].append(sec)
                 report["runs"].append({"micro": micro, "arm": arm, "round": rnd, "seconds": sec, "fed": fed})
                 print(f"{micro:5d} {arm:7} {rnd:5d} {sec:8.2f} {fed:7d} {work / sec:8.1f} {sec / floor:8.2f}",
                       flush=True)
-        per_round = [p / s for p, s in zip(secs["plain"], secs["shared"])]
+        per_round = [a / b for a, b in zip(secs[first], secs[second])]
         ratio = statistics.median(per_round)
         report["ratios"][str(micro)] = {
-            "shared_speedup": ratio, "range": [min(per_round), max(per_round)],
-            "plain_x_floor": statistics.median(secs["plain"]) / floor,
-            "shared_x_floor": statistics.median(secs["shared"]) / floor,
+            ("shared_speedup" if args.compare == "share_prefix" else "off_over_on"): ratio,
+            "range": [min(per_round), max(per_round)],
+            **{f"{a}_x_floor": statistics.median(secs[a]) / floor for a in arms},
         }
-        print(f"micro {micro}: shared prefix {ratio:.2f}x faster than plain (range {min(per_round):.2f}-"
-              f"{max(per_round):.2f}); plain {report['ratios'][str(micro)]['plain_x_floor']:.2f}x the floor, shared "
-              f"{report['ratios'][str(micro)]['shared_x_floor']:.2f}x", flush=True)
+        what = ("shared prefix {r:.2f}x faster than plain" if args.compare == "share_prefix" else
+                "the update with the label loss takes {inv:.3f}x the time without it")
+        print(f"micro {micro}: " + what.format(r=ratio, inv=1 / ratio) + f" (per-round range {min(per_round):.3f}-"
+              f"{max(per_round):.3f} of {first}/{second}); "
+              + ", ".join(f"{a} {report['ratios'][str(micro)][f'{a}_x_floor']:.2f}x the floor" for a in arms),
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

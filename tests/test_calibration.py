@@ -38,6 +38,11 @@ def test_accuracy_and_precision_pair_each_label_with_the_previous_actions_progre
     st = calibration_stats([ep])
     assert st["guidance/calibration_pairs"] == 4
     assert st["guidance/label_accuracy"] == pytest.approx(2 / 4)  # (pos,+) and (neu,0) agree
+    # progress signs +, 0, 0, -: always "neutral" would be right on 2 of 4 (the best single label)
+    assert st["guidance/label_accuracy_constant"] == pytest.approx(2 / 4)
+    skewed = calibration_stats([_episode(["positive"] * 5, [0.0, 0.0, 0.0, 1.0, 0.0], won=False)])
+    assert skewed["guidance/label_accuracy"] == pytest.approx(1 / 4)  # pairs (pos,0) (pos,0) (pos,+) (pos,0)
+    assert skewed["guidance/label_accuracy_constant"] == pytest.approx(3 / 4)
     assert st["guidance/precision_positive"] == pytest.approx(1 / 2)
     assert st["guidance/precision_neutral"] == 1.0
     assert st["guidance/precision_negative"] == 0.0

@@ -62,12 +62,14 @@ def test_summary_table_and_figure_over_arms_and_seeds(tmp_path):
     results = [{"arm": "grpo", "seed": s, "curve": [[0, 0.1], [5, v]], "guide": {"train_success": v, "lambda": 0.5}}
                for s, v in ((1, 0.4), (0, 0.2))]
     results.append({"arm": "oracle", "seed": 0, "curve": [[0, 0.1], [5, 0.5]],
-                    "guide": {"train_success": 0.6, "label_accuracy": 1.0, "label_auroc": 0.75, "positive": 0.3,
-                              "lambda": 0.25}})
+                    "guide": {"train_success": 0.6, "label_accuracy": 1.0, "constant_accuracy": 0.7,
+                              "label_auroc": 0.75, "positive": 0.3, "lambda": 0.25}})
     data, table = lc.summarise(results)
     assert data["runs"] == results
-    assert "| grpo | 2 | 0.100 ± 0.000 | 0.300 ± 0.141 | 0: 0.200, 1: 0.400 | 5 | 0.30 | – | – | – | 0.50 |" in table
-    assert "| oracle | 1 | 0.100 ± 0.000 | 0.500 ± 0.000 | 0: 0.500 | 5 | 0.60 | 1.00 | 0.75 | 0.30 | 0.25 |" in table
+    assert ("| grpo | 2 | 0.100 ± 0.000 | 0.300 ± 0.141 | 0: 0.200, 1: 0.400 | 5 | 0.30 | – | – | – | – | 0.50 |"
+            in table)
+    assert ("| oracle | 1 | 0.100 ± 0.000 | 0.500 ± 0.000 | 0: 0.500 | 5 | 0.60 | 1.00 | 0.70 | 0.75 | 0.30 | 0.25 |"
+            in table)
     assert lc.plot(results, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
 
 
@@ -219,7 +221,7 @@ def test_the_calibrated_arm_and_the_final_validation_with_guidance_on_and_off(tm
     assert done["guide"]["calibration_loss"] > 0 and done["guide"]["update_s"] > 0
     assert set(done["final"]) == {"sg", "nosg"} and all(0.0 <= v <= 1.0 for v in done["final"].values())
     table = (out / "curves.md").read_text()
-    assert "final, SG on | final, SG off |" in table and table.count("|---") == 13
+    assert "final, SG on | final, SG off |" in table and table.count("|---") == 14
     log = out / "sg_gr_cal-seed0" / "run.log"
     before = log.read_text()
     lc.main([*args, *extra])  # finished and validated: nothing runs again

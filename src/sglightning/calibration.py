@@ -12,6 +12,10 @@ P = {(z_t, p_{t−1}) : t ≥ 1, z_t parsed, p_{t−1} known}:
 
     accuracy       = |{(z, p) ∈ P : v(z) = sign(p)}| / |P|
     precision(ℓ)   = |{(z, p) ∈ P : z = ℓ, v(ℓ) = sign(p)}| / |{(z, p) ∈ P : z = ℓ}|
+    constant       = max_ℓ |{(z, p) ∈ P : v(ℓ) = sign(p)}| / |P|     (the best single label, chosen in hindsight)
+
+The accuracy of a guide says something only above ``constant``: when most actions change nothing, a guide that always
+says "neutral" is right most of the time and tells the actor nothing.
 
 **Does the label know the outcome?**  AUROC of the step labels, as an ordinal score v(z_t), against the eventual
 success of their episode (every parsed label of every guided episode; ties count ½):
@@ -63,15 +67,17 @@ def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | Non
 
 
 def calibration_stats(episodes: Sequence) -> dict[str, float]:
-    """``guidance/label_accuracy``, ``guidance/precision_<label>``, ``guidance/label_auroc_success`` and the counts
-    behind them (``guidance/calibration_pairs``, ``guidance/auroc_labels``); a number whose denominator is empty is left
-    out."""
+    """``guidance/label_accuracy``, ``guidance/label_accuracy_constant`` (the best single label's),
+    ``guidance/precision_<label>``, ``guidance/label_auroc_success`` and the counts behind them
+    (``guidance/calibration_pairs``, ``guidance/auroc_labels``); a number whose denominator is empty is left out."""
     out: dict[str, float] = {}
     pairs = label_progress_pairs(episodes)
     out["guidance/calibration_pairs"] = float(len(pairs))
     if pairs:
         hits = [LABEL_VALUE[z] == _sign(p) for z, p in pairs]
         out["guidance/label_accuracy"] = sum(hits) / len(hits)
+        signs = [_sign(p) for _, p in pairs]
+        out["guidance/label_accuracy_constant"] = max(signs.count(v) for v in (-1, 0, 1)) / len(signs)
         for label in LABELS:
             mine = [h for (z, _), h in zip(pairs, hits) if z == label]
             if mine:

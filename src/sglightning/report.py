@@ -171,7 +171,8 @@ def _guidance_lines(hist: list[dict], mean) -> list[str]:
         f"  label calibration accuracy vs measured progress {mean('guidance/label_accuracy'):.2f}   AUROC vs "
         f"success {mean('guidance/label_auroc_success'):.2f}   (nan: the env or the episodes could not tell)",
         f"  label accuracy    first third {mean('guidance/label_accuracy', hist[:third]):.2f} -> last third "
-        f"{mean('guidance/label_accuracy', hist[-third:]):.2f}"
+        f"{mean('guidance/label_accuracy', hist[-third:]):.2f}   (one constant label: "
+        f"{mean('guidance/label_accuracy_constant'):.2f})"
         + (f"   hindsight label loss {mean('loss/calibration'):.3f}" if any("loss/calibration" in r for r in hist)
            else ""),
         *_phase_lines(hist, mean),
