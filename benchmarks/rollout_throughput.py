@@ -209,7 +209,7 @@ def main() -> None:
             if "vllm" not in engines:
                 engines["vllm"] = start_engine(cfg, model, tok, args.vllm_python, "float32")
             engines["vllm_nolora"] = BaseModelRequests(engines["vllm"])
-        for eng in {id(e): e for e in engines.values() if not isinstance(e, BaseModelRequests)}.values():
+        for eng in [e for e in engines.values() if not isinstance(e, BaseModelRequests)]:
             # the first requests after a start are slow: warm up on other tasks
             with torch.no_grad():
                 batched(model, tok, env, [10_000 + s for s in seeds], args.group, args.steps, args.max_new, **kw,

