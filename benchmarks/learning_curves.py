@@ -34,7 +34,9 @@ below under version control, so a study committed from one machine continues on 
 over).  Writes, over every finished run in ``<out>`` (also those of earlier commands with other ``--arms`` or
 ``--seeds``), ``<out>/curves.json`` (every evaluation), ``<out>/curves.md`` (success at step 0 and at the last step,
 mean ± std over seeds and each seed's, per arm) and ``<out>/curves.png`` (success vs step, mean ± std band per arm;
-needs matplotlib: ``pip install -e ".[curves]"``).
+needs matplotlib: ``pip install -e ".[curves]"``).  ``--with DIR`` adds to those artefacts the finished runs of
+another study folder of the ``--arms``, for each arm × seed this one lacks (same config; marked with their folder
+in curves.json and under the table): a new arm next to the arms an earlier study ran, without running them again.
 """
 
 from __future__ import annotations
@@ -197,12 +199,37 @@ def check_settings(folder: Path, recorded: dict | None, wanted: dict) -> None:
                          f"{json.dumps(wanted)}: use another --out (or delete {folder} to run it again)")
 
 
+# the guide's statistics in the final validation with self-guidance on (``final_labels`` in done.json)
+FINAL_LABEL_KEYS = {
+    "label_accuracy": "guidance/label_accuracy",
+    "constant_accuracy": "guidance/label_accuracy_constant",
+    "label_auroc": "guidance/label_auroc_success",
+    "positive": "guidance/label_positive",
+    "neutral": "guidance/label_neutral",
+    "negative": "guidance/label_negative",
+}
+
+
+def final_labels(report: dict) -> dict[str, float]:
+    """The labels' statistics of a validation report's self-guided mode (:data:`FINAL_LABEL_KEYS` it holds)."""
+    sg = report["modes"].get("sg", {})
+    return {k: sg[tag] for k, tag in FINAL_LABEL_KEYS.items() if tag in sg}
+
+
 def load_done(folder: Path) -> dict:
-    """A finished run's ``done.json`` (the guide statistics filled in from its events if it predates them)."""
+    """A finished run's ``done.json`` (the guide statistics filled in from its events, and the final validation's
+    label statistics from its report, if it predates them)."""
     done = folder / "done.json"
     result = json.loads(done.read_text())
+    changed = False
     if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
         result["guide"] = guide_stats(run_scalars(folder))
+        changed = True
+    reports = sorted(folder.parent.glob(f"{folder.name}-final/version_*/validation_report.json"))
+    if "final" in result and "final_labels" not in result and reports:
+        result["final_labels"] = final_labels(json.loads(reports[-1].read_text()))
+        changed = True
+    if changed:
         done.write_text(json.dumps(result))
     return result
 
@@ -286,6 +313,7 @@ def final_both(config: str, arm: str, seed: int, out: Path, extra: list[str], re
     run_cli(args, out / name / "run.log")
     report = json.loads(sorted((out / fname).glob("version_*/validation_report.json"))[-1].read_text())
     result["final"] = {mode: report["modes"][mode][METRIC] for mode in ("sg", "nosg")}
+    result["final_labels"] = final_labels(report)
     (out / name / "done.json").write_text(json.dumps(result))
     return result
 
@@ -300,27 +328,50 @@ def finished_runs(out: Path) -> list[dict]:
     return [load_done(folder) for _, _, folder in sorted(found)]
 
 
+def borrow_runs(results: list[dict], others: list[str], config: str, arms: list[str]) -> list[dict]:
+    """The study's runs plus, from each folder in ``others``, the finished runs of ``arms`` for an arm × seed the
+    study lacks (marked ``from``: the folder): a new arm shown beside arms another study ran with the same config,
+    without running them again.  A borrowed run recorded with another config stops the command with one line."""
+    have = {(r["arm"], r["seed"]) for r in results}
+    merged = list(results)
+    for other in others:
+        for r in finished_runs(Path(other)):
+            if r["arm"] not in arms or (r["arm"], r["seed"]) in have:
+                continue
+            recorded = (r.get("settings") or {}).get("config")
+            if recorded is not None and recorded != Path(config).as_posix():
+                raise SystemExit(f"learning_curves: --with {other}: {r['arm']}-seed{r['seed']} was run with "
+                                 f"--config {recorded}, this study with {config}")
+            merged.append({**r, "from": Path(other).as_posix()})
+            have.add((r["arm"], r["seed"]))
+    return sorted(merged, key=lambda r: (list(ARMS).index(r["arm"]), r["seed"]))
+
+
 def summarise(results: list[dict]) -> tuple[dict, str]:
     """curves.json content and the Markdown table: validation success at step 0 and at the last step (mean ± std
     over seeds, then each seed's: with few seeds the spread says more than a mean), then training means over steps
     and seeds — training success, the labels' accuracy against measured progress (and the best single label's on the
     same pairs: the labels inform only above it), their AUROC against success, the
-    share of positive labels, the mean trust weight λ ("–": not logged, e.g. no labels in plain GRPO)."""
+    share of positive labels, the mean trust weight λ ("–": not logged, e.g. no labels in plain GRPO); with
+    ``--final-both`` runs, success with self-guidance on and off after training and, per seed, the labels' accuracy
+    in that validation (the best single label's in brackets)."""
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
     finals = any("final" in r for r in results)
     rows = ["| arm | seeds | success at step 0 | success at the last step | by seed | last step | train success | "
             "label accuracy | one constant label | label AUROC | positive labels | mean λ |"
-            + (" final, SG on | final, SG off |" if finals else ""), "|---" * (14 if finals else 12) + "|"]
+            + (" final, SG on | final, SG off | final label accuracy (one constant label) |" if finals else ""),
+            "|---" * (15 if finals else 12) + "|"]
 
     def ms(vals: list[float]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         return f"{statistics.mean(vals):.3f} ± {sd:.3f}"
 
-    def guide(runs: list[dict], key: str) -> str:
+    def guide(runs: list[dict], key: str) -> str:  # runs that predate a statistic lack it: say over how many
         vals = [r["guide"][key] for r in runs if key in r.get("guide", {})]
-        return f"{statistics.mean(vals):.2f}" if vals else "–"
+        return (f"{statistics.mean(vals):.2f}" + ("" if len(vals) == len(runs) else f" (n={len(vals)})")
+                if vals else "–")
 
     for arm, runs in by_arm.items():
         first = [r["curve"][0][1] for r in runs]
@@ -331,9 +382,21 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
         if finals:
             for mode in ("sg", "nosg"):
                 vals = [r["final"][mode] for r in runs if "final" in r]
-                cells.append(ms(vals) if vals else "–")
+                # fewer finals than seeds (runs validated before --final-both existed): say over how many
+                cells.append((ms(vals) + ("" if len(vals) == len(runs) else f" (n={len(vals)})")) if vals else "–")
+            labels = [r["final_labels"] for r in runs if "label_accuracy" in r.get("final_labels", {})]
+            cells.append(", ".join(f"{x['label_accuracy']:.2f}" + (f" ({x['constant_accuracy']:.2f})"
+                                                                    if "constant_accuracy" in x else "")
+                                   for x in labels) or "–")  # per seed: the spread says more than a mean
         rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | {runs[0]['curve'][-1][0]} | "
                     + " | ".join(cells) + " |")
+    sources: dict[str, dict[str, list[int]]] = {}
+    for r in results:
+        if "from" in r:
+            sources.setdefault(r["from"], {}).setdefault(r["arm"], []).append(r["seed"])
+    for folder, arms in sources.items():
+        seeds = "; ".join(f"{arm} seeds {', '.join(map(str, sorted(s)))}" for arm, s in arms.items())
+        rows.append(f"\nFrom `{folder}` (`--with`): {seeds}.")
     return {"metric": METRIC, "runs": results}, "\n".join(rows) + "\n"
 
 
@@ -361,7 +424,9 @@ def plot(results: list[dict], path: Path) -> bool:
             means.append(m)
             lows.append(m - sd)
             highs.append(m + sd)
-        ax.plot(xs, means, marker="o", label=f"{arm} (n={len(runs)})")
+        borrowed = [Path(r["from"]).name for r in runs if "from" in r]  # --with: say where they come from
+        where = f", {len(borrowed)} from {', '.join(sorted(set(borrowed)))}" if borrowed else ""
+        ax.plot(xs, means, marker="o", label=f"{arm} (n={len(runs)}{where})")
         ax.fill_between(xs, lows, highs, alpha=0.2)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("validation success rate")
@@ -392,9 +457,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-run", action="store_true",
                     help="run nothing: write the artefacts from the finished runs in --out (a partial study, or "
                          "one that another process is still running)")
+    ap.add_argument("--with", dest="others", nargs="+", default=[], metavar="DIR",
+                    help="also put in the table and figure the finished runs of another study's --out (same "
+                         "config) of the --arms, for each arm and seed this study lacks, marked as taken from "
+                         "there")
     args = ap.parse_args(argv)
     if args.eval_every < 1:
         ap.error("--eval-every: must be >= 1")
+    for other in args.others:
+        if not Path(other).is_dir():
+            ap.error(f"--with: no such folder: {other}")
     if not Path(args.config).is_file():
         ap.error(f"--config: no such file: {args.config}")
     out = Path(args.out)
@@ -409,6 +481,7 @@ def main(argv: list[str] | None = None) -> None:
                 if args.final_both:
                     final_both(args.config, arm, seed, out, extra, result)
     results = finished_runs(out)  # the whole study, not only this command's arms and seeds
+    results = borrow_runs(results, args.others, args.config, args.arms)
     if not results:
         raise SystemExit(f"learning_curves: no finished run in {out}")
     data, table = summarise(results)

@@ -221,8 +221,67 @@ def test_the_calibrated_arm_and_the_final_validation_with_guidance_on_and_off(tm
     assert done["guide"]["calibration_loss"] > 0 and done["guide"]["update_s"] > 0
     assert set(done["final"]) == {"sg", "nosg"} and all(0.0 <= v <= 1.0 for v in done["final"].values())
     table = (out / "curves.md").read_text()
-    assert "final, SG on | final, SG off |" in table and table.count("|---") == 14
+    assert {"positive", "neutral", "negative"} <= set(done["final_labels"]) <= set(lc.FINAL_LABEL_KEYS)
+    assert "final, SG on | final, SG off | final label accuracy" in table and table.count("|---") == 15
     log = out / "sg_gr_cal-seed0" / "run.log"
     before = log.read_text()
     lc.main([*args, *extra])  # finished and validated: nothing runs again
     assert log.read_text() == before
+
+
+def test_with_adds_another_studys_runs_that_this_one_lacks_and_marks_them(tmp_path):
+    """--with: the paper's arms from an earlier study beside a new arm, taken only where this study has no run of
+    that arm × seed, marked as borrowed; one recorded with another config stops the command with one line."""
+    lc = _runner()
+    study, earlier = tmp_path / "study", tmp_path / "earlier"
+
+    def done(folder, arm, seed, last, **extra):
+        (folder / f"{arm}-seed{seed}").mkdir(parents=True)
+        (folder / f"{arm}-seed{seed}" / "done.json").write_text(json.dumps(
+            {"arm": arm, "seed": seed, "curve": [[0, 0.1], [8, last]], "guide": {}, **extra}))
+
+    done(study, "sg_gr_cal", 0, 0.3, final={"sg": 0.3, "nosg": 0.2})
+    done(study, "sg_gr", 0, 0.4, final={"sg": 0.4, "nosg": 0.3})
+    done(earlier, "sg_gr", 0, 0.9)  # the study has its own seed 0: not taken
+    done(earlier, "sg_gr", 1, 0.5)
+    done(earlier, "grpo", 0, 0.6, settings={"config": Path(TINY).as_posix(), "steps": None, "eval_every": 4,
+                                           "overrides": []})
+    done(earlier, "adaptive", 0, 0.2)  # not among --arms: not taken
+    lc.main(["--config", TINY, "--out", str(study), "--no-run", "--arms", "grpo", "sg_gr", "sg_gr_cal", "--with",
+             str(earlier)])
+    runs = json.loads((study / "curves.json").read_text())["runs"]
+    assert [(r["arm"], r["seed"], r.get("from")) for r in runs] == [
+        ("grpo", 0, earlier.as_posix()), ("sg_gr", 0, None), ("sg_gr", 1, earlier.as_posix()),
+        ("sg_gr_cal", 0, None)]
+    table = (study / "curves.md").read_text()
+    assert "| sg_gr | 2 | 0.100 ± 0.000 | 0.450 ± 0.071 | 0: 0.400, 1: 0.500 |" in table
+    assert "0.400 ± 0.000 (n=1) | 0.300 ± 0.000 (n=1) |" in table  # one of its two seeds validated on and off
+    assert f"From `{earlier.as_posix()}` (`--with`): grpo seeds 0; sg_gr seeds 1." in table
+    assert not (study / "grpo-seed0").exists()  # nothing copied into the study
+    (earlier / "grpo-seed0" / "done.json").write_text(json.dumps(
+        {"arm": "grpo", "seed": 0, "curve": [[0, 0.1], [8, 0.6]], "guide": {},
+         "settings": {"config": "configs/other.yaml", "steps": None, "eval_every": 4, "overrides": []}}))
+    with pytest.raises(SystemExit, match="grpo-seed0 was run with --config configs/other.yaml"):
+        lc.main(["--config", TINY, "--out", str(study), "--no-run", "--with", str(earlier)])
+    with pytest.raises(SystemExit):
+        lc.main(["--config", TINY, "--out", str(study), "--no-run", "--with", str(tmp_path / "missing")])
+
+
+def test_a_final_validation_recorded_before_its_label_statistics_gets_them_from_its_report(tmp_path):
+    """Runs validated on and off before done.json kept the labels' statistics: filled in from the final validation's
+    report when the study is read, written back once, and tabled per seed with the best constant label's."""
+    lc = _runner()
+    run = tmp_path / "sg_gr_cal-seed0"
+    run.mkdir()
+    (run / "done.json").write_text(json.dumps({"arm": "sg_gr_cal", "seed": 0, "curve": [[0, 0.1], [8, 0.3]],
+                                               "guide": {}, "final": {"sg": 0.3, "nosg": 0.2}}))
+    report = tmp_path / "sg_gr_cal-seed0-final" / "version_0" / "validation_report.json"
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps({"modes": {
+        "sg": {"rollout/success_rate": 0.3, "guidance/label_accuracy": 0.62, "guidance/label_accuracy_constant": 0.65,
+               "guidance/label_neutral": 0.9, "guidance/precision_neutral": 0.7},
+        "nosg": {"rollout/success_rate": 0.2}}}))
+    assert lc.load_done(run)["final_labels"] == {"label_accuracy": 0.62, "constant_accuracy": 0.65, "neutral": 0.9}
+    assert json.loads((run / "done.json").read_text())["final_labels"]["label_accuracy"] == 0.62  # written back
+    _, table = lc.summarise(lc.finished_runs(tmp_path))
+    assert "| 0.300 ± 0.000 | 0.200 ± 0.000 | 0.62 (0.65) |" in table
