@@ -225,10 +225,11 @@ def load_done(folder: Path) -> dict:
     if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
         result["guide"] = guide_stats(run_scalars(folder))
         changed = True
-    reports = sorted(folder.parent.glob(f"{folder.name}-final/version_*/validation_report.json"))
-    if "final" in result and "final_labels" not in result and reports:
-        result["final_labels"] = final_labels(json.loads(reports[-1].read_text()))
-        changed = True
+    if "final" in result and "final_labels" not in result:  # validated on and off before they were kept
+        reports = sorted(folder.parent.glob(f"{folder.name}-final/version_*/validation_report.json"))
+        if reports:
+            result["final_labels"] = final_labels(json.loads(reports[-1].read_text()))
+            changed = True
     if changed:
         done.write_text(json.dumps(result))
     return result
@@ -368,10 +369,12 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         return f"{statistics.mean(vals):.3f} ± {sd:.3f}"
 
-    def guide(runs: list[dict], key: str) -> str:  # runs that predate a statistic lack it: say over how many
+    def over(vals: list, runs: list[dict]) -> str:  # runs that predate a statistic lack it: say over how many
+        return "" if len(vals) == len(runs) else f" (n={len(vals)})"
+
+    def guide(runs: list[dict], key: str) -> str:
         vals = [r["guide"][key] for r in runs if key in r.get("guide", {})]
-        return (f"{statistics.mean(vals):.2f}" + ("" if len(vals) == len(runs) else f" (n={len(vals)})")
-                if vals else "–")
+        return f"{statistics.mean(vals):.2f}{over(vals, runs)}" if vals else "–"
 
     for arm, runs in by_arm.items():
         first = [r["curve"][0][1] for r in runs]
@@ -382,8 +385,7 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
         if finals:
             for mode in ("sg", "nosg"):
                 vals = [r["final"][mode] for r in runs if "final" in r]
-                # fewer finals than seeds (runs validated before --final-both existed): say over how many
-                cells.append((ms(vals) + ("" if len(vals) == len(runs) else f" (n={len(vals)})")) if vals else "–")
+                cells.append(ms(vals) + over(vals, runs) if vals else "–")
             labels = [r["final_labels"] for r in runs if "label_accuracy" in r.get("final_labels", {})]
             cells.append(", ".join(f"{x['label_accuracy']:.2f}" + (f" ({x['constant_accuracy']:.2f})"
                                                                     if "constant_accuracy" in x else "")
