@@ -1,7 +1,7 @@
 r"""Seeded learning curves: train each arm × seed, evaluate every k steps on fixed held-out tasks, plot the bands.
 
     python benchmarks/learning_curves.py --config configs/quickstart.yaml --seeds 0 1 2 --eval-every 5 \
-        --out runs/curves                                          # all six arms
+        --out runs/curves                                  # the six arms of the paper's study (the default)
     python benchmarks/learning_curves.py --config configs/tiny.yaml --arms grpo sg_gr --seeds 0 --steps 4 \
         --eval-every 2 --out /tmp/curves -- --model.rollout.max_steps=3   # extra CLI overrides after --
 
@@ -15,6 +15,10 @@ Arms (each is the config plus a few overrides; validation plays the arm's own gu
     adaptive    the paper schedule × the labels' measured reliability (grpo.trust_adaptive)
     sg_gr_cal   sg_gr with the hindsight label loss (grpo.calibration: 1.0): the guide trained toward the sign of
                 the progress the env measured
+    sg_gr_cal_bal   sg_gr_cal with each target label weighted equally (grpo.calibration_balance): the majority
+                label stops being the cheap answer
+
+The calibration arms run only when named in ``--arms``; the default is the first six.
 
 ``--final-both`` also validates every finished run's last checkpoint with self-guidance on and off on the same
 episodes (``final`` in done.json; two more columns in curves.md): does self-guidance help the trained policy?
@@ -51,6 +55,9 @@ from pathlib import Path
 
 import yaml
 
+from sglightning.calibration import balanced_accuracy
+from sglightning.guidance import LABELS
+
 ARMS: dict[str, list[str]] = {
     "grpo": ["--model.guidance.enabled=false", "--model.evaluation.self_guidance=off"],
     "sg": ["--model.grpo.trust_constant=0.0", "--model.evaluation.self_guidance=on"],
@@ -59,7 +66,11 @@ ARMS: dict[str, list[str]] = {
     "oracle": ["--model.guidance.source=oracle", "--model.evaluation.self_guidance=on"],
     "adaptive": ["--model.grpo.trust_adaptive=true", "--model.evaluation.self_guidance=on"],
     "sg_gr_cal": ["--model.grpo.calibration=1.0", "--model.evaluation.self_guidance=on"],
+    "sg_gr_cal_bal": ["--model.grpo.calibration=1.0", "--model.grpo.calibration_balance=true",
+                      "--model.evaluation.self_guidance=on"],
 }
+#: what a study runs unless --arms says otherwise: the paper's arms and the two controls built with them
+DEFAULT_ARMS = ["grpo", "sg", "sg_gr", "full_trust", "oracle", "adaptive"]
 METRIC = "rollout/success_rate"
 
 
@@ -145,6 +156,7 @@ GUIDE_TAGS = {
     "train_success": "rollout/success_rate",
     "label_accuracy": "guidance/label_accuracy",  # label vs the progress the env measured for the previous action
     "constant_accuracy": "guidance/label_accuracy_constant",  # the best single label's, on the same pairs
+    "balanced_accuracy": "guidance/label_balanced_accuracy",  # mean recall over the kinds of progress (1/K: constant)
     "label_auroc": "guidance/label_auroc_success",  # labels vs the episode's success (0.5: uninformative)
     "positive": "guidance/label_positive",
     "negative": "guidance/label_negative",
@@ -211,9 +223,22 @@ FINAL_LABEL_KEYS = {
 
 
 def final_labels(report: dict) -> dict[str, float]:
-    """The labels' statistics of a validation report's self-guided mode (:data:`FINAL_LABEL_KEYS` it holds)."""
+    """The labels' statistics of a validation report's self-guided mode (:data:`FINAL_LABEL_KEYS` it holds), and
+    from its episodes the balanced accuracy and the number K of kinds of progress they met (a constant label's
+    balanced accuracy is 1/K) — also for reports written before the balanced accuracy (or the best constant label's
+    accuracy) was logged."""
     sg = report["modes"].get("sg", {})
-    return {k: sg[tag] for k, tag in FINAL_LABEL_KEYS.items() if tag in sg}
+    out = {k: sg[tag] for k, tag in FINAL_LABEL_KEYS.items() if tag in sg}
+    pairs = []  # (z_t, p_{t−1}) of every guided episode, as the trainer pairs them
+    for ep in report.get("episodes", {}).get("sg", []):
+        labels, progress = ep.get("labels") or [], ep.get("progress") or []
+        pairs += [(z, p) for z, p in zip(labels[1:], progress) if z in LABELS and p is not None]
+    if pairs:
+        signs = [(p > 0) - (p < 0) for _, p in pairs]
+        out["balanced_accuracy"] = balanced_accuracy(pairs)
+        out["progress_kinds"] = len(set(signs))
+        out.setdefault("constant_accuracy", max(signs.count(v) for v in set(signs)) / len(signs))  # older reports
+    return out
 
 
 def load_done(folder: Path) -> dict:
@@ -225,7 +250,8 @@ def load_done(folder: Path) -> dict:
     if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
         result["guide"] = guide_stats(run_scalars(folder))
         changed = True
-    if "final" in result and "final_labels" not in result:  # validated on and off before they were kept
+    if "final" in result and not {"balanced_accuracy", "constant_accuracy"} <= set(result.get("final_labels", {})):
+        # validated on and off before these statistics were kept
         reports = sorted(folder.parent.glob(f"{folder.name}-final/version_*/validation_report.json"))
         if reports:
             result["final_labels"] = final_labels(json.loads(reports[-1].read_text()))
@@ -355,15 +381,17 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
     same pairs: the labels inform only above it), their AUROC against success, the
     share of positive labels, the mean trust weight λ ("–": not logged, e.g. no labels in plain GRPO); with
     ``--final-both`` runs, success with self-guidance on and off after training and, per seed, the labels' accuracy
-    in that validation (the best single label's in brackets)."""
+    in that validation (the best single label's in brackets) and their balanced accuracy (a constant label's, 1/K,
+    in brackets)."""
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
     finals = any("final" in r for r in results)
     rows = ["| arm | seeds | success at step 0 | success at the last step | by seed | last step | train success | "
             "label accuracy | one constant label | label AUROC | positive labels | mean λ |"
-            + (" final, SG on | final, SG off | final label accuracy (one constant label) |" if finals else ""),
-            "|---" * (15 if finals else 12) + "|"]
+            + (" final, SG on | final, SG off | final label accuracy (one constant label) | final balanced "
+               "accuracy (one constant label: 1/K) |" if finals else ""),
+            "|---" * (16 if finals else 12) + "|"]
 
     def ms(vals: list[float]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -390,6 +418,9 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
             cells.append(", ".join(f"{x['label_accuracy']:.2f}" + (f" ({x['constant_accuracy']:.2f})"
                                                                     if "constant_accuracy" in x else "")
                                    for x in labels) or "–")  # per seed: the spread says more than a mean
+            cells.append(", ".join(f"{x['balanced_accuracy']:.2f} ({1 / x['progress_kinds']:.2f})"
+                                   for x in (r.get("final_labels", {}) for r in runs if "final" in r)
+                                   if "balanced_accuracy" in x) or "–")
         rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | {runs[0]['curve'][-1][0]} | "
                     + " | ".join(cells) + " |")
     sources: dict[str, dict[str, list[int]]] = {}
@@ -449,7 +480,7 @@ def main(argv: list[str] | None = None) -> None:
         argv, extra = argv[:k], argv[k + 1 :]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, help="trainer.max_steps (default: the config's)")
     ap.add_argument("--eval-every", type=int, default=5, help="validate every k GRPO steps")

@@ -65,7 +65,8 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
     adv = torch.where(data["mask"], (data["episode"] % 3 - 1).float()[:, None] + 0.5, torch.zeros(()))  # [S, L]
     totals = grpo.policy_counts(data["mask"])
     if calibration:  # the trainer's denominator: every target at a policy token of the update
-        n_targets = float(((data["target"] >= 0) & data["mask"]).sum().clamp(min=1))
+        n_targets = ((data["target"] >= 0) & data["mask"]).sum()
+        totals = torch.cat([totals, torch.tensor([float(n_targets)], dtype=torch.float64)])
     fed = 0
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
@@ -82,7 +83,8 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
         objective = loss * grpo.microbatch_weight(mb["mask"], totals)
         if calibration:
             targets = (mb["restrict"]["target"] >= 0) & mb["mask"]  # [B, W]
-            objective = objective + calibration * -(ent["target_logq"] * targets).sum() / n_targets
+            term, _ = grpo.calibration_term(ent["target_logq"], targets, mb["restrict"]["target_label"], totals)
+            objective = objective + calibration * term
         objective.backward()
     return time.perf_counter() - t0, fed
 

@@ -8,7 +8,7 @@ import pytest
 from fakes import ScriptedLM, scripted_reply
 from tiny import tiny_module, tiny_trainer
 
-from sglightning.calibration import auroc, calibration_stats, label_progress_pairs
+from sglightning.calibration import auroc, balanced_accuracy, calibration_stats, label_progress_pairs
 from sglightning.data import RolloutConfig
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.household import HouseholdEnv
@@ -43,6 +43,13 @@ def test_accuracy_and_precision_pair_each_label_with_the_previous_actions_progre
     skewed = calibration_stats([_episode(["positive"] * 5, [0.0, 0.0, 0.0, 1.0, 0.0], won=False)])
     assert skewed["guidance/label_accuracy"] == pytest.approx(1 / 4)  # pairs (pos,0) (pos,0) (pos,+) (pos,0)
     assert skewed["guidance/label_accuracy_constant"] == pytest.approx(3 / 4)
+    # balanced: the mean recall over the signs that occur. st: + 1/1, 0 1/2 (neu right, neg wrong), − 0/1 -> 1/2;
+    # a constant label scores 1/K whatever the shares: skewed has signs {0, +}, "positive" right on all + -> 1/2
+    assert st["guidance/label_balanced_accuracy"] == pytest.approx((1 + 1 / 2 + 0) / 3)
+    assert skewed["guidance/label_balanced_accuracy"] == pytest.approx(1 / 2)
+    assert balanced_accuracy([]) is None
+    assert balanced_accuracy([("neutral", 0.0)] * 9 + [("neutral", 1.0)]) == pytest.approx(1 / 2)  # always neutral
+    assert balanced_accuracy([("neutral", 0.0)] * 9 + [("positive", 1.0)]) == 1.0
     assert st["guidance/precision_positive"] == pytest.approx(1 / 2)
     assert st["guidance/precision_neutral"] == 1.0
     assert st["guidance/precision_negative"] == 0.0

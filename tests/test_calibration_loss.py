@@ -11,7 +11,7 @@ from tiny import engine, tiny_module, tiny_trainer
 
 from sglightning import scoring
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Piece, Restriction, Sample
-from sglightning.grpo import GRPOConfig
+from sglightning.grpo import GRPOConfig, calibration_term
 from sglightning.guidance import GuidanceConfig
 from sglightning.rollout import label_targets
 
@@ -51,9 +51,10 @@ def test_targets_land_on_their_positions_in_the_sample():
     piece = _label_piece([6, 7], [True, True])
     label_targets([piece], -3.0, OPTIONS)
     s.extend_piece(piece)
-    assert s.targets == {3: 6, 4: 8}
+    assert s.targets == {3: 6, 4: 8} and s.target_labels == {3: 2, 4: 2}  # "negative" (index 2 in LABELS)
     data = scoring.collate([s], pad_id=0, targets=True)
     assert data["target"][0].tolist() == [-1, -1, -1, 6, 8]
+    assert data["target_label"][0].tolist() == [-1, -1, -1, 2, 2]
     assert "target" not in scoring.collate([s], pad_id=0)  # off: not collated at all
 
 
@@ -86,15 +87,57 @@ def test_the_auxiliary_term_is_log_q_of_the_target_and_moves_only_label_logits()
     assert float(g[0, 5]) < 0 < float(g[0, 6])  # descent raises the target's logit, lowers the other label's
 
 
-def _module(calibration: float, lr: float = 1e-2):
-    return tiny_module(grpo=GRPOConfig(kl_coef=0.0, calibration=calibration),
+def _term(logq, labels, counts, balance, rows=slice(None)):
+    """calibration_term on rows ``rows`` of a [S, 1] batch whose every row is a target."""
+    logq, labels = torch.tensor(logq)[:, None][rows], torch.tensor(labels)[:, None][rows]
+    totals = torch.tensor([0.0, 0.0, float(sum(counts)), *counts], dtype=torch.float64)
+    return calibration_term(logq, torch.ones_like(labels, dtype=torch.bool), labels, totals, balance)
+
+
+def test_the_balanced_term_gives_each_label_present_the_same_weight():
+    """Four targets: three "neutral" (−log q = 0.1 each) and one "positive" (−log q = 2.0).  Uniform: the mean over
+    targets, (0.3 + 2.0)/4; balanced: the mean of the labels' means, (0.1 + 2.0)/2.  Split into micro-batches the
+    shares add up to the same; with one target per label present the two agree."""
+    logq, labels, counts = [-0.1, -0.1, -0.1, -2.0], [1, 1, 1, 0], [1.0, 3.0, 0.0]
+    uniform, nll = _term(logq, labels, counts, balance=False)
+    balanced, nll_b = _term(logq, labels, counts, balance=True)
+    assert math.isclose(float(uniform), 2.3 / 4, rel_tol=1e-6) and math.isclose(float(balanced), 2.1 / 2, rel_tol=1e-6)
+    assert math.isclose(float(nll), 2.3, rel_tol=1e-6) and float(nll) == float(nll_b)  # the log keeps the plain sum
+    halves = sum(float(_term(logq, labels, counts, True, rows)[0]) for rows in (slice(0, 1), slice(1, 4)))
+    assert math.isclose(halves, float(balanced), rel_tol=1e-6)
+    even = [-0.1, -2.0], [1, 0], [1.0, 1.0, 0.0]
+    assert math.isclose(float(_term(*even, balance=True)[0]), float(_term(*even, balance=False)[0]), rel_tol=1e-6)
+
+
+def test_balanced_calibration_pulls_harder_on_the_rare_label():
+    """The gradient on a rare label's target is larger under the balanced term than under the uniform one, and on a
+    common label's smaller: the majority label stops being the cheap answer."""
+    labels, counts = [1, 1, 1, 0], [1.0, 3.0, 0.0]
+    grads = {}
+    for balance in (False, True):
+        logq = torch.full((4,), -0.7, requires_grad=True)
+        totals = torch.tensor([0.0, 0.0, 4.0, *counts], dtype=torch.float64)
+        term, _ = calibration_term(logq[:, None], torch.ones(4, 1, dtype=torch.bool), torch.tensor(labels)[:, None],
+                                   totals, balance)
+        term.backward()
+        grads[balance] = logq.grad.abs()
+    assert grads[True][3] > grads[False][3] and grads[True][0] < grads[False][0]
+
+
+def test_balance_without_calibration_is_a_config_error():
+    with pytest.raises(ValueError, match="grpo.calibration_balance"):
+        GRPOConfig(calibration_balance=True)
+
+
+def _module(calibration: float, lr: float = 1e-2, balance: bool = False):
+    return tiny_module(grpo=GRPOConfig(kl_coef=0.0, calibration=calibration, calibration_balance=balance),
                        guidance=GuidanceConfig(decoding="constrained", action_decoding="admissible",
                                                max_guidance_tokens=3, max_action_tokens=4),
                        optimizer=lambda p: torch.optim.AdamW(p, lr=lr))
 
 
-def _fit(tmp_path, calibration: float, steps: int = 2, lr: float = 1e-2):
-    module = _module(calibration, lr)
+def _fit(tmp_path, calibration: float, steps: int = 2, lr: float = 1e-2, balance: bool = False):
+    module = _module(calibration, lr, balance)
     tiny_trainer(tmp_path, steps).fit(module)
     return module
 
@@ -134,10 +177,17 @@ def test_calibration_off_logs_nothing_of_it_and_on_adds_one_term(tmp_path):
     on = _fit(tmp_path / "on", calibration=1.0)
     assert any(r.get("guidance/calibration_targets", 0) > 0 for r in on.history)
     assert all(r["loss/calibration"] > 0 for r in on.history if r.get("guidance/calibration_targets", 0) > 0)
+    # balanced: the same first step (same rollout, same weights before it) logs the same plain −log q(y*), and the
+    # weights it moves to differ (the term is weighted differently unless every label present has equal counts)
+    bal = _fit(tmp_path / "bal", calibration=1.0, balance=True)
+    assert math.isclose(bal.history[0]["loss/calibration"], on.history[0]["loss/calibration"], rel_tol=1e-5)
+    moved = [float((a - b).abs().max()) for a, b in zip(bal.policy.parameters(), on.policy.parameters())]
+    assert max(moved) > 0
 
 
 @pytest.mark.parametrize("args", [["--model.guidance.decoding=free"], ["--model.guidance.source=oracle"],
-                                  ["--model.grpo.calibration=-1"]])
+                                  ["--model.grpo.calibration=-1"],
+                                  ["--model.grpo.calibration=0", "--model.grpo.calibration_balance=true"]])
 def test_calibration_that_cannot_work_is_one_line(args, tmp_path, capsys, monkeypatch):
     from pathlib import Path
 

@@ -221,8 +221,9 @@ def test_the_calibrated_arm_and_the_final_validation_with_guidance_on_and_off(tm
     assert done["guide"]["calibration_loss"] > 0 and done["guide"]["update_s"] > 0
     assert set(done["final"]) == {"sg", "nosg"} and all(0.0 <= v <= 1.0 for v in done["final"].values())
     table = (out / "curves.md").read_text()
-    assert {"positive", "neutral", "negative"} <= set(done["final_labels"]) <= set(lc.FINAL_LABEL_KEYS)
-    assert "final, SG on | final, SG off | final label accuracy" in table and table.count("|---") == 15
+    kept = set(lc.FINAL_LABEL_KEYS) | {"balanced_accuracy", "progress_kinds"}
+    assert {"positive", "neutral", "negative"} <= set(done["final_labels"]) <= kept
+    assert "final, SG on | final, SG off | final label accuracy" in table and table.count("|---") == 16
     log = out / "sg_gr_cal-seed0" / "run.log"
     before = log.read_text()
     lc.main([*args, *extra])  # finished and validated: nothing runs again
@@ -280,8 +281,21 @@ def test_a_final_validation_recorded_before_its_label_statistics_gets_them_from_
     report.write_text(json.dumps({"modes": {
         "sg": {"rollout/success_rate": 0.3, "guidance/label_accuracy": 0.62, "guidance/label_accuracy_constant": 0.65,
                "guidance/label_neutral": 0.9, "guidance/precision_neutral": 0.7},
-        "nosg": {"rollout/success_rate": 0.2}}}))
-    assert lc.load_done(run)["final_labels"] == {"label_accuracy": 0.62, "constant_accuracy": 0.65, "neutral": 0.9}
+        "nosg": {"rollout/success_rate": 0.2}},
+        # pairs (z_t, p_{t−1}): (positive, 0) wrong, (neutral, +1) wrong, (neutral, 0) right; the label after the
+        # unmeasured step has no pair.  Signs {0, +}: K = 2; recall 1/2 and 0/1 -> balanced 0.25
+        "episodes": {"sg": [{"labels": ["positive", "positive", "neutral", "neutral", "positive"],
+                             "progress": [0.0, 1.0, 0.0, None, 0.0]}]}}))
+    assert lc.load_done(run)["final_labels"] == {"label_accuracy": 0.62, "constant_accuracy": 0.65, "neutral": 0.9,
+                                                 "balanced_accuracy": 0.25, "progress_kinds": 2}
     assert json.loads((run / "done.json").read_text())["final_labels"]["label_accuracy"] == 0.62  # written back
     _, table = lc.summarise(lc.finished_runs(tmp_path))
-    assert "| 0.300 ± 0.000 | 0.200 ± 0.000 | 0.62 (0.65) |" in table
+    assert "| 0.300 ± 0.000 | 0.200 ± 0.000 | 0.62 (0.65) | 0.25 (0.50) |" in table
+    # a report from before the best constant label's accuracy was logged: taken from its episodes (signs 0, +, 0)
+    older = json.loads(report.read_text())
+    del older["modes"]["sg"]["guidance/label_accuracy_constant"]
+    report.write_text(json.dumps(older))
+    (run / "done.json").write_text(json.dumps({"arm": "sg_gr_cal", "seed": 0, "curve": [[0, 0.1], [8, 0.3]],
+                                               "guide": {}, "final": {"sg": 0.3, "nosg": 0.2}}))
+    assert lc.load_done(run)["final_labels"]["constant_accuracy"] == pytest.approx(2 / 3)
+    assert "sg_gr_cal" not in lc.DEFAULT_ARMS and set(lc.DEFAULT_ARMS) < set(lc.ARMS)  # named arms only

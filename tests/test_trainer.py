@@ -627,6 +627,7 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
                           export.last_export)
     assert "2 GRPO steps" in summary and str(run_dir / "adapter") in summary and "tensorboard --logdir" in summary
     assert "label calibration accuracy" in summary and "by trust phase" in summary
+    assert "balanced accuracy first third" in summary
     # each step logs the peak memory of its two phases, and the summary shows the largest
     hist = cli.model.history
     assert all(r["memory/rollout_peak_rss_gb"] > 0.05 and r["memory/update_peak_rss_gb"] > 0.05 for r in hist)

@@ -115,6 +115,20 @@ def test_shared_prefixes_sit_side_by_side():
     assert plain.data["episode"].tolist() == [0, 1, 2, 3]
 
 
+def test_with_calibration_the_counts_hold_the_targets_of_each_label():
+    """The step's hindsight targets counted per label (LABELS order), before row selection: the balanced loss's
+    weights come from them (summed over ranks); a rank with nothing to score sends as many zeros."""
+    batch = _batch()
+    for ep, label in zip(batch.episodes, (1, 1, 0, 1)):  # label token (position 3) of each sample: a target
+        s = ep.samples[0]
+        s.targets, s.target_labels = {3: 7}, {3: label}
+    u = _prepare(batch, grpo={"calibration": 1.0})
+    assert u.counts.tolist() == [12.0, 4.0, 4.0, 1.0, 3.0, 0.0]  # 4 targets: 1 positive, 3 neutral, 0 negative
+    # group 1's rows have Â = 0 but hold a target: scored all the same, their labels collated with them
+    assert u.data["target_label"][u.data["target"] >= 0].tolist() == [1, 1, 0, 1]
+    assert _prepare(RolloutBatch(episodes=[]), grpo={"calibration": 1.0}).counts.tolist() == [0.0] * 6
+
+
 def test_a_rank_with_nothing_to_score():
     u = _prepare(RolloutBatch(episodes=[]))
     assert u.data is None and u.adv is None and u.counts.tolist() == [0.0, 0.0, 0.0]

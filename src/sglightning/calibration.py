@@ -13,9 +13,12 @@ P = {(z_t, p_{t−1}) : t ≥ 1, z_t parsed, p_{t−1} known}:
     accuracy       = |{(z, p) ∈ P : v(z) = sign(p)}| / |P|
     precision(ℓ)   = |{(z, p) ∈ P : z = ℓ, v(ℓ) = sign(p)}| / |{(z, p) ∈ P : z = ℓ}|
     constant       = max_ℓ |{(z, p) ∈ P : v(ℓ) = sign(p)}| / |P|     (the best single label, chosen in hindsight)
+    balanced       = (1/K) Σ_{s ∈ S} |{(z, p) ∈ P : v(z) = s = sign(p)}| / |{(z, p) ∈ P : sign(p) = s}|
+                     (S the K signs that occur: the mean recall over the kinds of progress)
 
 The accuracy of a guide says something only above ``constant``: when most actions change nothing, a guide that always
-says "neutral" is right most of the time and tells the actor nothing.
+says "neutral" is right most of the time and tells the actor nothing.  ``balanced`` does not reward the majority:
+any constant label scores exactly 1/K, a guide that tells every kind of progress apart scores 1.
 
 **Does the label know the outcome?**  AUROC of the step labels, as an ordinal score v(z_t), against the eventual
 success of their episode (every parsed label of every guided episode; ties count ½):
@@ -66,8 +69,20 @@ def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | Non
     return wins / (len(positives) * len(neg))
 
 
+def balanced_accuracy(pairs: Sequence[tuple[str, float]]) -> float | None:
+    """The mean over the signs of progress that occur in ``pairs`` ((z_t, p_{t−1}), as :func:`label_progress_pairs`)
+    of the share of their labels that name them; None for no pairs.  Any constant label scores 1/K."""
+    recalls = []
+    for sign in (-1, 0, 1):
+        mine = [LABEL_VALUE[z] == sign for z, p in pairs if _sign(p) == sign]
+        if mine:
+            recalls.append(sum(mine) / len(mine))
+    return sum(recalls) / len(recalls) if recalls else None
+
+
 def calibration_stats(episodes: Sequence) -> dict[str, float]:
     """``guidance/label_accuracy``, ``guidance/label_accuracy_constant`` (the best single label's),
+    ``guidance/label_balanced_accuracy`` (the mean recall over the kinds of progress: 1/K for a constant label),
     ``guidance/precision_<label>``, ``guidance/label_auroc_success`` and the counts behind them
     (``guidance/calibration_pairs``, ``guidance/auroc_labels``); a number whose denominator is empty is left out."""
     out: dict[str, float] = {}
@@ -78,6 +93,7 @@ def calibration_stats(episodes: Sequence) -> dict[str, float]:
         out["guidance/label_accuracy"] = sum(hits) / len(hits)
         signs = [_sign(p) for _, p in pairs]
         out["guidance/label_accuracy_constant"] = max(signs.count(v) for v in (-1, 0, 1)) / len(signs)
+        out["guidance/label_balanced_accuracy"] = balanced_accuracy(pairs)
         for label in LABELS:
             mine = [h for (z, _), h in zip(pairs, hits) if z == label]
             if mine:

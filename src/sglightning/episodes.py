@@ -55,6 +55,8 @@ class Piece:
     #: hindsight label targets, per token: the token the label that describes the rated action's measured progress
     #: takes at this position (where the sampled path still agrees with it), −1 elsewhere; empty = none
     targets: list[int] = field(default_factory=list)
+    #: which label (index in :data:`~sglightning.guidance.LABELS`) ``targets`` spell; −1 = none
+    target_label: int = -1
 
     def add(
         self, tok: int, logprob: float, policy: bool, restriction: Restriction | None = None,
@@ -89,6 +91,8 @@ class Sample:
     #: hindsight label targets (:attr:`Piece.targets`) by position: token id the label should have there, for
     #: ``grpo.calibration``
     targets: dict[int, int] = field(default_factory=dict)
+    #: the target label (index in :data:`~sglightning.guidance.LABELS`) of each position in ``targets``
+    target_labels: dict[int, int] = field(default_factory=dict)
 
     def extend_context(self, ids: Sequence[int], step: int = 0) -> None:
         n = len(ids)
@@ -103,6 +107,7 @@ class Sample:
     def extend_piece(self, piece: Piece, step: int = 0) -> None:
         start = len(self.ids)
         self.targets.update({start + k: t for k, t in enumerate(piece.targets) if t >= 0})
+        self.target_labels.update({start + k: piece.target_label for k, t in enumerate(piece.targets) if t >= 0})
         self.steps += [step] * len(piece.ids)
         self.ids += piece.ids
         self.policy += piece.policy

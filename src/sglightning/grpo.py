@@ -62,8 +62,10 @@ Departures from the paper (and why)
 * ``calibration`` (opt-in; α = 0 is the paper): a supervised term on the self-assessment itself.  Where the env
   measured the progress p_{t−1} of the action a label z_t rates, the label's distribution (restricted to the label
   words, as sampled) is pulled toward v* = sign(p_{t−1}) by α · mean_k(−log q_θ(y*_k)) over the label's policy tokens
-  whose sampled path agrees with v*'s.  The paper relies on the shared GRPO objective alone to improve the guide; the
-  target uses the env's progress at training time only (acting and validation need no env signal).
+  whose sampled path agrees with v*'s.  With ``calibration_balance`` each target is weighted by N/(K·n_c) (n_c the
+  step's targets of its label c, K the labels present), so each label carries 1/K of the term whatever its share of
+  the steps (the class-balanced cross-entropy).  The paper relies on the shared GRPO objective alone to improve the
+  guide; the target uses the env's progress at training time only (acting and validation need no env signal).
 * ``rollout_correction`` (opt-in; for engines that sample in lower precision than the trainer, e.g. a bf16 vLLM
   server): the old log-probs are recomputed by the trainer and each token's policy term is weighted by the truncated
   importance weight between the trainer's old policy and the engine (TIS, as verl's rollout correction and TRL's
@@ -105,6 +107,7 @@ __all__ = [
     "check_choice",
     "policy_counts",
     "microbatch_weight",
+    "calibration_term",
     "kl_penalty",
     "masked_mean",
     "rollout_correction_weights",
@@ -461,6 +464,32 @@ def zero_advantage_rows(tok_adv: Tensor, mask: Tensor) -> Tensor:
     return ((tok_adv != 0) & mask.bool()).sum(1) == 0  # [S]
 
 
+def calibration_term(target_logq: Tensor, targets: Tensor, target_label: Tensor, totals: Tensor,
+                     balance: bool = False) -> tuple[Tensor, Tensor]:
+    r"""One micro-batch's share of the step's hindsight label loss (``grpo.calibration``, before α), and the plain sum
+    of −log q(y*) over its targets (for the log).
+
+    ``target_logq`` [B, W]: log q_θ(y*) (0 where no target); ``targets`` [B, W] bool: the positions with a target;
+    ``target_label`` [B, W]: each target's label (index in LABELS, −1 = none); ``totals``: the step's counts summed
+    over micro-batches and ranks, ``totals[2]`` = N targets, ``totals[3:]`` = n_c targets of each label.  Over all
+    micro-batches the shares add up to
+
+        uniform:   (1/N) Σ_k −log q(y*_k)
+        balanced:  (1/N) Σ_k w_{c(k)} · (−log q(y*_k)),   w_c = N / (K · n_c),  K = |{c : n_c > 0}|
+                   = (1/K) Σ_c mean_{k ∈ c}(−log q(y*_k))
+
+    The balanced form gives each target label present the same weight whatever its share of the steps."""
+    nll = -(target_logq * targets)  # [B, W]
+    n = totals[2].clamp(min=1)
+    if balance:
+        n_c = totals[3:]  # [C]
+        k = (n_c > 0).sum().clamp(min=1)
+        w_c = torch.where(n_c > 0, totals[2] / (k * n_c.clamp(min=1)), torch.zeros_like(n_c))  # [C]
+        w = (w_c[target_label.clamp(min=0)] * targets).to(nll.dtype)  # [B, W]
+        return (nll * w).sum() / n.to(nll.dtype), nll.sum().detach()
+    return nll.sum() / n.to(nll.dtype), nll.sum().detach()
+
+
 def microbatch_weight(mask: Tensor, totals: Tensor, loss_agg: str = "token_mean") -> Tensor:
     """The share of the step's global loss that one micro-batch's own mean carries: its policy tokens over all
     micro-batches' and ranks' (``token_mean``), or its sequences over all (``seq_mean_token_mean``).  ``totals``:
@@ -702,6 +731,10 @@ class GRPOConfig:
     """α of the hindsight label loss: where the env measured the progress of the action a label rates, the label's
     restricted distribution is trained toward the label of that progress's sign, α·mean(−log q(target)), in the same
     forward as the policy loss (0 = off, the paper; needs guidance.decoding constrained)"""
+    calibration_balance: bool = False
+    """weight each hindsight target by the inverse share of its label among the step's targets (all ranks), so that
+    every target label present carries the same weight, (α/K)·Σ_c mean_{k∈c}(−log q(y*_k)): where most actions change
+    nothing, always saying "neutral" no longer minimises the term (needs calibration > 0)"""
 
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)
@@ -728,6 +761,9 @@ class GRPOConfig:
         check_choice("grpo.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
         if not (math.isfinite(self.calibration) and self.calibration >= 0):
             raise ValueError(f"grpo.calibration: must be a finite number >= 0, got {self.calibration}")
+        if self.calibration_balance and self.calibration == 0:
+            raise ValueError("grpo.calibration_balance: weights the hindsight label loss, which is off "
+                             "(grpo.calibration: 0): set grpo.calibration > 0 or leave calibration_balance false")
         if not (math.isfinite(self.rollout_correction_cap) and self.rollout_correction_cap >= 1):
             raise ValueError(f"grpo.rollout_correction_cap: must be a finite number >= 1, got "
                              f"{self.rollout_correction_cap}")

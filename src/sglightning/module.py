@@ -43,7 +43,14 @@ from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Episode
 from sglightning.errors import ConfigError
-from sglightning.grpo import GRPOConfig, grpo_loss, microbatch_weight, rollout_correction_weights, trust_schedule
+from sglightning.grpo import (
+    GRPOConfig,
+    calibration_term,
+    grpo_loss,
+    microbatch_weight,
+    rollout_correction_weights,
+    trust_schedule,
+)
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
 from sglightning.metrics import SUM_KEYS, EpisodeMetrics, step_logs
@@ -446,11 +453,13 @@ class SelfGuideModule(LightningModule):
             w = microbatch_weight(m, totals, c.loss_agg).to(self.device)
             objective = loss * w
             if c.calibration > 0 and "target_logq" in ent:
-                # hindsight label loss, one mean over the step's targets (all micro-batches and ranks): α·(−log q(y*))
+                # hindsight label loss, one mean over the step's targets (all micro-batches and ranks): α·(−log q(y*));
+                # grpo.calibration_balance: each target label's mean weighs 1/K
                 targets = (restrict["target"] >= 0) & m  # [B, W]
-                ce = -(ent["target_logq"] * targets).sum()
-                objective = objective + c.calibration * ce / totals[2].clamp(min=1).to(ce.dtype)
-                cal_sum += float(ce.detach())
+                term, nll = calibration_term(ent["target_logq"], targets, restrict["target_label"], totals,
+                                             c.calibration_balance)
+                objective = objective + c.calibration * term
+                cal_sum += float(nll)
                 cal_n += float(targets.sum())
             if not torch.isfinite(objective):
                 finite = False

@@ -175,6 +175,9 @@ def _guidance_lines(hist: list[dict], mean) -> list[str]:
         f"{mean('guidance/label_accuracy_constant'):.2f})"
         + (f"   hindsight label loss {mean('loss/calibration'):.3f}" if any("loss/calibration" in r for r in hist)
            else ""),
+        f"  balanced accuracy first third {mean('guidance/label_balanced_accuracy', hist[:third]):.2f} -> last third "
+        f"{mean('guidance/label_balanced_accuracy', hist[-third:]):.2f}   (mean recall over the kinds of progress; "
+        "any constant label: 1/K)",
         *_phase_lines(hist, mean),
     ]
 

@@ -539,7 +539,8 @@ def label_targets(pieces: list[Piece], progress: float | None, options: Sequence
     forced tokens, there is none (−1)."""
     if progress is None:
         return
-    target = options[LABELS.index(progress_label(progress))]
+    label = LABELS.index(progress_label(progress))
+    target = options[label]
     for p in pieces:
         if p.kind != KIND_GUIDANCE or p.choice_index is None:
             continue
@@ -547,7 +548,7 @@ def label_targets(pieces: list[Piece], progress: float | None, options: Sequence
         for k, (tok, pol) in enumerate(zip(p.ids, p.policy)):
             targets.append(int(target[k]) if agree and pol and k < len(target) else -1)
             agree = agree and k < len(target) and tok == target[k]
-        p.targets = targets
+        p.targets, p.target_label = targets, label
 
 
 def _clean_admissible(actions) -> list[str] | None:

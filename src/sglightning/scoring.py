@@ -43,7 +43,8 @@ def collate(samples: Sequence, pad_id: int, targets: bool = False) -> dict[str, 
 
     Keys: ``ids``, ``attn`` (1 = real token), ``mask`` (policy tokens), ``old_logp`` (sampler log q), ``full_logp``
     (sampler's unrestricted log π, diagnostic), ``kinds``, ``steps`` (the episode step of each token), ``episode`` [S],
-    with ``targets`` the hindsight label targets ``target`` [S, L] (token id, −1 = none), and the restrictions:
+    with ``targets`` the hindsight label targets ``target`` [S, L] (token id, −1 = none) and ``target_label`` [S, L]
+    (which label each spells, index in LABELS, −1 = none), and the restrictions:
     ``restrict_index``
     [S, L] (row of the restriction table, −1 = unrestricted), ``restrict_ids`` [U, K] / ``restrict_valid`` [U, K]
     (each distinct restriction's token ids, padded) and ``restrict_exclude`` [U].
@@ -60,6 +61,7 @@ def collate(samples: Sequence, pad_id: int, targets: bool = False) -> dict[str, 
     steps = torch.zeros(S, L, dtype=torch.long)  # [S, L] episode step of each token
     rindex = torch.full((S, L), -1, dtype=torch.long)  # [S, L]
     target = torch.full((S, L), -1, dtype=torch.long)  # [S, L]
+    target_label = torch.full((S, L), -1, dtype=torch.long)  # [S, L]
     table: dict[Restriction, int] = {}
     seen: dict[int, int] = {}  # id(restriction) -> table row: the tokens of one segment share one object
     for i, s in enumerate(samples):
@@ -75,6 +77,7 @@ def collate(samples: Sequence, pad_id: int, targets: bool = False) -> dict[str, 
             for pos, tok in s.targets.items():
                 if pos < n:
                     target[i, pos] = tok
+                    target_label[i, pos] = s.target_labels.get(pos, -1)
         for k, r in enumerate(s.restrictions[:n]):
             if r is not None:
                 u = seen.get(id(r))
@@ -90,7 +93,7 @@ def collate(samples: Sequence, pad_id: int, targets: bool = False) -> dict[str, 
         rvalid[u, : len(r.ids)] = True
         rexcl[u] = r.exclude
     episode = torch.tensor([s.episode for s in samples], dtype=torch.long)  # [S]
-    extra = {"target": target} if targets else {}
+    extra = {"target": target, "target_label": target_label} if targets else {}
     return {**extra,
         "ids": ids, "attn": attn, "mask": mask, "old_logp": old, "full_logp": full, "kinds": kinds, "steps": steps,
         "episode": episode, "restrict_index": rindex, "restrict_ids": rids, "restrict_valid": rvalid,
@@ -123,8 +126,9 @@ def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[st
     out["adv"] = tok_adv[cols]
     restrict = restrictions_of(data, rows)
     restrict["index"] = restrict["index"][:, :width]
-    if "target" in restrict:
-        restrict["target"] = restrict["target"][:, :width]
+    for k in ("target", "target_label"):
+        if k in restrict:
+            restrict[k] = restrict[k][:, :width]
     out["restrict"] = restrict
     return out
 
@@ -166,8 +170,9 @@ def restrictions_of(data: dict[str, Tensor], rows: slice | None = None) -> dict[
     index = data["restrict_index"] if rows is None else data["restrict_index"][rows]
     out = {"index": index, "ids": data["restrict_ids"], "valid": data["restrict_valid"],
            "exclude": data["restrict_exclude"]}
-    if "target" in data:  # hindsight label targets (grpo.calibration): scored over the same restriction
-        out["target"] = data["target"] if rows is None else data["target"][rows]
+    for k in ("target", "target_label"):  # hindsight label targets (grpo.calibration): over the same restriction
+        if k in data:
+            out[k] = data[k] if rows is None else data[k][rows]
     return out
 
 

@@ -10,7 +10,8 @@ and minimise this loss", in the order the paper writes it:
           with β = 0, rows whose every Â_k = 0 and that hold no hindsight label target left out (their loss and
           gradient are exactly 0)
     y*   = hindsight label targets (``grpo.calibration`` > 0): the label token the rated action's measured progress
-           calls for, where the sampled label's path agrees with it (recorded by the rollout)
+           calls for, where the sampled label's path agrees with it (recorded by the rollout); counted per label
+           for ``grpo.calibration_balance``
 
 It returns an :class:`UpdateBatch`: the collated rows to score (ids, masks, the sampler's log-probs, restrictions),
 their token advantages, the step's policy-token counts (the token-mean's denominator, taken *before* any row is
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from sglightning import grpo, rewards, scoring
 from sglightning.episodes import KIND_GUIDANCE, RolloutBatch
+from sglightning.guidance import LABELS
 
 
 @dataclass
@@ -72,7 +74,8 @@ class UpdateBatch:
     data: dict[str, Tensor] | None
     adv: Tensor | None  # [S, L] token advantages of those rows (0 off the policy tokens)
     #: [3] float64: this rank's policy tokens, sequences and hindsight label targets *before* row selection — the
-    #: loss is one mean over all of them (summed over ranks by the caller)
+    #: loss is one mean over all of them (summed over ranks by the caller); with ``grpo.calibration`` [6]: then the
+    #: targets of each label (LABELS order), for ``grpo.calibration_balance``
     counts: Tensor
     rows_left_out: bool = False  # zero-advantage rows were left out (their gradient is an exact 0)
     stats: dict[str, float] = field(default_factory=dict)  # logged: failed/dropped groups, token counts
@@ -111,8 +114,9 @@ def prepare_update(
         samples.sort(key=lambda s: s.ids)
     if not samples:  # nothing to score on this rank (it still takes part in the step's collectives)
         stats["tokens/zero_advantage_samples"] = stats["tokens/skipped_zero_advantage_samples"] = 0.0
-        return UpdateBatch(lam, returns, internal, terms, groups, None, None, torch.zeros(3, dtype=torch.float64),
-                           stats=stats)
+        n_counts = 6 if cfg.calibration > 0 else 3  # the same shape on every rank: the counts are summed over ranks
+        return UpdateBatch(lam, returns, internal, terms, groups, None, None,
+                           torch.zeros(n_counts, dtype=torch.float64), stats=stats)
 
     calibrate = cfg.calibration > 0
     data = scoring.collate(samples, pad_id, targets=calibrate)  # [S, L] each (+ the restriction table, targets)
@@ -131,6 +135,9 @@ def prepare_update(
     # [3] every row, before selection: the token-mean's denominator, and the hindsight targets' count
     targets = (data["target"] >= 0) & mask if calibrate else torch.zeros_like(mask)  # [S, L]
     counts = torch.cat([grpo.policy_counts(mask), torch.tensor([float(targets.sum())], dtype=torch.float64)])
+    if calibrate:  # [3] more: the targets of each label (LABELS order), for grpo.calibration_balance's weights
+        labels = data["target_label"][targets]  # [T] the label index of each target
+        counts = torch.cat([counts, torch.bincount(labels, minlength=len(LABELS)).to(torch.float64)])
     if calibrate:
         stats["guidance/calibration_targets"] = float(targets.sum())
 
