@@ -21,7 +21,8 @@ Arms (each is the config plus a few overrides; validation plays the arm's own gu
 The calibration arms run only when named in ``--arms``; the default is the first six.
 
 ``--final-both`` also validates every finished run's last checkpoint with self-guidance on and off on the same
-episodes (``final`` in done.json; two more columns in curves.md): does self-guidance help the trained policy?
+episodes (``final`` in done.json; four more columns in curves.md: success on and off, the labels' accuracy and
+balanced accuracy in that validation): does self-guidance help the trained policy?
 
 A seed sets ``seed_everything`` (adapter initialisation) and ``model.rollout.seed`` (training tasks and sampling).
 Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k;
@@ -69,7 +70,7 @@ ARMS: dict[str, list[str]] = {
     "sg_gr_cal_bal": ["--model.grpo.calibration=1.0", "--model.grpo.calibration_balance=true",
                       "--model.evaluation.self_guidance=on"],
 }
-#: what a study runs unless --arms says otherwise: the paper's arms and the two controls built with them
+#: what a study runs unless --arms says otherwise: the paper's arms and ablation, and two controls (oracle, adaptive)
 DEFAULT_ARMS = ["grpo", "sg", "sg_gr", "full_trust", "oracle", "adaptive"]
 METRIC = "rollout/success_rate"
 
