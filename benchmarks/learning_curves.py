@@ -56,7 +56,7 @@ from pathlib import Path
 
 import yaml
 
-from sglightning.calibration import balanced_accuracy
+from sglightning.calibration import balanced_accuracy, constant_accuracy
 from sglightning.guidance import LABELS
 
 ARMS: dict[str, list[str]] = {
@@ -235,10 +235,9 @@ def final_labels(report: dict) -> dict[str, float]:
         labels, progress = ep.get("labels") or [], ep.get("progress") or []
         pairs += [(z, p) for z, p in zip(labels[1:], progress) if z in LABELS and p is not None]
     if pairs:
-        signs = [(p > 0) - (p < 0) for _, p in pairs]
         out["balanced_accuracy"] = balanced_accuracy(pairs)
-        out["progress_kinds"] = len(set(signs))
-        out.setdefault("constant_accuracy", max(signs.count(v) for v in set(signs)) / len(signs))  # older reports
+        out["progress_kinds"] = len({(p > 0) - (p < 0) for _, p in pairs})
+        out.setdefault("constant_accuracy", constant_accuracy(pairs))  # reports from before it was logged
     return out
 
 

@@ -65,8 +65,8 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
     adv = torch.where(data["mask"], (data["episode"] % 3 - 1).float()[:, None] + 0.5, torch.zeros(()))  # [S, L]
     totals = grpo.policy_counts(data["mask"])
     if calibration:  # the trainer's denominator: every target at a policy token of the update
-        n_targets = ((data["target"] >= 0) & data["mask"]).sum()
-        totals = torch.cat([totals, torch.tensor([float(n_targets)], dtype=torch.float64)])
+        n_targets = float(((data["target"] >= 0) & data["mask"]).sum())
+        totals = torch.cat([totals, torch.tensor([n_targets], dtype=torch.float64)])
     fed = 0
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()

@@ -69,6 +69,13 @@ def auroc(positives: Sequence[float], negatives: Sequence[float]) -> float | Non
     return wins / (len(positives) * len(neg))
 
 
+def constant_accuracy(pairs: Sequence[tuple[str, float]]) -> float | None:
+    """The accuracy of the best single label on ``pairs`` (chosen in hindsight: the commonest sign of progress);
+    None for no pairs."""
+    signs = [_sign(p) for _, p in pairs]
+    return max(signs.count(v) for v in (-1, 0, 1)) / len(signs) if signs else None
+
+
 def balanced_accuracy(pairs: Sequence[tuple[str, float]]) -> float | None:
     """The mean over the signs of progress that occur in ``pairs`` ((z_t, p_{t−1}), as :func:`label_progress_pairs`)
     of the share of their labels that name them; None for no pairs.  Any constant label scores 1/K."""
@@ -91,8 +98,7 @@ def calibration_stats(episodes: Sequence) -> dict[str, float]:
     if pairs:
         hits = [LABEL_VALUE[z] == _sign(p) for z, p in pairs]
         out["guidance/label_accuracy"] = sum(hits) / len(hits)
-        signs = [_sign(p) for _, p in pairs]
-        out["guidance/label_accuracy_constant"] = max(signs.count(v) for v in (-1, 0, 1)) / len(signs)
+        out["guidance/label_accuracy_constant"] = constant_accuracy(pairs)
         out["guidance/label_balanced_accuracy"] = balanced_accuracy(pairs)
         for label in LABELS:
             mine = [h for (z, _), h in zip(pairs, hits) if z == label]

@@ -114,7 +114,8 @@ def prepare_update(
         samples.sort(key=lambda s: s.ids)
     if not samples:  # nothing to score on this rank (it still takes part in the step's collectives)
         stats["tokens/zero_advantage_samples"] = stats["tokens/skipped_zero_advantage_samples"] = 0.0
-        n_counts = 6 if cfg.calibration > 0 else 3  # the same shape on every rank: the counts are summed over ranks
+        # the same shape on every rank (the counts are summed over ranks): with calibration, the per-label targets too
+        n_counts = 3 + (len(LABELS) if cfg.calibration > 0 else 0)
         return UpdateBatch(lam, returns, internal, terms, groups, None, None,
                            torch.zeros(n_counts, dtype=torch.float64), stats=stats)
 
@@ -138,7 +139,6 @@ def prepare_update(
     if calibrate:  # [3] more: the targets of each label (LABELS order), for grpo.calibration_balance's weights
         labels = data["target_label"][targets]  # [T] the label index of each target
         counts = torch.cat([counts, torch.bincount(labels, minlength=len(LABELS)).to(torch.float64)])
-    if calibrate:
         stats["guidance/calibration_targets"] = float(targets.sum())
 
     zero = grpo.zero_advantage_rows(adv, mask) & ~targets.any(1)  # [S] no advantage and no target: no gradient
