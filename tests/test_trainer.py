@@ -386,6 +386,29 @@ def test_validate_resolves_last_like_fit_and_reports_the_checkpoints_step(cli_ru
     assert report["step"] == 2 and report["config"]["checkpoint"].endswith("last.ckpt")
 
 
+@pytest.mark.slow
+def test_validate_prints_one_line_about_its_checkpoint_and_no_table_of_lightnings(cli_run):
+    """A real process (Lightning's log handlers and warnings as a user's terminal gets them): stderr is the one line
+    naming the checkpoint — not Lightning's "dirpath has changed" warning nor its "Loaded model weights" line — and
+    stdout has the validation report, not also Lightning's metric table (that needs ``--verbose true``)."""
+    import subprocess
+    import sys
+
+    _, run_dir = cli_run
+    save_dir = run_dir.parent.parent
+    args = [sys.executable, "-m", "sglightning", "validate", "--config", TINY, "--threads", "1",
+            f"--trainer.logger.init_args.save_dir={save_dir}", f"--trainer.default_root_dir={save_dir}",
+            "--model.evaluation.self_guidance=on"]
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    for extra in (["--ckpt_path=last"], [f"--ckpt_path={ckpt}"]):
+        res = subprocess.run(args + extra, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        assert res.stderr.strip().splitlines() == [f"sglightning: validating {ckpt}"], res.stderr
+        assert "### validation" in res.stdout and "Validate metric" not in res.stdout
+    res = subprocess.run(args + ["--ckpt_path=last", "--verbose=true"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "Validate metric" in res.stdout  # asked for: still there
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--model.policy.tiny.num_layers=3"], "num_hidden_layers=2 (this model: 3)"),  # a deeper base: peft loads it
     (["--model.policy.tiny.num_layers=1"], "num_hidden_layers=2 (this model: 1)"),  # a shallower one

@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from sglightning import threads
 from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
-from sglightning.console import StepProgressBar, quiet
+from sglightning.console import StepProgressBar, quiet, quiet_validate
 from sglightning.errors import ConfigError, EngineError
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
@@ -137,6 +137,10 @@ SUBCOMMANDS = {
 }
 
 
+VERBOSE_HELP = ("also print Lightning's table of every logged val/* metric (default false: the validation report "
+                "printed after it holds the same numbers, by mode, and is written to validation_report.md)")
+
+
 class OneLineParser(LightningArgumentParser):
     """Every parse error is one line on stderr — what is wrong, naming the key or file — and exit 2; no usage dump
     (``--help`` lists every key with its documentation and allowed values).
@@ -216,6 +220,10 @@ class SGLightningCLI(LightningCLI):
         for action in parser._actions:
             if action.dest in ("data", "data.help"):
                 action.help = argparse.SUPPRESS  # a LightningDataModule: this trainer makes its own data
+            if action.dest == "verbose" and subcommand == "validate":
+                action.help = VERBOSE_HELP
+        if subcommand == "validate":
+            parser.set_defaults(verbose=False)  # the report prints every number; Lightning's table would repeat it
         return parser
 
     def instantiate_classes(self) -> None:
@@ -265,6 +273,7 @@ class SGLightningCLI(LightningCLI):
             self._error(str(err))
         threads.apply(cfg.get("threads", "auto"), cfg.get("trainer"))
         if self.subcommand == "validate":
+            quiet_validate()
             self._resolve_validate_checkpoint(cfg)
             return
         if self.subcommand != "fit":
@@ -295,8 +304,11 @@ class SGLightningCLI(LightningCLI):
     def _resolve_validate_checkpoint(self, cfg) -> None:
         """``validate --ckpt_path last``: the newest ``last.ckpt`` of this config's runs, found as ``fit`` finds it
         (Lightning alone would validate the untrained adapters); none is an error — validating "the last
-        checkpoint" of a config that has none would report an untrained model as if it were trained."""
+        checkpoint" of a config that has none would report an untrained model as if it were trained.  Either way
+        the checkpoint validated is named in one line (Lightning's own line about it is filtered out)."""
         if cfg.get("ckpt_path") != "last":
+            if cfg.get("ckpt_path"):
+                print(f"sglightning: validating {cfg['ckpt_path']}", file=sys.stderr)
             return
         found = find_last_checkpoint(cfg)
         if found is None:

@@ -43,7 +43,13 @@ _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "H
           "`Trainer.fit` stopped: `max_steps=", "Automatic Mixed Precision (AMP)",
           "was configured so validation will run", "Restoring states from the checkpoint path at",
           "Restored all states from the checkpoint at",
-          "will override existing callbacks passed to Trainer")
+          "will override existing callbacks passed to Trainer",
+          # validate: ``sglightning validate`` names the checkpoint it loads in its own line
+          "Loaded model weights from the checkpoint at")
+
+#: warnings that say nothing about a ``validate`` run: it saves no checkpoint, so the checkpoint callback's state in
+#: the file it loads (best scores, kept paths of the training run's folder) is of no use to it, wherever it writes
+_VALIDATE_WARNINGS = ((r"The dirpath has changed from", Warning),)
 
 
 class _DropNoise(logging.Filter):
@@ -61,6 +67,13 @@ def quiet() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())
+
+
+def quiet_validate() -> None:
+    """The filters of :func:`quiet`, and those that hold for a ``validate`` run only."""
+    quiet()
+    for message, category in _VALIDATE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
 
 
 def is_terminal(stream) -> bool:

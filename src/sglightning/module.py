@@ -610,13 +610,15 @@ class SelfGuideModule(LightningModule):
 
     def _restore_horizon(self, saved: int | None) -> None:
         """Keep the checkpoint's trust-schedule horizon when this run's differs (a resume with another
-        ``trainer.max_steps``), unless ``grpo.total_steps`` sets one; say so in one line when it matters."""
+        ``trainer.max_steps``), unless ``grpo.total_steps`` sets one; say so in one line when it matters (in ``fit``:
+        ``validate`` trains nothing, so the horizon does not matter there)."""
         if saved is None or self._trainer is None:
             return
         saved, current = int(saved), self.total_steps()
         explicit = self.grpo_cfg.total_steps is not None
         self._horizon = None if explicit else saved
-        if saved == current or not self._schedule_is_relative() or self.trainer.global_rank != 0:
+        if (saved == current or not self._schedule_is_relative() or self.trainer.global_rank != 0
+                or self.trainer.state.fn != "fit"):
             return
         if explicit:
             msg = (f"the trust schedule's horizon changes from the checkpoint's {saved} steps to grpo.total_steps="
