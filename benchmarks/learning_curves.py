@@ -22,7 +22,8 @@ The calibration arms run only when named in ``--arms``; the default is the first
 
 ``--final-both`` also validates every finished run's last checkpoint with self-guidance on and off on the same
 episodes (``final`` in done.json; four more columns in curves.md: success on and off, the labels' accuracy and
-balanced accuracy in that validation): does self-guidance help the trained policy?
+balanced accuracy in that validation; a second panel in curves.png: each seed's on and off): does self-guidance help
+the trained policy?
 
 A seed sets ``seed_everything`` (adapter initialisation) and ``model.rollout.seed`` (training tasks and sampling).
 Each arm × seed is one ``sglightning fit`` in ``<out>/<arm>-seed<s>/`` with ``trainer.val_check_interval`` = k;
@@ -433,7 +434,21 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
     return {"metric": METRIC, "runs": results}, "\n".join(rows) + "\n"
 
 
-def plot(results: list[dict], path: Path) -> bool:
+def final_pairs(results: list[dict]) -> dict[str, list[tuple[int, float, float]]]:
+    """(seed, success with self-guidance, without) of every run validated both ways after training
+    (``--final-both``), by arm in the order the arms first appear."""
+    pairs: dict[str, list[tuple[int, float, float]]] = {}
+    for r in results:
+        final = r.get("final") or {}
+        if "sg" in final and "nosg" in final:
+            pairs.setdefault(r["arm"], []).append((r["seed"], final["sg"], final["nosg"]))
+    return {arm: sorted(v) for arm, v in pairs.items()}
+
+
+def plot(results: list[dict], path: Path) -> list[str]:
+    """The curves (success vs step, mean ± std over seeds, per arm) and, when runs were validated both ways after
+    training, a second panel: each seed's success with self-guidance and without it on the same episodes, one line
+    per seed, the arm's mean as the large markers.  Returns the panels' titles (empty: no matplotlib, no PNG)."""
     try:
         import matplotlib
 
@@ -441,11 +456,16 @@ def plot(results: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         print("learning_curves: matplotlib is not installed (pip install -e '.[curves]'); no PNG written")
-        return False
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+        return []
+    pairs = final_pairs(results)
+    if pairs:
+        fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.4, 4.0), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
+    else:
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
+    colour = {}
     for arm, runs in by_arm.items():
         steps = sorted({s for r in runs for s, _ in r["curve"]})
         means, lows, highs, xs = [], [], [], []
@@ -459,17 +479,39 @@ def plot(results: list[dict], path: Path) -> bool:
             highs.append(m + sd)
         borrowed = [Path(r["from"]).name for r in runs if "from" in r]  # --with: say where they come from
         where = f", {len(borrowed)} from {', '.join(sorted(set(borrowed)))}" if borrowed else ""
-        ax.plot(xs, means, marker="o", label=f"{arm} (n={len(runs)}{where})")
+        (line,) = ax.plot(xs, means, marker="o", label=f"{arm} (n={len(runs)}{where})")
+        colour[arm] = line.get_color()
         ax.fill_between(xs, lows, highs, alpha=0.2)
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("validation success rate")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    titles = ["validation success vs GRPO step"]
+    if pairs:
+        ax.set_title(titles[0], fontsize=9)
+        ticks, labels = [], []
+        for i, (arm, seeds) in enumerate(pairs.items()):
+            x_on, x_off = 3 * i, 3 * i + 1
+            for _, on, off in seeds:
+                ax2.plot([x_on, x_off], [on, off], color=colour.get(arm), alpha=0.45, marker=".")
+            ax2.plot([x_on, x_off], [statistics.mean(p[1] for p in seeds), statistics.mean(p[2] for p in seeds)],
+                     color=colour.get(arm), marker="o", markersize=8, linewidth=2.5)
+            ticks += [x_on, x_off]
+            labels += ["on", "off"]
+            ax2.text(x_on + 0.5, -0.11, arm, transform=ax2.get_xaxis_transform(), ha="center", va="top", fontsize=8,
+                     color=colour.get(arm))
+        ax2.set_xticks(ticks, labels, fontsize=8)
+        ax2.set_xlim(-0.6, 3 * len(pairs) - 1.4)
+        ax2.set_ylim(bottom=0)
+        ax2.grid(alpha=0.3, axis="y")
+        titles.append("after training: self-guidance on vs off, same episodes (a line per seed)")
+        ax2.set_title("after training: self-guidance on vs off\n(same episodes; a line per seed, mean bold)",
+                      fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
-    return True
+    return titles
 
 
 def main(argv: list[str] | None = None) -> None:

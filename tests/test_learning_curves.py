@@ -70,7 +70,19 @@ def test_summary_table_and_figure_over_arms_and_seeds(tmp_path):
             in table)
     assert ("| oracle | 1 | 0.100 ± 0.000 | 0.500 ± 0.000 | 0: 0.500 | 5 | 0.60 | 1.00 | 0.70 | 0.75 | 0.30 | 0.25 |"
             in table)
-    assert lc.plot(results, tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size > 1000
+    assert lc.plot(results, tmp_path / "c.png") == ["validation success vs GRPO step"]  # no final: one panel
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_the_figure_shows_on_and_off_after_training_when_runs_have_both(tmp_path):
+    lc = _runner()
+    results = [{"arm": "sg_gr", "seed": s, "curve": [[0, 0.1], [4, 0.3]], "guide": {}, "final": {"sg": on, "nosg": off}}
+               for s, on, off in ((1, 0.25, 0.5), (0, 0.125, 0.0))]
+    results.append({"arm": "grpo", "seed": 0, "curve": [[0, 0.0], [4, 0.2]], "guide": {}})  # validated one way only
+    results.append({"arm": "oracle", "seed": 2, "curve": [[0, 0.0], [4, 0.2]], "guide": {}, "final": {"sg": 0.5}})
+    assert lc.final_pairs(results) == {"sg_gr": [(0, 0.125, 0.0), (1, 0.25, 0.5)]}  # by seed; incomplete ones left out
+    titles = lc.plot(results, tmp_path / "c.png")
+    assert len(titles) == 2 and "on vs off" in titles[1] and (tmp_path / "c.png").stat().st_size > 1000
 
 
 def test_no_run_with_nothing_finished_says_so(tmp_path):
