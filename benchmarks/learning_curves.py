@@ -375,6 +375,16 @@ def borrow_runs(results: list[dict], others: list[str], config: str, arms: list[
     return sorted(merged, key=lambda r: (list(ARMS).index(r["arm"]), r["seed"]))
 
 
+def arm_name(arm: str, runs: list[dict]) -> str:
+    """The arm as the table and the figure name it: followed by the overrides after ``--`` that all its runs were
+    trained with, if any (``sg_gr_cal (grpo.calibration=0.1)``), so that a study of another setting does not pass
+    for the arm's default; runs trained with different overrides (borrowed ones) leave the bare name."""
+    kinds = {tuple(r.get("settings", {}).get("overrides", [])) for r in runs}
+    if len(kinds) != 1 or not (overrides := next(iter(kinds))):
+        return arm
+    return f"{arm} ({' '.join(o.removeprefix('--model.') for o in overrides)})"
+
+
 def summarise(results: list[dict]) -> tuple[dict, str]:
     """curves.json content and the Markdown table: validation success at step 0 and at the last step (mean ± std
     over seeds, then each seed's: with few seeds the spread says more than a mean), then training means over steps
@@ -422,7 +432,7 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
             cells.append(", ".join(f"{x['balanced_accuracy']:.2f} ({1 / x['progress_kinds']:.2f})"
                                    for x in (r.get("final_labels", {}) for r in runs if "final" in r)
                                    if "balanced_accuracy" in x) or "–")
-        rows.append(f"| {arm} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | {runs[0]['curve'][-1][0]} | "
+        rows.append(f"| {arm_name(arm, runs)} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | {runs[0]['curve'][-1][0]} | "
                     + " | ".join(cells) + " |")
     sources: dict[str, dict[str, list[int]]] = {}
     for r in results:
@@ -479,7 +489,7 @@ def plot(results: list[dict], path: Path) -> list[str]:
             highs.append(m + sd)
         borrowed = [Path(r["from"]).name for r in runs if "from" in r]  # --with: say where they come from
         where = f", {len(borrowed)} from {', '.join(sorted(set(borrowed)))}" if borrowed else ""
-        (line,) = ax.plot(xs, means, marker="o", label=f"{arm} (n={len(runs)}{where})")
+        (line,) = ax.plot(xs, means, marker="o", label=f"{arm_name(arm, runs)} (n={len(runs)}{where})")
         colour[arm] = line.get_color()
         ax.fill_between(xs, lows, highs, alpha=0.2)
     ax.set_xlabel("GRPO step")
@@ -499,7 +509,7 @@ def plot(results: list[dict], path: Path) -> list[str]:
                      color=colour.get(arm), marker="o", markersize=8, linewidth=2.5)
             ticks += [x_on, x_off]
             labels += ["on", "off"]
-            ax2.text(x_on + 0.5, -0.11, arm, transform=ax2.get_xaxis_transform(), ha="center", va="top", fontsize=8,
+            ax2.text(x_on + 0.5, -0.11, arm_name(arm, by_arm[arm]), transform=ax2.get_xaxis_transform(), ha="center", va="top", fontsize=8,
                      color=colour.get(arm))
         ax2.set_xticks(ticks, labels, fontsize=8)
         ax2.set_xlim(-0.6, 3 * len(pairs) - 1.4)

@@ -85,6 +85,21 @@ def test_the_figure_shows_on_and_off_after_training_when_runs_have_both(tmp_path
     assert len(titles) == 2 and "on vs off" in titles[1] and (tmp_path / "c.png").stat().st_size > 1000
 
 
+def test_an_arm_trained_with_overrides_is_named_with_them():
+    lc = _runner()
+    tuned = {"config": "c.yaml", "overrides": ["--model.grpo.calibration=0.1"]}
+    results = [{"arm": "sg_gr_cal", "seed": s, "curve": [[0, 0.1], [4, 0.2]], "guide": {}, "settings": tuned}
+               for s in (0, 1)]
+    results.append({"arm": "grpo", "seed": 0, "curve": [[0, 0.0], [4, 0.2]], "guide": {},
+                    "settings": {"config": "c.yaml", "overrides": []}})
+    _, table = lc.summarise(results)
+    assert "| sg_gr_cal (grpo.calibration=0.1) | 2 |" in table and "| grpo | 1 |" in table
+    # runs of one arm trained differently (one borrowed from a study of the default) keep the bare name
+    mixed = results[:1] + [{**results[1], "settings": {"config": "c.yaml", "overrides": []}}]
+    assert lc.arm_name("sg_gr_cal", mixed) == "sg_gr_cal"
+    assert lc.arm_name("sg_gr_cal", results[:2]) == "sg_gr_cal (grpo.calibration=0.1)"
+
+
 def test_no_run_with_nothing_finished_says_so(tmp_path):
     lc = _runner()
     with pytest.raises(SystemExit, match="no finished run"):
