@@ -432,8 +432,8 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
             cells.append(", ".join(f"{x['balanced_accuracy']:.2f} ({1 / x['progress_kinds']:.2f})"
                                    for x in (r.get("final_labels", {}) for r in runs if "final" in r)
                                    if "balanced_accuracy" in x) or "–")
-        rows.append(f"| {arm_name(arm, runs)} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | {runs[0]['curve'][-1][0]} | "
-                    + " | ".join(cells) + " |")
+        rows.append(f"| {arm_name(arm, runs)} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | "
+                    f"{runs[0]['curve'][-1][0]} | " + " | ".join(cells) + " |")
     sources: dict[str, dict[str, list[int]]] = {}
     for r in results:
         if "from" in r:
@@ -509,7 +509,8 @@ def plot(results: list[dict], path: Path) -> list[str]:
                      color=colour.get(arm), marker="o", markersize=8, linewidth=2.5)
             ticks += [x_on, x_off]
             labels += ["on", "off"]
-            ax2.text(x_on + 0.5, -0.11, arm_name(arm, by_arm[arm]), transform=ax2.get_xaxis_transform(), ha="center", va="top", fontsize=8,
+            ax2.text(x_on + 0.5, -0.11, arm_name(arm, by_arm[arm]), transform=ax2.get_xaxis_transform(),
+                     ha="center", va="top", fontsize=8,
                      color=colour.get(arm))
         ax2.set_xticks(ticks, labels, fontsize=8)
         ax2.set_xlim(-0.6, 3 * len(pairs) - 1.4)
