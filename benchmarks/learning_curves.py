@@ -510,8 +510,7 @@ def plot(results: list[dict], path: Path) -> list[str]:
             ticks += [x_on, x_off]
             labels += ["on", "off"]
             ax2.text(x_on + 0.5, -0.11, arm_name(arm, by_arm[arm]), transform=ax2.get_xaxis_transform(),
-                     ha="center", va="top", fontsize=8,
-                     color=colour.get(arm))
+                     ha="center", va="top", fontsize=8, color=colour.get(arm))
         ax2.set_xticks(ticks, labels, fontsize=8)
         ax2.set_xlim(-0.6, 3 * len(pairs) - 1.4)
         ax2.set_ylim(bottom=0)
