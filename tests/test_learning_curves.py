@@ -33,7 +33,9 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
     # the oracle's labels are the env's measured progress: they agree with it wherever it could tell
     assert run["guide"]["label_accuracy"] == 1.0 and 0.0 <= run["guide"]["train_success"] <= 1.0
     assert all(0.0 <= v <= 1.0 for _, v in run["curve"])
-    assert "| oracle | 1 |" in (out / "curves.md").read_text()
+    # trained with overrides after --: the arm is named with them
+    named = "| oracle (rollout.max_steps=2 evaluation.num_tasks=2 evaluation.tasks_per_batch=2) | 1 |"
+    assert named in (out / "curves.md").read_text()
     png = (out / "curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) < 1_000_000
     # a finished run is skipped: nothing is run again
@@ -43,7 +45,7 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
     assert log.read_text() == before
     (out / "curves.md").unlink()
     lc.main([*args, "--no-run"])  # artefacts from what is finished, nothing run
-    assert log.read_text() == before and "| oracle | 1 |" in (out / "curves.md").read_text()
+    assert log.read_text() == before and named in (out / "curves.md").read_text()
     # the run is not reused for a command that asks for something else (a thread count changes nothing)
     assert json.loads((out / "oracle-seed0" / "done.json").read_text())["settings"]["overrides"] == extra[1:]
     lc.main([*args, "--steps", "2", *extra, "--threads", "1"])
