@@ -59,6 +59,7 @@ import yaml
 
 from sglightning.calibration import balanced_accuracy, constant_accuracy
 from sglightning.guidance import LABELS
+from sglightning.report import episode_pairs, paired_outcomes, sign_test
 
 ARMS: dict[str, list[str]] = {
     "grpo": ["--model.guidance.enabled=false", "--model.evaluation.self_guidance=off"],
@@ -242,20 +243,32 @@ def final_labels(report: dict) -> dict[str, float]:
     return out
 
 
+def final_paired(report: dict) -> dict | None:
+    """The final validation's on/off pairs: the report's ``paired`` section, or for reports written before it
+    existed the same computed from their episodes (``None``: not both modes)."""
+    if "paired" in report:
+        return report["paired"]
+    pairs = episode_pairs(report.get("episodes", {}))
+    return paired_outcomes(pairs) if pairs is not None else None
+
+
 def load_done(folder: Path) -> dict:
     """A finished run's ``done.json`` (the guide statistics filled in from its events, and the final validation's
-    label statistics from its report, if it predates them)."""
+    label statistics and on/off pairs from its report, if it predates them)."""
     done = folder / "done.json"
     result = json.loads(done.read_text())
     changed = False
     if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
         result["guide"] = guide_stats(run_scalars(folder))
         changed = True
-    if "final" in result and not {"balanced_accuracy", "constant_accuracy"} <= set(result.get("final_labels", {})):
+    if "final" in result and (not {"balanced_accuracy", "constant_accuracy"} <= set(result.get("final_labels", {}))
+                              or "final_paired" not in result):
         # validated on and off before these statistics were kept
         reports = sorted(folder.parent.glob(f"{folder.name}-final/version_*/validation_report.json"))
         if reports:
-            result["final_labels"] = final_labels(json.loads(reports[-1].read_text()))
+            report = json.loads(reports[-1].read_text())
+            result["final_labels"] = final_labels(report)
+            result["final_paired"] = final_paired(report)
             changed = True
     if changed:
         done.write_text(json.dumps(result))
@@ -342,6 +355,7 @@ def final_both(config: str, arm: str, seed: int, out: Path, extra: list[str], re
     report = json.loads(sorted((out / fname).glob("version_*/validation_report.json"))[-1].read_text())
     result["final"] = {mode: report["modes"][mode][METRIC] for mode in ("sg", "nosg")}
     result["final_labels"] = final_labels(report)
+    result["final_paired"] = final_paired(report)
     (out / name / "done.json").write_text(json.dumps(result))
     return result
 
@@ -391,18 +405,19 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
     and seeds — training success, the labels' accuracy against measured progress (and the best single label's on the
     same pairs: the labels inform only above it), their AUROC against success, the
     share of positive labels, the mean trust weight λ ("–": not logged, e.g. no labels in plain GRPO); with
-    ``--final-both`` runs, success with self-guidance on and off after training and, per seed, the labels' accuracy
-    in that validation (the best single label's in brackets) and their balanced accuracy (a constant label's, 1/K,
-    in brackets)."""
+    ``--final-both`` runs, success with self-guidance on and off after training, the episodes of those validations
+    won only with guidance and only without it, summed over seeds, with the exact sign test over them, and, per seed,
+    the labels' accuracy in that validation (the best single label's in brackets) and their balanced accuracy (a
+    constant label's, 1/K, in brackets)."""
     by_arm: dict[str, list[dict]] = {}
     for r in results:
         by_arm.setdefault(r["arm"], []).append(r)
     finals = any("final" in r for r in results)
     rows = ["| arm | seeds | success at step 0 | success at the last step | by seed | last step | train success | "
             "label accuracy | one constant label | label AUROC | positive labels | mean λ |"
-            + (" final, SG on | final, SG off | final label accuracy (one constant label) | final balanced "
-               "accuracy (one constant label: 1/K) |" if finals else ""),
-            "|---" * (16 if finals else 12) + "|"]
+            + (" final, SG on | final, SG off | final, won only on / only off (sign test p) | final label accuracy "
+               "(one constant label) | final balanced accuracy (one constant label: 1/K) |" if finals else ""),
+            "|---" * (17 if finals else 12) + "|"]
 
     def ms(vals: list[float]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -425,6 +440,10 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
             for mode in ("sg", "nosg"):
                 vals = [r["final"][mode] for r in runs if "final" in r]
                 cells.append(ms(vals) + over(vals, runs) if vals else "–")
+            paired = [r["final_paired"] for r in runs if r.get("final_paired")]
+            a, b = sum(x["only_sg"] for x in paired), sum(x["only_nosg"] for x in paired)
+            cells.append(f"{a} / {b} (p = {sign_test(a, b):.3f})" + over(paired, [r for r in runs if "final" in r])
+                         if paired else "–")  # summed over seeds: a test of "no effect in any seed"
             labels = [r["final_labels"] for r in runs if "label_accuracy" in r.get("final_labels", {})]
             cells.append(", ".join(f"{x['label_accuracy']:.2f}" + (f" ({x['constant_accuracy']:.2f})"
                                                                     if "constant_accuracy" in x else "")

@@ -4,14 +4,11 @@
 
 Reads validation reports written with both modes (``sglightning validate ... --model.evaluation.self_guidance=both``,
 or ``learning_curves.py --final-both``, whose ``<arm>-seed<k>-final`` runs are such validations). Both modes play the
-same evaluation episodes (same tasks, same seeds), so each episode is a pair: won with guidance, without it, both or
-neither. Only the discordant pairs say anything about the guidance, and under "guidance changes nothing" each of them
-is a fair coin: the two-sided exact sign test over them (McNemar's exact test) gives
-
-    p = min(1, 2 · Σ_{i ≤ min(a, b)} C(a + b, i) / 2^(a + b))
-
-for a pairs won only with guidance and b only without. With several reports (e.g. one per seed) a pooled row follows;
-pooling is a valid test of "no effect in any of them", not an estimate of one effect.
+same evaluation episodes, so each is a pair: won with guidance, without it, both or neither. The pairs won one way
+and their exact sign test are computed as the report's own ``paired`` section is
+(:func:`sglightning.report.paired_outcomes`), so reports written before it existed are read too; this script puts
+several reports side by side and pools them (e.g. one per seed: a valid test of "no effect in any of them", not an
+estimate of one effect).
 
 Then how each mode handles a setback: of the actions that lost progress (the env measured progress < 0: an object put
 in the wrong place, say), the share taken again, word for word, later in the same episode; and, with guidance, the
@@ -22,28 +19,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from collections import Counter
 from pathlib import Path
 
-
-def sign_test(a: int, b: int) -> float:
-    """Two-sided exact sign-test p-value of a vs b discordant pairs (1.0 when there are none)."""
-    n = a + b
-    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(a, b) + 1)) / 2**n) if n else 1.0
+from sglightning.report import episode_pairs, paired_outcomes
 
 
 def pairs(report: dict, where: str) -> list[tuple[dict, dict]]:
-    """(with guidance, without) episode summaries of one report, matched by (seed, task id)."""
-    episodes = report.get("episodes", {})
-    if "sg" not in episodes or "nosg" not in episodes:
+    """(with guidance, without) episode summaries of one report; one line naming the file when it has no pairs."""
+    matched = episode_pairs(report.get("episodes", {}))
+    if matched is None:
         raise SystemExit(f"paired_onoff: {where}: no episodes of both modes (validate with "
                          "--model.evaluation.self_guidance=both)")
-    off = {(e["seed"], e.get("task_id")): e for e in episodes["nosg"]}
-    out = [(e, off[(e["seed"], e.get("task_id"))]) for e in episodes["sg"] if (e["seed"], e.get("task_id")) in off]
-    if not out:
+    if not matched:
         raise SystemExit(f"paired_onoff: {where}: the two modes share no episode (seed, task id)")
-    return out
+    return matched
 
 
 def setbacks(episodes: list[dict]) -> tuple[int, int, Counter]:
@@ -65,12 +55,12 @@ def setbacks(episodes: list[dict]) -> tuple[int, int, Counter]:
 def row(name: str, matched: list[tuple[dict, dict]]) -> str:
     on = sum(a["won"] for a, _ in matched)
     off = sum(b["won"] for _, b in matched)
-    only_on = sum(a["won"] and not b["won"] for a, b in matched)
-    only_off = sum(b["won"] and not a["won"] for a, b in matched)
+    paired = paired_outcomes(matched)
     lost_on, again_on, rated = setbacks([a for a, _ in matched])
     lost_off, again_off, _ = setbacks([b for _, b in matched])
     labels = ", ".join(f"{k} {v}" for k, v in sorted(rated.items())) or "–"
-    return (f"| {name} | {len(matched)} | {on} | {off} | {only_on} | {only_off} | {sign_test(only_on, only_off):.3f} "
+    return (f"| {name} | {len(matched)} | {on} | {off} | {paired['only_sg']} | {paired['only_nosg']} | "
+            f"{paired['sign_test_p']:.3f} "
             f"| {again_on} of {lost_on} | {again_off} of {lost_off} | {labels} |")
 
 

@@ -102,6 +102,17 @@ def test_an_arm_trained_with_overrides_is_named_with_them():
     assert lc.arm_name("sg_gr_cal", results[:2]) == "sg_gr_cal (grpo.calibration=0.1)"
 
 
+def test_the_final_pairs_are_summed_over_seeds_and_say_when_some_lack_them():
+    lc = _runner()
+    paired = [{"pairs": 32, "only_sg": 0, "only_nosg": 4, "sign_test_p": 0.125},
+              {"pairs": 32, "only_sg": 1, "only_nosg": 2, "sign_test_p": 1.0}, None]
+    results = [{"arm": "sg_gr", "seed": s, "curve": [[0, 0.1], [8, 0.2]], "guide": {},
+                "final": {"sg": 0.2, "nosg": 0.3}, **({"final_paired": p} if p else {})} for s, p in enumerate(paired)]
+    _, table = lc.summarise(results)
+    # 1 against 6 over the two seeds that hold pairs: p = 2 * (1 + 7) / 128
+    assert "| 1 / 6 (p = 0.125) (n=2) |" in table
+
+
 def test_no_run_with_nothing_finished_says_so(tmp_path):
     lc = _runner()
     with pytest.raises(SystemExit, match="no finished run"):
@@ -252,7 +263,8 @@ def test_the_calibrated_arm_and_the_final_validation_with_guidance_on_and_off(tm
     table = (out / "curves.md").read_text()
     kept = set(lc.FINAL_LABEL_KEYS) | {"balanced_accuracy", "progress_kinds"}
     assert {"positive", "neutral", "negative"} <= set(done["final_labels"]) <= kept
-    assert "final, SG on | final, SG off | final label accuracy" in table and table.count("|---") == 16
+    assert "final, SG on | final, SG off | final, won only on / only off" in table and table.count("|---") == 17
+    assert set(done["final_paired"]) == {"pairs", "only_sg", "only_nosg", "sign_test_p"}
     log = out / "sg_gr_cal-seed0" / "run.log"
     before = log.read_text()
     lc.main([*args, *extra])  # finished and validated: nothing runs again
@@ -298,8 +310,9 @@ def test_with_adds_another_studys_runs_that_this_one_lacks_and_marks_them(tmp_pa
 
 
 def test_a_final_validation_recorded_before_its_label_statistics_gets_them_from_its_report(tmp_path):
-    """Runs validated on and off before done.json kept the labels' statistics: filled in from the final validation's
-    report when the study is read, written back once, and tabled per seed with the best constant label's."""
+    """Runs validated on and off before done.json kept the labels' statistics and the on/off pairs: filled in from
+    the final validation's report when the study is read, written back once, and tabled (the labels per seed with the
+    best constant label's; the pairs summed over seeds)."""
     lc = _runner()
     run = tmp_path / "sg_gr_cal-seed0"
     run.mkdir()
@@ -313,13 +326,18 @@ def test_a_final_validation_recorded_before_its_label_statistics_gets_them_from_
         "nosg": {"rollout/success_rate": 0.2}},
         # pairs (z_t, p_{t−1}): (positive, 0) wrong, (neutral, +1) wrong, (neutral, 0) right; the label after the
         # unmeasured step has no pair.  Signs {0, +}: K = 2; recall 1/2 and 0/1 -> balanced 0.25
+        # and a report from before its `paired` section: the pairs from its episodes (task 1 won only without)
         "episodes": {"sg": [{"labels": ["positive", "positive", "neutral", "neutral", "positive"],
-                             "progress": [0.0, 1.0, 0.0, None, 0.0]}]}}))
-    assert lc.load_done(run)["final_labels"] == {"label_accuracy": 0.62, "constant_accuracy": 0.65, "neutral": 0.9,
-                                                 "balanced_accuracy": 0.25, "progress_kinds": 2}
-    assert json.loads((run / "done.json").read_text())["final_labels"]["label_accuracy"] == 0.62  # written back
+                             "progress": [0.0, 1.0, 0.0, None, 0.0], "seed": 1, "task_id": "a", "won": False}],
+                     "nosg": [{"seed": 1, "task_id": "a", "won": True}]}}))
+    done = lc.load_done(run)
+    assert done["final_labels"] == {"label_accuracy": 0.62, "constant_accuracy": 0.65, "neutral": 0.9,
+                                    "balanced_accuracy": 0.25, "progress_kinds": 2}
+    assert done["final_paired"] == {"pairs": 1, "only_sg": 0, "only_nosg": 1, "sign_test_p": 1.0}
+    written = json.loads((run / "done.json").read_text())  # written back
+    assert written["final_labels"]["label_accuracy"] == 0.62 and written["final_paired"]["only_nosg"] == 1
     _, table = lc.summarise(lc.finished_runs(tmp_path))
-    assert "| 0.300 ± 0.000 | 0.200 ± 0.000 | 0.62 (0.65) | 0.25 (0.50) |" in table
+    assert "| 0.300 ± 0.000 | 0.200 ± 0.000 | 0 / 1 (p = 1.000) | 0.62 (0.65) | 0.25 (0.50) |" in table
     # a report from before the best constant label's accuracy was logged: taken from its episodes (signs 0, +, 0)
     older = json.loads(report.read_text())
     del older["modes"]["sg"]["guidance/label_accuracy_constant"]

@@ -1,4 +1,5 @@
-"""benchmarks/paired_onoff.py: self-guidance on vs off read as pairs of the same episodes."""
+"""Self-guidance on vs off read as pairs of the same episodes: the validation report's ``paired`` section
+(sglightning.report) and benchmarks/paired_onoff.py, which reads it across reports."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+
+from sglightning.report import build_report, episode_pairs, paired_outcomes, report_markdown, scalars, sign_test
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,11 +27,40 @@ def _ep(seed: int, won: bool, actions=("look",), progress=(0.0,), labels=None) -
 
 
 def test_the_sign_test_by_hand():
-    ps = _script()
-    assert ps.sign_test(0, 6) == pytest.approx(2 / 64)  # all six discordant pairs one way
-    assert ps.sign_test(1, 2) == 1.0  # 2 * (1 + 3) / 8, capped
-    assert ps.sign_test(1, 5) == pytest.approx(2 * (1 + 6) / 64)
-    assert ps.sign_test(0, 0) == 1.0
+    assert sign_test(0, 6) == pytest.approx(2 / 64)  # all six discordant pairs one way
+    assert sign_test(1, 2) == 1.0  # 2 * (1 + 3) / 8, capped
+    assert sign_test(1, 5) == pytest.approx(2 * (1 + 6) / 64)
+    assert sign_test(0, 0) == 1.0
+
+
+def test_pairs_match_by_task_and_order_within_a_task():
+    # two episodes per task: the k-th with guidance pairs with the k-th without, whatever the listing order
+    on = [_ep(5, True), _ep(5, False), _ep(6, False)]
+    off = [_ep(6, True), _ep(5, False), _ep(5, False), _ep(7, True)]  # task 7 was not played with guidance
+    pairs = episode_pairs({"sg": on, "nosg": off})
+    assert [(a["seed"], a["won"], b["won"]) for a, b in pairs] == [(5, True, False), (5, False, False),
+                                                                    (6, False, True)]
+    assert paired_outcomes(pairs) == {"pairs": 3, "only_sg": 1, "only_nosg": 1, "sign_test_p": 1.0}
+    assert episode_pairs({"sg": on}) is None
+
+
+def test_a_report_of_both_modes_holds_the_pairs_in_json_markdown_and_tensorboard():
+    from sglightning.episodes import Episode
+
+    def played(seed: int, won: bool, guided: bool) -> Episode:
+        return Episode(index=0, group=seed, seed=seed, task="t", task_type="twc", won=won, guided=guided,
+                       info={"task_id": f"t{seed}"})
+
+    won_on, won_off = (True, True, False, False), (True, False, False, False)
+    modes = {"sg": ({"rollout/success_rate": 0.5}, [played(s, w, True) for s, w in enumerate(won_on)]),
+             "nosg": ({"rollout/success_rate": 0.25}, [played(s, w, False) for s, w in enumerate(won_off)])}
+    report = build_report(3, 1, "dev", {}, modes)
+    assert report["paired"] == {"pairs": 4, "only_sg": 1, "only_nosg": 0, "sign_test_p": 1.0}
+    assert scalars(report)["val/paired/only_sg"] == 1.0 and scalars(report)["val/paired/pairs"] == 4.0
+    assert "won only with it 1, only without it 0 (exact sign test p = 1.000)" in report_markdown(report)
+    one = build_report(3, 1, "dev", {}, {"sg": modes["sg"]})  # one mode: nothing to pair
+    assert "paired" not in one and not any(k.startswith("val/paired") for k in scalars(one))
+    assert "won only with it" not in report_markdown(one)
 
 
 def test_pairs_discordant_counts_and_setbacks(tmp_path, capsys):

@@ -209,7 +209,11 @@ def test_cli_validate_reports_with_and_without_guidance(cli_run, tmp_path, capsy
     assert not any(k.startswith("guidance/label_") for k in report["modes"]["nosg"])  # no guidance, no labels
     shares = sum(report["modes"]["sg"][f"guidance/label_{k}"] for k in ("positive", "neutral", "negative", "unparsed"))
     assert shares == pytest.approx(1.0)
+    paired = report["paired"]  # the same 4 episodes both ways: the pairs won one way account for the rates' gap
+    gap = report["modes"]["sg"]["rollout/success_rate"] - report["modes"]["nosg"]["rollout/success_rate"]
+    assert paired["pairs"] == 4 and paired["only_sg"] - paired["only_nosg"] == round(gap * 4)
     text = capsys.readouterr().out
+    assert "The same 4 episodes with and without self-guidance" in text
     assert "| self-guidance |" in text and "| on |" in text and "| off |" in text
     off_row = next(line for line in text.splitlines() if line.startswith("| off | 4 |"))  # the main table's
     assert "–" in off_row and "nan" not in off_row  # the label columns of a run without guidance: not measured

@@ -9,6 +9,7 @@ episodes (:mod:`sglightning.diagnostics`) and every episode as plain data; plus 
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import Path
 from typing import Any
@@ -31,17 +32,63 @@ def mode_stats(means: dict[str, float], episodes: list[Episode]) -> dict[str, An
     return stats
 
 
+def sign_test(a: int, b: int) -> float:
+    """Two-sided exact sign-test p-value of ``a`` against ``b`` discordant pairs (1.0 when there are none)."""
+    n = a + b
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(min(a, b) + 1)) / 2**n) if n else 1.0
+
+
+def episode_pairs(episodes: dict[str, list[dict]]) -> list[tuple[dict, dict]] | None:
+    """(with guidance, without) pairs of episode summaries (a report's ``episodes``, mode → summaries); ``None``
+    unless both modes were played. Both modes play the same evaluation tasks with the same seeds, so the k-th episode
+    of a task with guidance and the k-th without form a pair."""
+    if "sg" not in episodes or "nosg" not in episodes:
+        return None
+
+    def keyed(eps: list[dict]) -> dict[tuple, dict]:
+        seen: dict[tuple, int] = {}
+        out = {}
+        for e in eps:
+            task = (e.get("seed"), e.get("task_id"))
+            seen[task] = seen.get(task, -1) + 1
+            out[(*task, seen[task])] = e
+        return out
+
+    on, off = keyed(episodes["sg"]), keyed(episodes["nosg"])
+    return [(on[k], off[k]) for k in on if k in off]
+
+
+def paired_outcomes(pairs: list[tuple[dict, dict]]) -> dict[str, Any]:
+    """Self-guidance on vs off read as pairs (:func:`episode_pairs`). Only the pairs won one way inform, and under
+    "guidance changes nothing" each of them is a fair coin: for a pairs won only with guidance and b only without,
+    the two-sided exact sign test (McNemar's exact test) gives
+
+        p = min(1, 2 · Σ_{i ≤ min(a, b)} C(a + b, i) / 2^(a + b))
+
+    which, unlike two success rates side by side, uses that the episodes are the same."""
+    only_sg = sum(bool(a.get("won")) and not b.get("won") for a, b in pairs)
+    only_nosg = sum(bool(b.get("won")) and not a.get("won") for a, b in pairs)
+    return {"pairs": len(pairs), "only_sg": only_sg, "only_nosg": only_nosg,
+            "sign_test_p": sign_test(only_sg, only_nosg)}
+
+
 def build_report(step: int, world_size: int, split: str, versions: dict[str, str],
                  modes: dict[str, tuple[dict[str, float], list[Episode]]]) -> dict[str, Any]:
-    """The report of one validation run; ``modes`` maps a mode to (episode means, its episodes)."""
-    return {
+    """The report of one validation run; ``modes`` maps a mode to (episode means, its episodes); with both modes,
+    ``paired`` holds :func:`paired_outcomes` of their :func:`episode_pairs`."""
+    episodes = {mode: [episode_summary(e) for e in eps] for mode, (_, eps) in modes.items()}
+    out = {
         "step": step,
         "world_size": world_size,
         "modes": {mode: mode_stats(means, eps) for mode, (means, eps) in modes.items()},
-        "episodes": {mode: [episode_summary(e) for e in eps] for mode, (_, eps) in modes.items()},
+        "episodes": episodes,
         "split": split,
         "versions": versions,
     }
+    pairs = episode_pairs(episodes)
+    if pairs is not None:
+        out["paired"] = paired_outcomes(pairs)
+    return out
 
 
 def scalars(report: dict[str, Any]) -> dict[str, float]:
@@ -56,6 +103,8 @@ def scalars(report: dict[str, Any]) -> dict[str, float]:
                 out[f"val/{mode}/failure_{k}"] = float(v)
         for k, v in stats["per_task_type_success"].items():
             out[f"val/{mode}/success_{k}"] = float(v)
+    for k, v in (report.get("paired") or {}).items():  # with both modes: on vs off on the same episodes
+        out[f"val/paired/{k}"] = float(v)
     return out
 
 
@@ -100,6 +149,11 @@ def report_markdown(report: dict[str, Any]) -> str:
     for mode, stats in modes.items():
         vals = " | ".join(f"{stats[k]:.3f}" if k in stats else "–" for _, k in cols)  # – : not measured
         lines.append(f"| {name.get(mode, mode)} | {stats.get('episodes', 0)} | {vals} |")
+    paired = report.get("paired")
+    if paired:
+        lines += ["", f"The same {paired['pairs']} episodes with and without self-guidance: won only with it "
+                      f"{paired['only_sg']}, only without it {paired['only_nosg']} (exact sign test p = "
+                      f"{paired['sign_test_p']:.3f})."]
     types = sorted({t for st in modes.values() for t in (st.get("per_task_type_success") or {})})
     if types:  # also for a single task type: the table says which type the episodes were
         lines += ["", "Success per task type:", "", "| self-guidance | " + " | ".join(types) + " |",
