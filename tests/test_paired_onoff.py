@@ -3,22 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from scripts import benchmark
 
 from sglightning.report import build_report, episode_pairs, paired_outcomes, report_markdown, scalars, sign_test
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("paired_onoff", ROOT / "benchmarks" / "paired_onoff.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark("paired_onoff")
 
 
 def _ep(seed: int, won: bool, actions=("look",), progress=(0.0,), labels=None) -> dict:

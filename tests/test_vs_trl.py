@@ -5,21 +5,15 @@ task seeds, and the sglightning side's config runs and reports per-step numbers.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import torch
+from scripts import benchmark
 
 from sglightning.models import EMBEDDED_TINY, PolicyConfig, load_policy
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("vs_trl", ROOT / "benchmarks" / "vs_trl.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark("vs_trl")
 
 
 def _args(**over) -> argparse.Namespace:
