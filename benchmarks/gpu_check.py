@@ -1,32 +1,60 @@
-"""One short GRPO run on whatever accelerator is here, with a random-init model of a realistic size (no download):
-prints rollout tokens/s, update tokens/s, peak accelerator memory and the sampler/trainer log-prob gap.
+"""A short GRPO run through ``sglightning fit`` (the CLI: seeded rollouts, validation before and after training) on a
+random-init model of a real shape (nothing to download), measured against the chip's limits.
 
-    python benchmarks/gpu_check.py                                  # 0.39 B Qwen2-shaped model, 1 GPU, 3 steps
-    python benchmarks/gpu_check.py --strategy fsdp2 --devices 2     # FSDP2 (ModelParallelStrategy) on 2 GPUs
-    python benchmarks/gpu_check.py --strategy fsdp1 --devices 2     # FSDP1 (FSDPStrategy) on 2 GPUs
-    python benchmarks/gpu_check.py --cpu-smoke                      # the same code path, tiny shapes, on CPU
+    python benchmarks/gpu_check.py                                      # the 0.39 B probe, 8 × 8 episodes, 1 GPU
+    python benchmarks/gpu_check.py --shape qwen3-1.7b --groups 16       # the paper's 16 × 8 episodes
+    python benchmarks/gpu_check.py --strategy fsdp2 --devices 2         # FSDP2 on 2 GPUs
+    python benchmarks/gpu_check.py --cpu-smoke                          # the same code path, tiny shapes, on CPU
 
-The model is Qwen2-0.5B-shaped (hidden 896, 24 layers, 14 heads, MLP 4864; embeddings tied) with the in-process test
-tokenizer (vocabulary 512 instead of 151 936, so ~0.39 B parameters), LoRA r16 on all linear layers, the household env.
-On a GPU the base is bf16 and the LoRA weights fp32 under ``precision="bf16-mixed"`` (the multi-GPU configs' setting).
+Prints, for the steps after the first (the first compiles): rollout generated tokens/s, the decode roofline for the
+shape at the measured batch and mean context and the share of it reached; update tokens/s and MFU; peak memory; the
+sampler/trainer log-prob gap; validation success before and after; one table row last.
+
+The decode roofline: a decode step reads the weights once and every row's KV cache, so
+``tokens/s ≤ B / ((2·N + B·L·kv) / bandwidth)`` with B the rows a lock step advances, L their mean context (both as
+the engine logged them), kv = 2 · layers · kv_heads · head_dim · 2 bytes per token, N the parameters, bandwidth a
+device-to-device copy measured here (bytes read + written).  MFU counts 4·N FLOPs per update token (forward and
+input gradients; the frozen base takes no weight gradients) against a bf16 matrix product measured here.
+
+Shapes (``--shape``), all with the in-process test tokenizer (vocabulary 512 instead of ~150 k, so the LM head is
+negligible and N is the transformer's), LoRA r16 on every linear layer, bf16 base, fp32 adapters, ``bf16-mixed``:
+
+* ``probe`` — the first GPU run's 0.39 B model: Qwen2-0.5B's layers with full multi-head attention (14 kv heads);
+* ``qwen2.5-0.5b`` — the same with Qwen2.5's grouped-query attention (2 kv heads);
+* ``qwen3-1.7b``, ``qwen3-4b`` — Qwen3's layers (q/k norms, 8 kv heads of 128).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
+import tempfile
 import time
+from pathlib import Path
+
+SHAPES = {
+    "tiny": dict(),
+    "probe": dict(hidden_size=896, num_layers=24, num_heads=14, intermediate_size=4864),
+    "qwen2.5-0.5b": dict(hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, intermediate_size=4864),
+    "qwen3-1.7b": dict(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+                       intermediate_size=6144, arch="qwen3"),
+    "qwen3-4b": dict(hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+                     intermediate_size=9728, arch="qwen3"),
+}
 
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="probe")
     ap.add_argument("--strategy", choices=["auto", "ddp", "fsdp1", "fsdp2"], default="auto")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--groups", type=int, default=8, help="groups per step (per rank)")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-env-steps", type=int, default=6)
+    ap.add_argument("--val-tasks", type=int, default=8, help="validation tasks, before and after training (0: none)")
+    ap.add_argument("--compile", default="auto", help="model.engine.compile (auto, off, static, default, cudagraphs, "
+                    "reduce-overhead)")
     ap.add_argument("--precision", default=None, help="trainer precision (default: bf16-mixed on GPU, 32-true on CPU)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks the script end to end")
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
@@ -34,85 +62,162 @@ def parse(argv=None) -> argparse.Namespace:
     if args.strategy == "fsdp1" and args.devices < 2:
         ap.error("--strategy fsdp1 needs --devices 2 or more: on one process torch's FSDP1 does not shard (NO_SHARD), "
                  "which fails on this model's tied embeddings")
+    if args.cpu_smoke:
+        args.shape, args.groups, args.group_size, args.max_env_steps = "tiny", 1, 2, 2
+        args.val_tasks = min(args.val_tasks, 2)
     return args
+
+
+def fit_args(args, gpu: bool, root: str) -> list[str]:
+    """The ``sglightning fit`` command line of this check (the YAML-free form of a config)."""
+    shape = [f"--model.policy.tiny.{k}={v}" for k, v in SHAPES[args.shape].items()]
+    strategy = {"fsdp2": ["--trainer.strategy=sglightning.strategies.FSDP2Strategy"],
+                "fsdp1": ["--trainer.strategy=sglightning.strategies.FSDP1Strategy",
+                          "--trainer.strategy.state_dict_type=sharded"],
+                "ddp": ["--trainer.strategy=ddp"]}.get(args.strategy, [])
+    val = (["--model.evaluation.before_fit=true", f"--model.evaluation.num_tasks={args.val_tasks}",
+            f"--model.evaluation.tasks_per_batch={args.val_tasks}"] if args.val_tasks else
+           ["--trainer.limit_val_batches=0"])
+    return [
+        "fit", f"--trainer.default_root_dir={root}", "--trainer.logger=false", "--trainer.enable_progress_bar=false",
+        f"--trainer.accelerator={'gpu' if gpu else 'cpu'}", f"--trainer.devices={args.devices}",
+        f"--trainer.precision={args.precision or ('bf16-mixed' if gpu else '32-true')}",
+        f"--trainer.max_steps={args.steps}", "--seed_everything=0", *strategy,
+        "--model.policy.name_or_path=embedded:tiny", "--model.policy.lora_r=16", "--model.policy.lora_alpha=32",
+        "--model.policy.lora_target_modules=all-linear", f"--model.policy.dtype={'bfloat16' if gpu else 'float32'}",
+        *shape,
+        "--model.env.class_path=sglightning.envs.household.HouseholdEnv", "--model.env.init_args.difficulty=1",
+        f"--model.rollout.groups_per_step={args.groups}", f"--model.rollout.group_size={args.group_size}",
+        f"--model.rollout.max_steps={args.max_env_steps}",
+        "--model.guidance.action_decoding=admissible", "--model.guidance.max_guidance_tokens=24",
+        "--model.guidance.max_action_tokens=24", "--model.grpo.kl_coef=0.01", "--model.update.micro_batch_size=8",
+        f"--model.engine.compile={args.compile}", *val,
+        "--model.optimizer=torch.optim.AdamW", "--model.optimizer.lr=1e-5",
+    ]
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes per second of a device-to-device copy of 2 GiB (read + written), best of 5."""
+    import torch
+
+    x = torch.empty(2**30, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        y.copy_(x)
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    del x, y
+    return 2 * 2**31 / best
+
+
+def matmul_flops(device) -> float:
+    """FLOP/s of an 8192³ bf16 matrix product on random data (mean of 10 after 3 warm-ups)."""
+    import torch
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (time.perf_counter() - t)
+
+
+def shape_numbers(shape: dict) -> dict[str, float]:
+    """Parameters (all, and those of the transformer layers) and KV bytes per token in bf16, from the shape alone."""
+    import torch
+
+    from sglightning.models import TinyModelConfig, build_tiny_model
+
+    cfg = TinyModelConfig(**shape)
+    with torch.device("meta"):  # shapes only, no memory
+        model = build_tiny_model(cfg, 512, "meta")
+    params = sum(p.numel() for p in model.parameters())
+    kv_heads = cfg.num_kv_heads or cfg.num_heads
+    return {"params": float(params), "kv_bytes_per_token": float(2 * cfg.num_layers * kv_heads * cfg.heads_dim * 2)}
+
+
+def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: float | None) -> dict:
+    rows = hist[1:] or hist  # the first step includes warm-up and compilation
+    gen = sum(r["tokens/generated"] for r in rows)
+    rollout_s = sum(r["time/rollout_s"] for r in rows)
+    out = {"rollout_tokens_per_s": gen / rollout_s,
+           "rollout_s_per_step": rollout_s / len(rows),
+           "update_tokens_per_s": sum(r.get("tokens/total", 0.0) for r in rows)
+           / max(sum(r["time/update_s"] for r in rows), 1e-9),
+           "update_s_per_step": sum(r["time/update_s"] for r in rows) / len(rows),
+           "logprob_gap_sampler_trainer": max(r.get("policy/logprob_gap_sampler_trainer", 0.0) for r in hist)}
+    b = sum(r.get("engine/rows_per_lock_step", 0.0) for r in rows) / len(rows)
+    ctx = sum(r.get("engine/mean_context_tokens", 0.0) for r in rows) / len(rows)
+    out.update(rows_per_lock_step=b, mean_context_tokens=ctx, **shape_numbers(shape))
+    if bandwidth and b:
+        step_bytes = 2 * out["params"] + b * ctx * out["kv_bytes_per_token"]
+        out["decode_roofline_tokens_per_s"] = b / (step_bytes / bandwidth)
+        out["roofline_share"] = out["rollout_tokens_per_s"] / out["decode_roofline_tokens_per_s"]
+    if flops:
+        out["update_mfu"] = 4 * out["params"] * out["update_tokens_per_s"] / flops
+    return out
 
 
 def main(argv=None) -> dict:
     args = parse(argv)
     import torch
-    from lightning.pytorch import Trainer
 
-    from sglightning.data import RolloutConfig
-    from sglightning.envs.household import HouseholdEnv
-    from sglightning.guidance import GuidanceConfig
-    from sglightning.models import PolicyConfig, TinyModelConfig
-    from sglightning.module import EvalConfig, GRPOConfig, SelfGuideModule
-    from sglightning.update import UpdateConfig
+    from sglightning.callbacks import RolloutCallback
+    from sglightning.cli import cli_main
 
     gpu = torch.cuda.is_available() and not args.cpu_smoke
-    shape = (TinyModelConfig() if args.cpu_smoke else
-             TinyModelConfig(hidden_size=896, num_layers=24, num_heads=14, intermediate_size=4864))
-    groups, size, steps_env = ((1, 2, 2) if args.cpu_smoke else (args.groups, args.group_size, args.max_env_steps))
-    module = SelfGuideModule(
-        policy=PolicyConfig(name_or_path="embedded:tiny", tiny=shape, lora_r=16, lora_alpha=32,
-                          dtype="bfloat16" if gpu else "float32"),
-        env=functools.partial(HouseholdEnv, difficulty=1),
-        rollout=RolloutConfig(groups_per_step=groups, group_size=size, max_steps=steps_env),
-        guidance=GuidanceConfig(action_decoding="admissible", max_guidance_tokens=24, max_action_tokens=24),
-        grpo=GRPOConfig(kl_coef=0.01),
-        update=UpdateConfig(micro_batch_size=8),
-        evaluation=EvalConfig(num_tasks=1),
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-5),
-    )
-    strategy = args.strategy
-    if strategy == "fsdp2":
-        from sglightning.strategies import FSDP2Strategy
-
-        strategy = FSDP2Strategy()
-    elif strategy == "fsdp1":
-        from sglightning.strategies import FSDP1Strategy
-
-        strategy = FSDP1Strategy(state_dict_type="sharded")
-    import tempfile
-
-    trainer = Trainer(
-        default_root_dir=tempfile.mkdtemp(prefix="sgl-gpu-check-"),
-        accelerator="gpu" if gpu else "cpu", devices=args.devices, strategy=strategy,
-        precision=args.precision or ("bf16-mixed" if gpu else "32-true"), max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0, num_sanity_val_steps=0,
-    )
+    bandwidth = copy_bandwidth("cuda") if gpu else None
+    flops = matmul_flops("cuda") if gpu else None
     if gpu:
         torch.cuda.reset_peak_memory_stats()
+    root = tempfile.mkdtemp(prefix="sgl-gpu-check-")
     t0 = time.perf_counter()
-    trainer.fit(module)
-    hist = module.history
-    rows = hist[1:] or hist  # the first step includes warm-up
-    out = {
-        "device": torch.cuda.get_device_name(0) if gpu else "cpu",
-        "strategy": args.strategy, "devices": args.devices, "steps": len(hist),
-        "params_M": _count_params(shape) / 1e6,  # the whole model (under FSDP each rank holds a shard)
-        "episodes_per_step": hist[-1]["rollout/episodes"],
-        "rollout_tokens_per_s": sum(r["tokens/generated"] for r in rows) / sum(r["time/rollout_s"] for r in rows),
-        "update_tokens_per_s": sum(r.get("tokens/total", 0.0) for r in rows) / sum(r["time/update_s"] for r in rows),
-        "logprob_gap_sampler_trainer": max(r.get("policy/logprob_gap_sampler_trainer", 0.0) for r in hist),
-        "peak_memory_GB": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
-        "wall_s": time.perf_counter() - t0,
-    }
+    cli = cli_main(fit_args(args, gpu, root))
+    module, trainer = cli.model, cli.trainer
+    engine = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback)).engine
+    out = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "shape": args.shape,
+           "strategy": args.strategy, "devices": args.devices, "compile": args.compile,
+           "decode_step": engine.mode(module.peft_model) if hasattr(engine, "mode") else None,
+           "steps": len(module.history),
+           "episodes_per_step": module.history[-1]["rollout/episodes"],
+           **summarise(module.history, SHAPES[args.shape], bandwidth, flops),
+           "copy_bandwidth_TBps": bandwidth / 1e12 if bandwidth else None,
+           "matmul_TFLOPs": flops / 1e12 if flops else None,
+           "peak_memory_GB": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+           "validation_before": _success(module.val_report_before), "validation_after": _success(module.val_report),
+           "wall_s": time.perf_counter() - t0}
     if trainer.is_global_zero:
         print(json.dumps(out, indent=2))
+        print(row(out))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=2)
+            Path(args.json).write_text(json.dumps(out, indent=2))
     return out
 
 
-def _count_params(shape) -> int:
-    import torch
+def _success(report: dict | None) -> float | None:
+    if not report:
+        return None
+    modes = report.get("modes") or {}
+    first = next(iter(modes.values()), None)
+    return None if first is None else first.get("rollout/success_rate")
 
-    from sglightning.models import build_tiny_model
 
-    with torch.device("meta"):  # shapes only, no memory
-        return sum(p.numel() for p in build_tiny_model(shape, 512).parameters())
+def row(o: dict) -> str:
+    """One Markdown table row: shape, episodes, rollout tok/s (share of the roofline), update tok/s (MFU), memory."""
+    share = f" ({100 * o['roofline_share']:.1f} % of {o['decode_roofline_tokens_per_s']:,.0f})" \
+        if o.get("roofline_share") is not None else ""
+    mfu = f" ({100 * o['update_mfu']:.1f} % MFU)" if o.get("update_mfu") is not None else ""
+    mem = f"{o['peak_memory_GB']:.1f} GB" if o.get("peak_memory_GB") is not None else "-"
+    return (f"| {o['shape']} | {o['episodes_per_step']:.0f} | {o['rollout_tokens_per_s']:,.0f}{share} | "
+            f"{o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | {mem} | "
+            f"{o['validation_before']} -> {o['validation_after']} |")
 
 
 if __name__ == "__main__":

@@ -41,8 +41,8 @@ from sglightning.data import RolloutConfig
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
+from sglightning.prefixes import cluster_heads
 from sglightning.rollout import Rollout
-from sglightning.sampler import cluster_heads
 
 
 def matmul_gflops(n: int = 1024, reps: int = 20) -> float:

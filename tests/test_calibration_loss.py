@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from tiny import engine, tiny_module, tiny_trainer
+from tiny import rollout, tiny_module, tiny_trainer
 
 from sglightning import scoring
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Piece, Restriction, Sample
@@ -159,7 +159,7 @@ def test_calibration_trains_the_labels_toward_their_targets(tmp_path):
     did before training; the step logs the targets and the auxiliary loss."""
     fixed = _module(calibration=0.0)
     fixed.configure_model()
-    batch = engine(fixed).run(list(range(40, 46)), generator=torch.Generator().manual_seed(3))
+    batch = rollout(fixed).run(list(range(40, 46)), generator=torch.Generator().manual_seed(3))
     samples = [s for s in batch.samples if s.targets]
     assert samples, "no labelled turn with a measured progress"
     before = _target_logq(fixed, samples)

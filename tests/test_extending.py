@@ -1,5 +1,5 @@
 """The examples of docs/extending.md (examples/extending/): a new environment, reward term, advantage estimator and
-decoder backend, each one file, together in one config — trained through the real CLI."""
+generation engine, each one file, together in one config — trained through the real CLI."""
 
 from __future__ import annotations
 
@@ -21,21 +21,21 @@ EXAMPLES = ROOT / "examples" / "extending"
 def _examples_on_path(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES))
     yield
-    for name in ("countdown_env", "brevity_reward", "return_to_go", "counting_decoder"):
+    for name in ("countdown_env", "brevity_reward", "return_to_go", "counting_engine"):
         sys.modules.pop(name, None)
 
 
 def test_the_four_extensions_train_together_from_one_config(tmp_path, capsys):
-    from counting_decoder import CountingDecoder
+    from counting_engine import CountingEngine
 
-    CountingDecoder.fed_tokens = CountingDecoder.generated_tokens = 0
+    CountingEngine.fed_tokens = CountingEngine.generated_tokens = 0
     cli = cli_main([
         "fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--config", str(EXAMPLES / "config.yaml"),
         "--trainer.max_steps=2", f"--trainer.default_root_dir={tmp_path}",
         f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.limit_val_batches=0",
     ])
     module = cli.model
-    assert CountingDecoder.fed_tokens > 0 and CountingDecoder.generated_tokens > 0  # the rollouts ran on it
+    assert CountingEngine.fed_tokens > 0 and CountingEngine.generated_tokens > 0  # the rollouts ran on it
     assert [t.name for t in module.reward_terms] == ["brevity"]
     assert len(module.history) == 2
     for h in module.history:

@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.{sh,py}: shell syntax, argument parsing, and the whole script on CPU with tiny shapes."""
+"""benchmarks/gpu_check.{sh,py} and gpu_session.sh: shell syntax, argument parsing, the roofline arithmetic, and the
+whole check on CPU with tiny shapes, through the same CLI path as ``sglightning fit`` (seeded, validated)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,16 @@ sys.path.insert(0, str(BENCH))
 import gpu_check  # noqa: E402
 
 
-def test_shell_script_syntax():
-    assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_session.sh"])
+def test_shell_script_syntax(script):
+    assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0
 
 
 def test_arguments():
-    a = gpu_check.parse(["--strategy", "fsdp2", "--devices", "2", "--steps", "5"])
-    assert (a.strategy, a.devices, a.steps, a.cpu_smoke) == ("fsdp2", 2, 5, False)
+    a = gpu_check.parse(["--strategy", "fsdp2", "--devices", "2", "--steps", "5", "--shape", "qwen3-1.7b"])
+    assert (a.strategy, a.devices, a.steps, a.cpu_smoke, a.shape) == ("fsdp2", 2, 5, False, "qwen3-1.7b")
+    with pytest.raises(SystemExit):
+        gpu_check.parse(["--shape", "qwen9"])
     assert gpu_check.parse(["--strategy", "fsdp1", "--devices", "2"]).strategy == "fsdp1"
     with pytest.raises(SystemExit):
         gpu_check.parse(["--strategy", "deepspeed"])
@@ -28,9 +32,32 @@ def test_arguments():
         gpu_check.parse(["--strategy", "fsdp1"])
 
 
-def test_cpu_smoke_run_prints_the_numbers(tmp_path):
+def test_shapes_count_what_the_real_models_hold():
+    """Parameters and KV bytes per token from the shapes alone (vocabulary 512): the first GPU run's 0.39 B probe,
+    and Qwen3-1.7B's layers (1.41 B without its 151 k-token embedding; KV: 2 · 28 layers · 8 heads · 128 · 2 B)."""
+    probe, q17 = (gpu_check.shape_numbers(gpu_check.SHAPES[k]) for k in ("probe", "qwen3-1.7b"))
+    assert 0.38e9 < probe["params"] < 0.40e9 and probe["kv_bytes_per_token"] == 2 * 24 * 14 * 64 * 2
+    assert 1.40e9 < q17["params"] < 1.42e9 and q17["kv_bytes_per_token"] == 2 * 28 * 8 * 128 * 2
+
+
+def test_the_roofline_by_hand():
+    """Two steps logged (the first is warm-up): B = 64 rows at L = 1 000 tokens of 84 KB each plus 0.8 GB of
+    weights per step at 4 TB/s is 64 / ((0.8e9 + 64·1000·86016) / 4e12) tok/s; MFU = 4·N·tokens/s / peak."""
+    step = {"tokens/generated": 640.0, "time/rollout_s": 0.5, "tokens/total": 1e4, "time/update_s": 0.1,
+            "engine/rows_per_lock_step": 64.0, "engine/mean_context_tokens": 1000.0}
+    out = gpu_check.summarise([dict(step, **{"time/rollout_s": 9.0}), step], gpu_check.SHAPES["probe"], 4e12, 8e14)
+    assert out["rollout_tokens_per_s"] == 1280.0 and out["update_tokens_per_s"] == 1e5
+    roof = 64 / ((2 * out["params"] + 64 * 1000 * 86016) / 4e12)
+    assert out["decode_roofline_tokens_per_s"] == pytest.approx(roof)
+    assert out["roofline_share"] == pytest.approx(1280 / roof)
+    assert out["update_mfu"] == pytest.approx(4 * out["params"] * 1e5 / 8e14)
+
+
+def test_cpu_smoke_run_goes_through_fit_with_validation(tmp_path, capsys):
     out = gpu_check.main(["--cpu-smoke", "--steps", "2", "--json", str(tmp_path / "n.json")])
     assert out["steps"] == 2 and out["rollout_tokens_per_s"] > 0 and out["update_tokens_per_s"] > 0
     assert out["logprob_gap_sampler_trainer"] < 1e-4  # sampler and trainer agree on the same weights
+    assert out["validation_before"] is not None and out["validation_after"] is not None  # fit's validations ran
+    assert out["rows_per_lock_step"] > 0 and out["mean_context_tokens"] > 0  # the engine logged its decode steps
     assert (tmp_path / "n.json").is_file()
-    assert 0.05 < out["params_M"] < 50  # the whole tiny model, counted from its shapes
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| tiny | 2 | ")

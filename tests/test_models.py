@@ -21,13 +21,13 @@ from sglightning.models import (
     TinyModelConfig,
     build_tiny_model,
     build_tiny_tokenizer,
+    cache_argument_name,
     cache_root,
     ensure_smollm2_folder,
     load_policy,
     resolve_dtype,
     smollm2_gguf_path,
 )
-from sglightning.sampler import cache_argument_name
 
 TEXT = "Reason: step 1 moved closer.\nLabel: positive\nAction: go to countertop 1"
 

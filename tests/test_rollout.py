@@ -17,6 +17,8 @@ from fakes import (
 )
 
 from sglightning.data import RolloutConfig
+from sglightning.engines import EngineConfig
+from sglightning.engines.builtin import BuiltinEngine, DecodeSession
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE
 from sglightning.grpo import GRPOConfig
@@ -24,7 +26,6 @@ from sglightning.guidance import GuidanceConfig, parse_action
 from sglightning.models import PolicyConfig, build_tiny_tokenizer, load_policy
 from sglightning.rewards import episode_returns
 from sglightning.rollout import Rollout
-from sglightning.sampler import DecodeSession
 
 ENV = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
 
@@ -404,20 +405,23 @@ def _restricted_reference(rows: torch.Tensor, ids: list[int], restrictions: list
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("compile_mode", ["off", "static"])
 @pytest.mark.parametrize(
-    "mode,decoding,action,fmt",
-    [("single_stream", "constrained", "admissible", "action_line"), ("single_stream", "free", "free", "action_line"),
-     ("two_call", "constrained", "free", "action_line"), ("two_call", "free", "admissible", "json"),
-     ("single_stream", "constrained", "admissible", "think_tags"), ("two_call", "constrained", "free", "json")],
+    "mode,decoding,action,fmt,top_k",
+    [("single_stream", "constrained", "admissible", "action_line", 0),
+     ("single_stream", "free", "free", "action_line", 0), ("two_call", "constrained", "free", "action_line", 0),
+     ("two_call", "free", "admissible", "json", 0), ("single_stream", "constrained", "admissible", "think_tags", 0),
+     ("two_call", "constrained", "free", "json", 0), ("single_stream", "free", "free", "action_line", 7)],
 )
-def test_sampled_ids_masks_and_logprobs_match_a_clean_forward(tiny, mode, decoding, action, fmt):
+def test_sampled_ids_masks_and_logprobs_match_a_clean_forward(tiny, mode, decoding, action, fmt, top_k, compile_mode):
     """The recorded log-prob of every policy token is that of the distribution it was drawn from (restricted
-    sampling renormalised over the recorded set), equal to a clean unbatched forward; the unrestricted log π is kept
-    beside it."""
+    sampling renormalised over the recorded set, top-k included), equal to a clean unbatched forward; the
+    unrestricted log π is kept beside it.  With the dynamic cache and with the slot cache (the GPU path)."""
     model, tok = tiny
     gc = GuidanceConfig(prompt_mode=mode, decoding=decoding, action_decoding=action, max_guidance_tokens=6,
                         max_action_tokens=6, max_think_tokens=5, actor_format=fmt)
-    r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=3, temperature=0.7))
+    r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=3, temperature=0.7, top_k=top_k),
+                engine=BuiltinEngine(EngineConfig(compile=compile_mode)))
     batch = r.run([1, 2, 3], generator=torch.Generator().manual_seed(0))
     assert batch.generated_tokens > 0
     kinds_seen = set()
@@ -438,8 +442,11 @@ def test_sampled_ids_masks_and_logprobs_match_a_clean_forward(tiny, mode, decodi
         full = torch.tensor(s.full_logprobs[1:])
         assert torch.allclose(full[pol], full_ref[pol], atol=1e-5)
         restricted_seen += sum(r is not None for r in s.restrictions)
-    if decoding == "constrained" or action == "admissible":
+    if decoding == "constrained" or action == "admissible" or top_k:
         assert restricted_seen > 0
+    if top_k:  # every free token was drawn among the top k
+        assert all(r is not None and len(r.ids) <= top_k for s in batch.samples
+                   for r, p in zip(s.restrictions, s.policy) if p)
     if action == "admissible":  # the thought (if any) is free, the action is one of the admissible ones
         assert all(not st.invalid and st.format_ok for e in batch.episodes for st in e.steps)
     if decoding == "free" and mode == "single_stream":
@@ -503,7 +510,7 @@ def test_every_token_carries_its_episode_step(tok, mode):
 
 
 def test_shared_prefixes_groups_rows_by_their_common_prompt():
-    from sglightning.sampler import shared_prefixes
+    from sglightning.prefixes import shared_prefixes
 
     a = list(range(20))
     b = a[:12] + [99, 98]
@@ -525,15 +532,14 @@ def test_shared_prefixes_groups_rows_by_their_common_prompt():
 
 
 def same_rollouts_with_and_without(tiny, mode: str, option: str, seeds: list[int], max_steps: int):
-    """Play the same constrained rollouts with ``DecodeSession(option=True)`` and ``(option=False)``; assert identical
+    """Play the same constrained rollouts with ``BuiltinEngine(option=True)`` and ``(option=False)``; assert identical
     tokens and log-probs (beyond float rounding); return both batches (on, off)."""
     model, tok = tiny
     gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="admissible", max_guidance_tokens=5)
     runs = {}
     for on in (True, False):
-        decoder = functools.partial(DecodeSession, **{option: on})
         r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=max_steps, temperature=1.0),
-                    decoder=decoder)
+                    engine=BuiltinEngine(**{option: on}))
         runs[on] = r.run(seeds, generator=torch.Generator().manual_seed(0))
     assert len(runs[True].samples) == len(runs[False].samples) > 0
     for a, b in zip(runs[True].samples, runs[False].samples):
@@ -554,7 +560,7 @@ def test_forced_runs_ride_along_with_the_sampled_token_and_log_probs_match_a_cle
     """A lock step feeds each row one sampled token plus every token after it that needs no sampling (a Force, a
     Choice's single-continuation tokens): Force(5) · Free(1) · Force(3) · Choice(two options sharing 2 tokens) takes
     3 forwards instead of 12, and every sampled token's log-prob is the model's on the exact context before it."""
-    from sglightning.sampler import Choice, Force, Free
+    from sglightning.engines.program import Choice, Force, Free
 
     model, _ = tiny
     model.eval()
@@ -606,7 +612,7 @@ def test_action_help_first_turn_only_needs_the_single_stream():
 
 
 def test_plan_stages_cuts_where_lengths_jump_and_keeps_decode_steps_in_one_pass():
-    from sglightning.sampler import plan_stages
+    from sglightning.engines.builtin import plan_stages
 
     assert plan_stages([1] * 13 + [4, 4, 4], cached=400) == [4]  # decode-sized blocks: one pass
     assert plan_stages([50] * 12 + [180] * 4, cached=400) == [50, 180]  # 16x180 padded vs 16x50 + 4x130 (+ copies)
@@ -638,7 +644,7 @@ def test_staged_prefill_gives_the_one_pass_logits_and_computes_fewer_positions(t
     assert DecodeSession(model, 0).staged_prefill  # the default on a CPU
     assert staged.turn_cost == (2, 4 * 6 + 1 * 84) and plain.turn_cost == (1, 4 * 90)
     torch.testing.assert_close(staged.last_logits, plain.last_logits, atol=1e-5, rtol=1e-5)
-    assert torch.equal(staged.attn.sum(1), plain.attn.sum(1)) and torch.equal(staged.next_pos, plain.next_pos)
+    assert torch.equal(staged.attn.sum(1), plain.attn.sum(1)) and staged.next_pos == plain.next_pos
     for row in range(4):  # the cache: a clean forward of the row's whole sequence gives the same last logits
         ids = prompt[row] + [3 + row] + turn[row] + [7 + row]
         with torch.no_grad():

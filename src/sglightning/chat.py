@@ -1,5 +1,6 @@
 """The tokenizer's side of a conversation: chat turns rendered to token ids with the tokenizer's own template
-(incrementally, for the single-stream prompt mode), and the pad id every padded tensor uses (no Lightning import)."""
+(incrementally, for the single-stream prompt mode), the pad id every padded tensor uses, and the token sets the
+programs need (end of turn, newlines, how a thought can close) (no Lightning import)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,70 @@ class ChatFormat:
         if turn_closed and self.eos_text and prefix.startswith(self.eos_text):
             prefix = prefix[len(self.eos_text) :]
         return self.encode(prefix + user_text + self.turn_suffix)
+
+
+def _cached(tokenizer, key: str, build):
+    cached = getattr(tokenizer, key, None)
+    if cached is not None:
+        return cached
+    value = build()
+    try:
+        setattr(tokenizer, key, value)
+    except AttributeError:
+        pass
+    return value
+
+
+def token_texts(tokenizer) -> list[str]:
+    """The text of every vocabulary token, decoded alone (cached on the tokenizer object)."""
+    return _cached(tokenizer, "_sglightning_token_texts",
+                   lambda: [tokenizer.decode([i]) for i in range(len(tokenizer))])
+
+
+def newline_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of all vocabulary tokens whose text contains a newline (cached on the tokenizer object)."""
+    return _cached(tokenizer, "_sglightning_newline_ids",
+                   lambda: frozenset(i for i, t in enumerate(token_texts(tokenizer)) if "\n" in t))
+
+
+def closing_tokens(tokenizer, closer: str, forbid_newline: bool = False) -> tuple[dict[int, str], frozenset[int]]:
+    r"""How a free segment (a thought) can end with ``closer`` (e.g. ``", "action": "`` or ``</think><action>``).
+
+    Returns ``(stops, banned)``: ``stops`` maps each token whose text, from its first ``closer[0]`` on, is a prefix
+    of ``closer`` to the rest of ``closer`` still to be written (a token ``",`` leaves `` "action": "``); ``banned``
+    holds every other token containing ``closer[0]`` (or an escaped one: ``\"``), so that the thought can only end
+    by starting ``closer``, and, with ``forbid_newline``, the tokens containing a newline (JSON strings hold none).
+    Cached on the tokenizer per (closer, forbid_newline)."""
+
+    def build():
+        first = closer[0]
+        stops: dict[int, str] = {}
+        banned: set[int] = set()
+        for i, text in enumerate(token_texts(tokenizer)):
+            if forbid_newline and "\n" in text.split(first, 1)[0]:
+                banned.add(i)
+                continue
+            k = text.find(first)
+            if k < 0:
+                continue
+            suffix = text[k:]
+            if closer.startswith(suffix) and not (k > 0 and text[k - 1] == "\\"):
+                stops[i] = closer[len(suffix):]
+            else:
+                banned.add(i)
+        return stops, frozenset(banned)
+
+    cache = _cached(tokenizer, "_sglightning_closers", dict)
+    key = (closer, forbid_newline)
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
+
+
+def end_of_turn_ids(tokenizer) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id}
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid is not None and tid >= 0:
+            ids.add(tid)
+    return frozenset(i for i in ids if i is not None)

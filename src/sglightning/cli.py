@@ -80,6 +80,7 @@ MOVED_KEYS = {
     **{f"model.grpo.{k}": f"model.update.{k}"
        for k in ("micro_batch_size", "share_prefix", "skip_zero_advantage", "max_consecutive_skips")},
     "model.rollout.invalid_action_penalty": "model.grpo.invalid_action_penalty",
+    "model.decoder": "model.engine.backend (an engine class path, or builtin / vllm)",
 }
 
 

@@ -206,10 +206,9 @@ def task_seeds(seed: int, step: int, groups_per_step: int, rank: int, world: int
     return seeds[rank * groups_per_step : (rank + 1) * groups_per_step]
 
 
-def sampling_generator(seed: int, step: int, rank: int, salt: int = 0, device: torch.device | None = None
+def sampling_generator(seed: int, step: int, rank: int, salt: int = 0, *, device: torch.device | str
                        ) -> torch.Generator:
-    """The sampling generator of (seed, step, rank, salt); on ``device`` when it is not the CPU."""
+    """The sampling generator of (seed, step, rank, salt), on ``device`` (the model's: torch draws on CUDA tensors
+    only with a CUDA generator, so every caller names it)."""
     value = seed * 7_919 + step * 104_729 + salt + rank * 15_485_863
-    if device is not None and torch.device(device).type != "cpu":
-        return torch.Generator(device=device).manual_seed(value)
-    return torch.Generator(device="cpu").manual_seed(value)
+    return torch.Generator(device=torch.device(device)).manual_seed(value)

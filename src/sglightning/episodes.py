@@ -206,7 +206,7 @@ class RolloutBatch:
     #: the rollout's peak memory ({"memory/rollout_peak_rss_gb": GB, ...}; filled by the trainer: sglightning.memory)
     peak_memory: dict[str, float] = field(default_factory=dict)
     #: an external engine's counters (requests, prompt_tokens, cached_tokens; the adapter sync's sync_s, sync_gap,
-    #: loaded_adapters); empty for the built-in decoder
+    #: loaded_adapters); empty for the in-process engine
     engine: dict[str, float] = field(default_factory=dict)
 
     def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:

@@ -724,7 +724,7 @@ class GRPOConfig:
     """an engine that samples in another precision than the trainer (a bf16 vLLM engine): the trainer recomputes
     the old log-probs and weights each token's policy loss by the truncated importance weight
     min(π_old,trainer / π_engine, rollout_correction_cap), per token or per sequence; null = the sampler's log-probs
-    are the old policy (the built-in decoder, an fp32 engine)"""
+    are the old policy (the in-process engine, an fp32 engine)"""
     rollout_correction_cap: float = 2.0
     """the truncation C of the rollout-correction weight"""
     calibration: float = 0.0

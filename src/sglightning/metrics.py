@@ -138,9 +138,13 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
 
 
 def engine_logs(engine: dict[str, float]) -> dict[str, float]:
-    """An external engine's numbers (nothing for the built-in decoder): requests, the share of prompt tokens its
-    prefix cache served, and the adapter sync (seconds, the probe's log-prob gap, adapters loaded)."""
+    """The engine's numbers.  The in-process engine: the rows a lock step advanced and their mean context (what a
+    decode step reads, beside the weights).  An external engine: requests, the share of prompt tokens its prefix
+    cache served, and the adapter sync (seconds, the probe's log-prob gap, adapters loaded)."""
     out: dict[str, float] = {}
+    if engine.get("lock_steps"):
+        out["engine/rows_per_lock_step"] = engine["row_steps"] / engine["lock_steps"]
+        out["engine/mean_context_tokens"] = engine["context_tokens"] / max(engine["row_steps"], 1.0)
     if "requests" in engine:
         out["engine/requests"] = engine["requests"]
     if engine.get("prompt_tokens"):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -59,6 +60,32 @@ class TinyModelConfig:
     """BPE vocabulary trained in-process"""
     seed: int = 0
     """seed of the random initialisation"""
+    num_kv_heads: int | None = None
+    """key/value heads (grouped-query attention); null = num_heads"""
+    head_dim: int | None = None
+    """attention head size; null = hidden_size / num_heads"""
+    arch: Literal["qwen2", "qwen3"] = "qwen2"
+    """layer design: qwen2 (q/k/v biases) or qwen3 (no biases, q/k norms)"""
+
+    def __post_init__(self) -> None:
+        heads, kv = self.num_heads, self.num_kv_heads
+        if kv is not None and (kv < 1 or heads % kv):
+            raise ValueError(f"model.policy.tiny.num_kv_heads: {kv} must divide num_heads ({heads})")
+        if self.head_dim is None and self.hidden_size % heads:
+            raise ValueError(f"model.policy.tiny.num_heads: {heads} must divide hidden_size ({self.hidden_size}) "
+                             "or set head_dim")
+
+    @property
+    def heads_dim(self) -> int:
+        """The attention head size."""
+        return self.head_dim or self.hidden_size // self.num_heads
+
+    def key(self) -> str:
+        """A folder name for this shape (what the defaults leave out is not named: older folders keep theirs)."""
+        extra = "".join([f"-k{self.num_kv_heads}" if self.num_kv_heads else "",
+                         f"-d{self.head_dim}" if self.head_dim else "", "-qwen3" if self.arch == "qwen3" else ""])
+        return (f"tiny-h{self.hidden_size}-l{self.num_layers}-a{self.num_heads}-i{self.intermediate_size}-"
+                f"v{self.vocab_size}-s{self.seed}{extra}")
 
 
 @dataclass
@@ -254,21 +281,31 @@ def build_tiny_tokenizer(vocab_size: int = 512):
     return tok
 
 
-def build_tiny_model(cfg: TinyModelConfig, vocab_size: int):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float32):
+    """The random model of ``cfg``'s shape, initialised from ``cfg.seed``: on the CPU in float32 and then cast (the
+    tests' fingerprints), on an accelerator directly there in ``dtype`` (a billion-parameter shape in seconds)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
-    config = Qwen2Config(
+    shape = dict(
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
     )
+    if cfg.head_dim:
+        shape["head_dim"] = cfg.head_dim
+    config = Qwen3Config(**shape) if cfg.arch == "qwen3" else Qwen2Config(**shape)
+    device = torch.device(device)
     with _fork_rng(cfg.seed):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if device.type == "cpu":
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
+        with device:
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -336,7 +373,7 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
     if name == EMBEDDED_TINY:
         if cfg.quantization:
             raise ConfigError(_TINY_QUANT)
-        return build_tiny_model(cfg.tiny, vocab_size).to(dtype)
+        return build_tiny_model(cfg.tiny, vocab_size, device, dtype)
     if name == EMBEDDED_SMOLLM2:
         name = str(ensure_smollm2_folder(cfg))
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
@@ -498,7 +535,6 @@ def _check_base_signature(base, folder: Path, cfg: PolicyConfig, key: str) -> No
     meta = folder / "sglightning.json"
     if not meta.is_file():
         return  # not exported by sglightning: the tensors are checked after loading
-    import json
 
     try:
         recorded = json.loads(meta.read_text()).get("base_model") or {}
@@ -575,8 +611,7 @@ def served_model(cfg: PolicyConfig) -> str:
     if name != EMBEDDED_TINY:
         return str(Path(name).expanduser()) if name.startswith((".", "/", "~")) else name
     t = cfg.tiny
-    target = cache_root(cfg) / "models" / (f"tiny-h{t.hidden_size}-l{t.num_layers}-a{t.num_heads}-"
-                                           f"i{t.intermediate_size}-v{t.vocab_size}-s{t.seed}")
+    target = cache_root(cfg) / "models" / t.key()
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
         return str(target)
     tok = build_tiny_tokenizer(t.vocab_size)
@@ -598,8 +633,6 @@ def served_model(cfg: PolicyConfig) -> str:
 
 def max_positions(model_path: str) -> int | None:
     """The model's own context limit (``max_position_embeddings`` of a local folder's config), or None."""
-    import json
-
     config = Path(model_path) / "config.json"
     try:
         return int(json.loads(config.read_text()).get("max_position_embeddings"))
@@ -623,3 +656,29 @@ def warn_low_precision_adapters(policy: torch.nn.Module) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def cache_argument_name(model: torch.nn.Module) -> str:
+    """``cache`` (transformers >= 5.x) or ``past_key_values`` (older): the forward's KV-cache keyword."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper -> HF model
+    params = inspect.signature(type(base).forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def head_dim_of(cfg: PolicyConfig) -> int | None:
+    """The attention head size of the policy's base model when it is known without loading the model (the tiny
+    model's shape, the embedded SmolLM2, a local folder's ``config.json``); None otherwise."""
+    if cfg.name_or_path == EMBEDDED_TINY:
+        return cfg.tiny.heads_dim
+    if cfg.name_or_path == EMBEDDED_SMOLLM2:
+        return 64
+    path = Path(cfg.name_or_path).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        c = json.loads(path.read_text())
+        return int(c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"])
+    except (ValueError, KeyError, TypeError, ZeroDivisionError):
+        return None

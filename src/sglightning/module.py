@@ -18,13 +18,10 @@ Distributed plumbing (FSDP units, rollouts on gathered weights, gradient sync, m
 
 from __future__ import annotations
 
-import functools
-import os
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +34,7 @@ from sglightning.chat import pad_token_id
 from sglightning.checkpointing import run_dir, use_atomic_io
 from sglightning.console import quiet
 from sglightning.data import EvalConfig, RolloutConfig
-from sglightning.engines import EngineConfig
+from sglightning.engines import EngineConfig, make_engine
 from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
@@ -62,18 +59,10 @@ from sglightning.models import (
     warn_low_precision_adapters,
 )
 from sglightning.rewards import RewardTerm
-from sglightning.sampler import DecoderFactory, DecodeSession
 from sglightning.strategies import check_quantization, check_tensor_parallel, sharding_of
 from sglightning.update import UpdateBatch, UpdateConfig, prepare_update
 
 quiet()
-
-def _decoder_class(decoder) -> object:
-    """The class behind a decoder factory (the CLI hands the class over wrapped in a partial with its init args)."""
-    if isinstance(decoder, functools.partial):
-        return next((a for a in decoder.args if isinstance(a, type)), decoder.func)
-    return decoder
-
 
 def default_optimizer(params):
     """AdamW at lr 1e-5, used when the config names no ``model.optimizer``."""
@@ -92,7 +81,6 @@ class SelfGuideModule(LightningModule):
         evaluation: EvalConfig = EvalConfig(),
         optimizer: OptimizerCallable | None = None,
         adapter_path: str | None = None,
-        decoder: DecoderFactory = DecodeSession,
         reward_terms: list[RewardTerm] | None = None,
         engine: EngineConfig = EngineConfig(),
     ):
@@ -109,20 +97,18 @@ class SelfGuideModule(LightningModule):
             evaluation: the validation episode set.
             optimizer: optimiser for the adapter parameters (default: AdamW, lr 1e-5).
             adapter_path: start from a saved peft adapter folder.
-            decoder: the generation engine rollouts run on (a ``sglightning.sampler.Decoder``; ``class_path`` and
-                ``init_args`` like ``env``); default: batched forwards of the policy with a persistent KV cache.
             reward_terms: extra per-episode rewards added to the return (``sglightning.rewards.RewardTerm``
                 subclasses; none by default, as in the paper).
-            engine: where rollouts are generated: ``backend: builtin`` (this process, ``decoder``) or ``vllm`` (a vLLM
-                server launched from ``engine.python`` or reached at ``engine.url``; the adapter is synced every step).
+            engine: where rollouts are generated: ``backend: builtin`` (batched forwards of the policy in this
+                process), ``vllm`` (a vLLM server launched from ``engine.python`` or reached at ``engine.url``; the
+                adapter is synced every step) or an engine class path.
         """
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "decoder", "reward_terms"])
+        self.save_hyperparameters(ignore=["optimizer", "reward_terms"])
         self.policy_cfg, self.env_class, self.rollout_cfg = policy, env, rollout
         self.guidance_cfg, self.grpo_cfg, self.update_cfg, self.eval_cfg = guidance, grpo, update, evaluation
         self.optimizer_factory = optimizer if optimizer is not None else default_optimizer
         self.adapter_path = adapter_path
-        self.decoder = decoder
         self.engine_cfg = engine
         self.reward_terms = list(reward_terms or [])
         self.automatic_optimization = False
@@ -187,34 +173,8 @@ class SelfGuideModule(LightningModule):
                               "guidance.source model and guidance.decoding constrained")
 
     def _check_engine(self) -> None:
-        """An external engine's settings that cannot work, before anything starts (one line naming the key)."""
-        e = self.engine_cfg
-        if e.backend != "vllm":
-            return
-        if _decoder_class(self.decoder) is not DecodeSession:
-            raise ConfigError("model.engine.backend: vllm generates the rollouts; model.decoder names another engine "
-                              "(set one of them)")
-        if self.rollout_cfg.top_k:
-            raise ConfigError("rollout.top_k: top-k sampling is not supported with model.engine.backend vllm "
-                              "(the set each token was drawn from would not be known)")
-        if self.policy_cfg.quantization:
-            raise ConfigError("model.policy.quantization: a 4-bit base is not what the vLLM engine serves; set it to "
-                              "null with model.engine.backend vllm")
-        if e.dtype != "float32" and self.grpo_cfg.rollout_correction is None:
-            raise ConfigError(f"grpo.rollout_correction: an engine in {e.dtype} samples from other log-probs than "
-                              "the trainer's; set grpo.rollout_correction (token or sequence) or model.engine.dtype "
-                              "float32")
-        if e.url is None:
-            python = Path(e.python).expanduser()
-            if not (python.is_file() and os.access(python, os.X_OK)):
-                raise ConfigError(f"model.engine.python: {e.python} is not an executable python (the environment vLLM "
-                                  "is installed in; see the README's vLLM set-up), or set model.engine.url to a "
-                                  "running server")
-        else:
-            from sglightning.engines.server import VLLMClient
-
-            if not VLLMClient(e.url).healthy(timeout=10):
-                raise ConfigError(f"model.engine.url: no vLLM server answers /health at {e.url}")
+        """Settings the chosen engine cannot work with, before anything starts (one line naming the key)."""
+        make_engine(self.engine_cfg).check(self.policy_cfg, self.rollout_cfg, self.grpo_cfg)
 
     def share_prefix(self, strategy=None) -> bool:
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
@@ -262,8 +222,9 @@ class SelfGuideModule(LightningModule):
     def rollout_callback(self) -> RolloutCallback:
         """The rollout collector for this module's configs (:func:`configure_callbacks` installs one)."""
         return RolloutCallback(self.rollout_cfg, self.eval_cfg, self.guidance_cfg, self.env_factory,
-                               decoder=self.decoder, chat_template_kwargs=self.policy_cfg.chat_template_kwargs,
-                               informative=self.informative_groups, engine=self.engine_cfg, policy=self.policy_cfg)
+                               engine=make_engine(self.engine_cfg),
+                               chat_template_kwargs=self.policy_cfg.chat_template_kwargs,
+                               informative=self.informative_groups, policy=self.policy_cfg)
 
     def configure_callbacks(self):
         return default_callbacks(self.trainer if self._trainer is not None else None, self.rollout_callback())

@@ -45,8 +45,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sglightning.chat import ChatFormat, pad_token_id
+from sglightning.chat import ChatFormat, closing_tokens, end_of_turn_ids, newline_token_ids, pad_token_id
 from sglightning.data import RolloutConfig
+from sglightning.engines import make_engine
+from sglightning.engines.base import Engine
+from sglightning.engines.program import Choice, Force, Free
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.pool import EnvPool
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Episode, Piece, RolloutBatch, Sample, StepRecord
@@ -67,16 +70,6 @@ from sglightning.guidance import (
     stream_first_messages,
     stream_next_user,
 )
-from sglightning.sampler import (
-    Choice,
-    DecoderFactory,
-    DecodeSession,
-    Force,
-    Free,
-    closing_tokens,
-    end_of_turn_ids,
-    newline_token_ids,
-)
 
 log = logging.getLogger(__name__)
 
@@ -96,12 +89,13 @@ class Rollout:
         guidance: GuidanceConfig,
         config: RolloutConfig,
         chat_template_kwargs: dict | None = None,
-        decoder: DecoderFactory = DecodeSession,
+        engine: Engine | None = None,
     ):
-        """``decoder`` builds the generation engine of one batch of rows (default: :class:`DecodeSession`, batched
-        HF forwards with a persistent KV cache); any :class:`~sglightning.sampler.Decoder` works."""
+        """``engine`` opens the sessions (batches of rows) the turns run on (default: the in-process engine,
+        batched forwards of ``model`` with a persistent KV cache); any :class:`~sglightning.engines.base.Engine`
+        works (started by its owner)."""
         self.model = model
-        self.decoder = decoder
+        self.engine = engine if engine is not None else make_engine()
         self.tok = tokenizer
         self.env_factory = env_factory
         self.guidance = guidance
@@ -271,7 +265,7 @@ class Rollout:
             return
         env_help = {ep.index: ep.action_help for ep in live}
         repeat_help = self.guidance.action_help_every_turn
-        session = self.decoder(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
+        session = self.engine.session(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
         blocks = []
         for ep in live:
             s = Sample(ep.index)
@@ -325,7 +319,7 @@ class Rollout:
                 blocks.append(ids)
             stats["forward"] = session.forward_calls
             stats["prefill"] = getattr(session, "fed_positions", 0)
-            stats["engine"] = dict(getattr(session, "engine_stats", {}))
+            stats["engine"] = dict(session.engine_stats)
             live = [live[r] for r in keep]
             if not live:
                 break
@@ -336,7 +330,7 @@ class Rollout:
             ep.done = True
         stats["forward"] = session.forward_calls
         stats["prefill"] = getattr(session, "fed_positions", 0)
-        stats["engine"] = dict(getattr(session, "engine_stats", {}))
+        stats["engine"] = dict(session.engine_stats)
 
     def _run_two_call(self, episodes, temperature, guided, generator, greedy, stats) -> None:
         """two_call (paper): a rate call then an act call per step, each a fresh prompt (no rate call when the
@@ -415,14 +409,14 @@ class Rollout:
             raise RolloutAborted("rollout abandoned: stop requested")
 
     def _call(self, prompts, programs, temperature, generator, greedy, stats) -> list[list[Piece]]:
-        session = self.decoder(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
+        session = self.engine.session(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
         session.feed(prompts)
         out = session.run(programs)
         stats["forward"] += session.forward_calls
         stats["prefill"] += getattr(session, "fed_positions", 0)
         stats["tokens"] += sum(sum(p.policy) for pieces in out for p in pieces)
         engine = stats.setdefault("engine", {})
-        for key, value in getattr(session, "engine_stats", {}).items():
+        for key, value in session.engine_stats.items():
             engine[key] = engine.get(key, 0.0) + value
         return out
 

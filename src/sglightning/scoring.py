@@ -29,12 +29,14 @@ from torch import Tensor
 
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Restriction
 from sglightning.grpo import entropy_from_logits, masked_mean
-from sglightning.sampler import (
-    cache_argument_name,
-    cluster_heads,
-    complement_log_mass,
-    shared_prefixes,
-)
+from sglightning.models import cache_argument_name
+from sglightning.prefixes import cluster_heads, shared_prefixes
+
+
+def complement_log_mass(lse: Tensor) -> Tensor:
+    """log(1 − e^lse): the log-mass of everything but a set whose log-mass is ``lse`` (≤ 0), stable near both ends
+    (the sampler and the trainer both use it for a ``Free`` segment's banned tokens)."""
+    return torch.log(-torch.expm1(lse.clamp(max=-1e-20)))
 
 
 def collate(samples: Sequence, pad_id: int, targets: bool = False) -> dict[str, Tensor]:
@@ -299,7 +301,7 @@ def token_logprobs(
 
 def shared_prefix_hidden(decoder: torch.nn.Module, ids: Tensor, attn: Tensor, min_shared: int = 8) -> Tensor:
     """The decoder's last hidden states ``[B, L, H]`` for right-padded rows ``ids`` / ``attn`` ``[B, L]``, computing a
-    prefix that several rows share once (:func:`~sglightning.sampler.shared_prefixes` on the rows' real tokens).
+    prefix that several rows share once (:func:`~sglightning.prefixes.shared_prefixes` on the rows' real tokens).
 
     Two passes, one graph:  the C distinct prefixes ``[C, P]`` (right-padded, positions 0…P_c−1) give hidden states
     and keys/values; the keys/values are indexed out to the B rows (a copy per row; autograd sums the rows' gradients

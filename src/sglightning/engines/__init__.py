@@ -1,29 +1,44 @@
 """Generation engines: what the rollout runs its turns on (no Lightning import).
 
-The seam is :class:`sglightning.sampler.Decoder`, request-level in what it asks for: a batch of rows (one per live
-episode), each holding the exact token ids of its context, and per turn one *program* per row — forced text, free
-text with a cap and stop tokens, a choice among token sequences — in; per row the tokens written, which of them the
-policy chose, the log-prob of the distribution each was drawn from and that distribution's restriction out.  The
-rollout, the guidance programs, the environments and the update never learn which engine ran.
+The seam is :mod:`sglightning.engines.base`: a :class:`~sglightning.engines.base.Session` is a batch of rows (one per
+live episode), each holding the exact token ids of its context; per turn one *program* per row
+(:mod:`sglightning.engines.program`: forced text, free text with a cap and stop tokens, a choice among token
+sequences) goes in, and per row the tokens written, which of them the policy chose, the log-prob of the distribution
+each was drawn from and that distribution's restriction come out.  An :class:`~sglightning.engines.base.Engine` opens
+sessions and has the run's lifecycle (check, start, sampling around every rollout, close).  The rollout, the
+guidance programs, the environments and the update never learn which engine ran.
 
-Two engines implement it:
+Two engines ship, one module each, chosen by ``model.engine.backend``:
 
-* the built-in decoder (:class:`sglightning.sampler.DecodeSession`, the default and the reference): batched forwards
-  of the trainer's own (peft) model with a persistent KV cache, in the trainer's process;
-* a vLLM server (:mod:`sglightning.engines.vllm`), over HTTP: each row's context is sent as token ids (never
+* ``builtin`` (:mod:`sglightning.engines.builtin`, the default and the reference): batched forwards of the trainer's
+  own (peft) model with a persistent KV cache, in the trainer's process;
+* ``vllm`` (:mod:`sglightning.engines.vllm`): a vLLM server over HTTP; each row's context is sent as token ids (never
   re-tokenised), the server's prefix cache keeps what earlier turns computed, and the LoRA adapter is exported and
   hot-swapped after every optimiser step, verified before it is used.
 
-``model.engine`` selects and configures one (:class:`EngineConfig`).
+A class path (``mypackage.MyEngine``, an :class:`~sglightning.engines.base.Engine` subclass taking the config) names
+a third.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+from sglightning.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sglightning.engines.base import Engine
 
 #: the probe an adapter sync is verified on: the engine's and the trainer's log-probs of its tokens must agree
 PROBE_TEXT = "Reason: the last action brought the goal closer.\nLabel: positive\nAction: go to the kitchen"
+
+#: the engines that ship, by their ``model.engine.backend`` name
+BACKENDS = ("builtin", "vllm")
+
+#: the in-process engine's decode steps (``model.engine.compile``)
+COMPILE_MODES = ("auto", "off", "static", "default", "cudagraphs", "reduce-overhead")
 
 #: LoRA ranks vLLM accepts for ``--max-lora-rank``
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -31,10 +46,15 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 @dataclass
 class EngineConfig:
-    """The generation engine rollouts run on: the built-in decoder, or a vLLM server (launched here, or running)."""
+    """The generation engine rollouts run on: the in-process engine, a vLLM server (launched here, or running), or
+    an engine class of your own.  ``compile`` is the in-process engine's; the keys after it are the vLLM engine's."""
 
-    backend: Literal["builtin", "vllm"] = "builtin"
-    """``builtin``: batched forwards of the trainer's own model (the reference); ``vllm``: a vLLM server over HTTP"""
+    backend: str = "builtin"
+    """``builtin``: batched forwards of the trainer's own model (the reference); ``vllm``: a vLLM server over HTTP;
+    or the class path of an ``sglightning.engines.base.Engine`` subclass"""
+    compile: Literal["auto", "off", "static", "default", "cudagraphs", "reduce-overhead"] = "auto"
+    """builtin decode step: off = dynamic cache; static = slot cache; default / cudagraphs / reduce-overhead =
+    slot cache, step torch-compiled so; auto = reduce-overhead on one CUDA device, else off"""
     url: str | None = None
     """a running vLLM server (``http://host:port``), started with the flags ``engine.vllm_command`` would use
     (LoRA, processed log-probs); null = launch one on 127.0.0.1.  It must read adapter folders this process writes
@@ -76,8 +96,11 @@ class EngineConfig:
     """launch: the port; null = a free one"""
 
     def __post_init__(self) -> None:
-        if self.backend not in ("builtin", "vllm"):
-            raise ValueError(f"model.engine.backend: {self.backend!r} is not one of builtin, vllm")
+        if self.backend not in BACKENDS and "." not in str(self.backend):
+            raise ValueError(f"model.engine.backend: {self.backend!r} is not one of {', '.join(BACKENDS)} or a class "
+                             "path (package.module.Class)")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"model.engine.compile: {self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.engine.dtype: {self.dtype!r} is not one of float32, bfloat16, float16")
         if self.url is not None and not str(self.url).startswith(("http://", "https://")):
@@ -106,3 +129,27 @@ class EngineConfig:
         if self.sync_tolerance is not None:
             return self.sync_tolerance
         return 1e-3 if self.dtype == "float32" else 0.15
+
+
+def make_engine(cfg: EngineConfig | None = None) -> Engine:
+    """The engine ``cfg.backend`` names, built on ``cfg`` (not started); a class path that does not name an
+    :class:`~sglightning.engines.base.Engine` subclass is a :class:`~sglightning.errors.ConfigError`."""
+    from sglightning.engines.base import Engine
+
+    cfg = cfg if cfg is not None else EngineConfig()
+    if cfg.backend == "builtin":
+        from sglightning.engines.builtin import BuiltinEngine
+
+        return BuiltinEngine(cfg)
+    if cfg.backend == "vllm":
+        from sglightning.engines.vllm import VLLMEngine  # only runs that use it pay for the import
+
+        return VLLMEngine(cfg)
+    module, _, name = cfg.backend.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"model.engine.backend: cannot import {cfg.backend} ({err})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Engine)):
+        raise ConfigError(f"model.engine.backend: {cfg.backend} is not an sglightning.engines.base.Engine subclass")
+    return cls(cfg)

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU checks of one lent GPU machine (an H200 here), as two calls of about 8 minutes each; every stage under its
+# own timeout, its output appended to $OUT/log.txt, gpu_check's numbers to $OUT/results.jsonl, a table printed last
+# (and kept in $OUT/table.md).  Prepare the bundle first, on a machine with network:
+#   bash ../shared/tools/gpu_bundle.sh        # .gpu/: jsonargparse + gguf wheels, the SmolLM2 GGUF in two halves
+# then, through the device tool, on one warm machine:
+#   part 1 (carry .gpu/wheels .gpu/gguf1): bash benchmarks/gpu_session.sh 1
+#       CUDA tests (every decode step vs the dynamic cache; the tiny config's fit, resume and validate), the 0.39 B
+#       probe at 8 x 8 episodes, the Qwen3-1.7B shape at the paper's 16 x 8
+#   part 2 (carry .gpu/wheels .gpu/gguf2): bash benchmarks/gpu_session.sh 2
+#       the quickstart (embedded SmolLM2, bf16), the Qwen3-4B shape at 16 x 8, the probe with CUDA graphs but no
+#       inductor (what compilation adds)
+# Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
+set -uo pipefail
+part=${1:-1}
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/sgl-gpu-session}
+mkdir -p "$OUT"
+PY=${PY:-python3}
+if [ -f .gpu/env.sh ]; then
+  [ -f .gpu/stash.sh ] && [ -d .gpu/gguf1 ] && bash .gpu/stash.sh
+  # shellcheck disable=SC1091
+  source .gpu/env.sh
+else
+  export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+fi
+export SGLIGHTNING_CACHE=${SGLIGHTNING_CACHE:-/tmp/sglcache}
+
+stage() {  # stage NAME SECONDS COMMAND...: run under a timeout, log it, note its exit status and time
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  echo "=== $name ($(date -u +%FT%TZ), limit ${limit}s): $*" >> "$OUT/log.txt"
+  timeout --signal=TERM --kill-after=20 "$limit" "$@" >> "$OUT/log.txt" 2>&1
+  rc=$?
+  echo "| $name | $rc | $(( $(date +%s) - t0 )) s |" >> "$OUT/stages.md"
+  echo "=== $name: exit $rc after $(( $(date +%s) - t0 )) s" >> "$OUT/log.txt"
+}
+
+check() {  # check NAME SECONDS ARGS...: benchmarks/gpu_check.py, its numbers appended to results.jsonl
+  local name=$1 limit=$2
+  shift 2
+  stage "$name" "$limit" "$PY" benchmarks/gpu_check.py --json "$OUT/$name.json" "$@"
+  [ -f "$OUT/$name.json" ] && "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); d['run']=sys.argv[2]; \
+print(json.dumps(d))" "$OUT/$name.json" "$name" >> "$OUT/results.jsonl" && rm -f "$OUT/$name.json"
+}
+
+echo "| stage | exit | time |" > "$OUT/stages.md"
+echo "|---|---|---|" >> "$OUT/stages.md"
+{ nvidia-smi -L; "$PY" -c "import torch, transformers, lightning; print('torch', torch.__version__, \
+'transformers', transformers.__version__, 'lightning', lightning.__version__)"; git log -1 --format='%h %s'; } \
+  >> "$OUT/log.txt" 2>&1
+
+if [ "$part" = 1 ]; then
+  stage cuda_tests 200 "$PY" -m pytest -q -x -p no:cacheprovider tests/test_gpu.py
+  check probe_8x8 200 --shape probe --groups 8 --group-size 8
+  check qwen3-1.7b_16x8 240 --shape qwen3-1.7b --groups 16 --group-size 8
+else
+  stage quickstart 270 "$PY" -m sglightning fit --config configs/quickstart.yaml --trainer.accelerator=gpu \
+    --trainer.precision=bf16-mixed --model.policy.dtype=bfloat16 "--trainer.default_root_dir=$OUT/runs" \
+    "--trainer.logger.init_args.save_dir=/tmp/sgl-runs"
+  check qwen3-4b_16x8 220 --shape qwen3-4b --groups 16 --group-size 8
+  check probe_8x8_cudagraphs 150 --shape probe --groups 8 --group-size 8 --compile cudagraphs
+fi
+rm -rf "$OUT/runs"
+
+{
+  echo
+  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB | validation before -> after |"
+  echo "|---|---|---|---|---|---|---|---|---|"
+  [ -f "$OUT/results.jsonl" ] && "$PY" - "$OUT/results.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    o = json.loads(line)
+    share = f" ({100 * o['roofline_share']:.1f} % of {o['decode_roofline_tokens_per_s']:,.0f})" if o.get("roofline_share") else ""
+    mfu = f" ({100 * o['update_mfu']:.1f} %)" if o.get("update_mfu") else ""
+    print(f"| {o['run']} | {o['shape']} | {o['episodes_per_step']:.0f} | {o.get('decode_step')} | "
+          f"{o['rollout_tokens_per_s']:,.0f}{share} | {o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | "
+          f"{o.get('peak_memory_GB') or 0:.1f} | {o['validation_before']} -> {o['validation_after']} |")
+PY
+  echo
+  cat "$OUT/stages.md"
+} > "$OUT/table.md"
+grep -h "validation\|time per step\|success rate" "$OUT/log.txt" | tail -8
+cat "$OUT/table.md"

@@ -1,0 +1,631 @@
+"""The in-process engine (the default and the reference): batched forwards of the trainer's own (peft) model with a
+persistent KV cache, sampling with the very weights being trained — nothing to export, no version to lose.
+
+All rows advance one token per forward pass (lock step); a finished row feeds a masked pad.  Context blocks of
+different lengths (prompts, environment observations) are left-padded *within the block*, so pads can sit in the
+middle of a row's cache: they are masked out and positions are counted per row, which makes the result identical
+(up to float rounding) to a clean unpadded forward.  Where the blocks' lengths differ a lot, they are fed in stages
+(:func:`plan_stages`: all rows up to a cut, then only the rows still longer, on a copy of their cache) instead of
+padding every row to the longest.  Rows whose episode ended are dropped from the cache.
+
+Each lock step samples every row that needs a token at once (:func:`draw`): the rows' restrictions become masks on
+the model's device, one batched draw uses the seeded generator, log q and log π are gathered there, and one copy to
+the host brings back the step's tokens and log-probs.  Drawn in row order from one generator, the tokens are those of
+drawing row by row (on CPU bit for bit).
+
+What gets recorded for every token: its id (exactly as sampled — nothing is re-tokenised later), whether the policy
+wrote it, and its kind (context / guidance / action).  For a policy token also the log-probability of the distribution
+it was *actually drawn from*, at the sampling temperature: when sampling was restricted to a set A of tokens (a
+``Choice``'s allowed continuations, a ``Free`` segment's banned tokens, top-k), that is the renormalised
+
+    log q(y) = log π(y) − log Σ_{a∈A} π(a)          (A = every token but the banned ones, for an exclusion)
+
+together with the :class:`~sglightning.episodes.Restriction` A itself, so that the trainer scores log q_θ over the
+same set (with the same function, :func:`~sglightning.scoring.restricted_log_mass`); the unrestricted log π(y) is kept
+beside it as a diagnostic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from sglightning.engines.base import Engine, Session, Weights
+from sglightning.engines.program import ProgramState, Segment
+from sglightning.engines.static import SlotCache, block_mask, bucket, compiled, decode_step, resolve_mode
+from sglightning.episodes import Piece, Restriction
+from sglightning.models import cache_argument_name
+from sglightning.prefixes import cluster_heads, shared_prefixes
+from sglightning.scoring import restricted_log_mass
+
+
+class BuiltinEngine(Engine):
+    """Sessions of :class:`DecodeSession` on the policy in this process; a rollout samples inside the policy's
+    ``gathered()`` weights (a collective under FSDP).  ``model.engine.compile`` chooses the decode step: the
+    dynamic cache (``off``, CPUs) or the static slot cache, compiled or not (:mod:`sglightning.engines.static`)."""
+
+    def __init__(self, cfg=None, *, share_prefix: bool = True, staged_prefill: bool | None = None):
+        """``share_prefix`` and ``staged_prefill``: see :class:`DecodeSession` (benchmarks switch them off)."""
+        super().__init__(cfg)
+        self.share_prefix = share_prefix
+        self.staged_prefill = staged_prefill
+        self._restrictions = RestrictionTable()
+        self.slots = SlotPool()
+        self.sharding: str | None = None
+        self._steps: dict[tuple[int, str], object] = {}  # (id(model), mode) -> the (compiled) decode step
+
+    @contextlib.contextmanager
+    def sampling(self, weights: Weights) -> Iterator[dict[str, float]]:
+        self.version = weights.version
+        self.sharding = weights.sharding
+        with weights.gathered():
+            yield {}
+
+    def mode(self, model: torch.nn.Module) -> str:
+        """The decode step for ``model``: ``model.engine.compile`` resolved (:func:`resolve_mode`)."""
+        attention = getattr(getattr(model, "config", None), "_attn_implementation", None) or "sdpa"
+        return resolve_mode(self.cfg.compile, next(model.parameters()).device.type, self.sharding, attention)
+
+    def step(self, model: torch.nn.Module, mode: str):
+        """The decode step of ``model`` for ``mode`` (compiled once, kept)."""
+        key = (id(model), mode)
+        if key not in self._steps:
+            self._steps = {k: v for k, v in self._steps.items() if k[0] == id(model)}  # a new model: drop the old
+            self._steps[key] = compiled(decode_step(model, cache_argument_name(model)), mode)
+        return self._steps[key]
+
+    def session(self, model, pad_id, temperature=1.0, generator=None, top_k=0, greedy=False) -> DecodeSession:
+        mode = self.mode(model)
+        static = None
+        if mode != "off":
+            static = StaticSession(self.slots, self.step(model, "static"), self.step(model, mode))
+        return DecodeSession(model, pad_id, temperature, generator, top_k, greedy, share_prefix=self.share_prefix,
+                             staged_prefill=self.staged_prefill, restrictions=self._restrictions, static=static)
+
+    def close(self) -> None:
+        self.slots.clear()
+        self._steps = {}
+
+
+class SlotPool:
+    """The static caches of the sessions, kept across rollouts by physical row count (a new allocation would give
+    the compiled step new addresses); at most ``keep`` of them."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._caches: dict[tuple, SlotCache] = {}
+
+    def get(self, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype, device: torch.device
+            ) -> SlotCache:
+        key = (id(model), rows, dtype, device)
+        cache = self._caches.pop(key, None)
+        if cache is None or cache.capacity < slots:
+            cache = None  # free the smaller one before allocating
+            while len(self._caches) >= self.keep:
+                self._caches.pop(next(iter(self._caches)))
+            cache = SlotCache.allocate(model, rows, slots, dtype, device)
+        self._caches[key] = cache  # most recent last
+        return cache
+
+    def put(self, model: torch.nn.Module, cache: SlotCache) -> None:
+        """``cache`` (grown by a session) replaces the pool's one of its row count."""
+        key = (id(model), cache.batch, cache.keys[0].dtype, cache.keys[0].device)
+        self._caches.pop(key, None)
+        self._caches[key] = cache
+
+    def clear(self) -> None:
+        self._caches = {}
+
+
+class StaticSession:
+    """What a :class:`DecodeSession` on the static path holds: the pool it takes its cache from, the eager step (any
+    width) and the decode step (width 1, compiled per ``model.engine.compile``)."""
+
+    def __init__(self, pool: SlotPool, eager, decode):
+        self.pool, self.eager, self.decode = pool, eager, decode
+
+
+class RestrictionTable:
+    """Restrictions as tensors on a device, kept across lock steps and sessions (a ``Free`` segment's banned set is
+    the same thousands of ids at every step; a trie node's continuations recur in every group)."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._ids: dict[tuple[Restriction, torch.device], torch.Tensor] = {}
+
+    def ids(self, r: Restriction, device: torch.device) -> torch.Tensor:
+        key = (r, device)
+        t = self._ids.get(key)
+        if t is None:
+            if len(self._ids) >= self.limit:
+                self._ids.clear()
+            t = self._ids[key] = torch.tensor(r.ids, dtype=torch.long).to(device, non_blocking=True)  # [K]
+        return t
+
+    def stack(self, rs: Sequence[Restriction], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rs`` as padded ``ids`` [U, K] and ``valid`` [U, K] (K = the longest)."""
+        rows = [self.ids(r, device) for r in rs]
+        ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [U, K]
+        k = torch.arange(ids.shape[1], device=device)  # [K]
+        lens = torch.tensor([len(r.ids) for r in rs], dtype=torch.long).to(device, non_blocking=True)  # [U]
+        return ids, k[None, :] < lens[:, None]
+
+
+def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: int = 0, greedy: bool = False,
+         generator: torch.Generator | None = None, table: RestrictionTable | None = None
+         ) -> list[tuple[int, float, float, Restriction | None]]:
+    """Sample one token per row of ``logp`` [R, V] (log-probabilities, already temperature-scaled), row r within
+    ``restrictions[r]`` (None: the whole vocabulary) and the ``top_k`` most likely tokens (where not already a
+    ``Choice``), drawing in row order from ``generator``.  One copy to the host at the end.
+
+    Returns per row (token, log q of the distribution it was drawn from, unrestricted log π, the restriction that
+    applied — top-k included — or None)."""
+    R, V = logp.shape
+    dev = logp.device
+    table = table or RestrictionTable()
+    neg_inf = torch.full((), float("-inf"), dtype=logp.dtype, device=dev)
+    # the step's distinct restrictions as a table (as the trainer's collate builds it): ids [U, K], valid [U, K]
+    uniq: dict[Restriction, int] = {}
+    u_of = [-1 if r is None else uniq.setdefault(r, len(uniq)) for r in restrictions]
+    allowed = None  # [R, V] bool, None = every row unrestricted
+    mass_rows: list[int] = []  # rows whose log q needs log Z(A)
+    if uniq:
+        rs = list(uniq)
+        ids, valid = table.stack(rs, dev)  # [U, K]
+        exclude = torch.tensor([r.exclude for r in rs], dtype=torch.bool).to(dev, non_blocking=True)  # [U]
+        listed = torch.zeros(len(rs), V + 1, dtype=torch.bool, device=dev)  # [U, V+1] (column V: padding)
+        listed.scatter_(1, torch.where(valid, ids, V), True)
+        listed = listed[:, :V]  # [U, V]
+        allowed_u = torch.where(exclude[:, None], ~listed, listed)  # [U, V]
+        rows_u = torch.tensor([max(u, 0) for u in u_of], dtype=torch.long).to(dev, non_blocking=True)  # [R]
+        restricted = torch.tensor([u >= 0 for u in u_of], dtype=torch.bool).to(dev, non_blocking=True)  # [R]
+        allowed = allowed_u[rows_u] | ~restricted[:, None]  # [R, V]
+        mass_rows = [i for i, u in enumerate(u_of) if u >= 0]
+    scores = logp if allowed is None else torch.where(allowed, logp, neg_inf)  # [R, V]
+    topk_rows = [i for i, r in enumerate(restrictions) if r is None or r.exclude] if top_k else []
+    top_idx = None
+    if topk_rows:
+        rows = torch.tensor(topk_rows, dtype=torch.long).to(dev, non_blocking=True)  # [T]
+        vals, top_idx = scores[rows].topk(min(top_k, V), dim=-1)  # [T, k]
+        top_ok = torch.isfinite(vals)  # [T, k] (fewer than k allowed tokens: the rest is -inf)
+        keep = torch.zeros(len(topk_rows), V + 1, dtype=torch.bool, device=dev)  # [T, V+1]
+        keep.scatter_(1, torch.where(top_ok, top_idx, V), True)
+        scores = scores.index_copy(0, rows, torch.where(keep[:, :V], logp[rows], neg_inf))
+        top_idx = torch.where(top_ok, top_idx, -1)  # [T, k]
+    if greedy:
+        tok = scores.argmax(dim=-1)  # [R]
+    else:
+        tok = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]  # [R]
+    full = logp.gather(1, tok[:, None])[:, 0]  # [R] log π(y)
+    logq = full
+    if mass_rows or topk_rows:
+        # log Z(A) of each row's set: listed ids (a Choice, top-k) or the complement of the listed ids (banned)
+        log_z = torch.zeros(R, dtype=logp.dtype, device=dev)  # [R]
+        if mass_rows:
+            m = torch.tensor(mass_rows, dtype=torch.long).to(dev, non_blocking=True)  # [M]
+            u = rows_u[m]  # [M]
+            sel = logp[m[:, None], ids[u]]  # [M, K] log π of the listed ids
+            log_z = log_z.index_copy(0, m, restricted_log_mass(sel, valid[u], exclude[u]))
+        if topk_rows:
+            sel = logp[rows[:, None], top_idx.clamp(min=0)]  # [T, k]
+            no = torch.zeros(len(topk_rows), dtype=torch.bool, device=dev)
+            log_z = log_z.index_copy(0, rows, restricted_log_mass(sel, top_ok, no))
+        logq = full - log_z  # [R] log q(y) = log π(y) − log Z(A)
+    cols = [tok.double()[:, None], logq.double()[:, None], full.double()[:, None]]
+    packed = torch.cat(cols, dim=1)  # [R, 3]
+    host_top: dict[int, list[int]] = {}
+    if topk_rows:
+        top_host = top_idx.double()  # [T, k]
+        packed = torch.cat([packed, torch.zeros(R, top_host.shape[1], dtype=torch.float64, device=dev)
+                            .index_copy(0, rows, top_host)], dim=1)  # [R, 3 + k]
+    values = packed.tolist()  # the one device-to-host copy of the step
+    if topk_rows:
+        for i in topk_rows:
+            host_top[i] = sorted(int(t) for t in values[i][3:] if t >= 0)
+    out = []
+    for i, (r, row) in enumerate(zip(restrictions, values)):
+        used = Restriction(tuple(host_top[i])) if i in host_top else r
+        out.append((int(row[0]), row[1] if used is not None else row[2], row[2], used))
+    return out
+
+
+class DecodeSession(Session):
+    """A batch of rows sharing one KV cache.  ``feed`` appends context; ``run`` executes segment programs.
+
+    Two caches: transformers' dynamic cache (grown by concatenation; finished rows dropped; blocks of unequal
+    lengths fed in stages on CPUs), or with ``static`` the slot cache of :mod:`sglightning.engines.static` (fixed
+    shapes: rows kept, one slot per lock step, the decode step compiled)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pad_id: int,
+        temperature: float = 1.0,
+        generator: torch.Generator | None = None,
+        top_k: int = 0,
+        greedy: bool = False,
+        share_prefix: bool = True,
+        staged_prefill: bool | None = None,
+        restrictions: RestrictionTable | None = None,
+        static: StaticSession | None = None,
+    ):
+        """``share_prefix``: the first :meth:`feed` computes a prefix that several rows share (a group's G episodes
+        start from one prompt) once and copies its cache to those rows (:func:`~sglightning.prefixes.shared_prefixes`);
+        False = every row computes its whole block.  ``staged_prefill``: context blocks of unequal lengths are fed in
+        stages (the rows still longer than a cut, on a copy of their cache) when :func:`plan_stages` finds that
+        computes fewer positions than padding every row to the longest block; False = always one padded pass; None
+        (default) = on CPUs only (the cost model is a CPU's, where a padded position costs a real one's FLOPs; on a
+        GPU padding is nearly free at these sizes and each extra pass costs latency).  ``static``: the slot cache
+        and its steps (None: the dynamic cache)."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.model = model
+        self.pad_id = pad_id
+        self.temperature = temperature
+        self.generator = generator
+        self.top_k = top_k
+        self.greedy = greedy
+        self.cache = None
+        self.device = next(model.parameters()).device
+        check_generator(generator, self.device)
+        self.static = static
+        self._mask: torch.Tensor | None = None  # [P, capacity] 1 = real token; columns [:width] are in use
+        self.width = 0  # cache positions (slots) in use, pads included
+        self.phys: list[int] = []  # the physical cache row of each row (the identity on the dynamic path)
+        self.next_pos: list[int] = []  # position of each row's next real token (kept on the host)
+        self.last_logits: torch.Tensor | None = None  # [P, V] logits predicting each physical row's next token
+        self.forward_calls = 0
+        self.share_prefix = share_prefix
+        self.staged_prefill = (self.device.type == "cpu" if staged_prefill is None else staged_prefill) and not static
+        self.fed_positions = 0  # row × position slots forwarded by `feed` (padding included): the prefill's work
+        # the lock steps `run` fed, the rows they advanced, and those rows' contexts summed (tokens held per row)
+        self.lock_steps = self.row_steps = self.context_tokens = 0
+        self._cache_arg = cache_argument_name(model)
+        self._table = restrictions or RestrictionTable()
+        self._additive = None
+        if static is not None and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+            self._additive = model.get_input_embeddings().weight.dtype  # eager attention adds its mask
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.phys)
+
+    @property
+    def engine_stats(self) -> dict[str, float]:
+        """The decode steps' shape (summed over sessions by the rollout): lock steps, rows they advanced, context."""
+        return {"lock_steps": float(self.lock_steps), "row_steps": float(self.row_steps),
+                "context_tokens": float(self.context_tokens)}
+
+    @property
+    def attn(self) -> torch.Tensor | None:
+        """[B, T] the attention mask of each row's cache (1 = real token)."""
+        if self._mask is None:
+            return None
+        return self._mask[self._rows(range(len(self.phys))), : self.width]
+
+    def _rows(self, rows) -> torch.Tensor | slice:
+        """The physical rows of ``rows`` as an index on the device (a slice when they are all rows in order)."""
+        phys = [self.phys[i] for i in rows]
+        if self._mask is not None and phys == list(range(self._mask.shape[0])):
+            return slice(None)
+        return self._to_device(torch.as_tensor(phys, dtype=torch.long))
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the model's device without waiting for the device (pinned, asynchronous on CUDA)."""
+        if self.device.type == "cpu":
+            return t
+        return (t.pin_memory() if self.device.type == "cuda" else t).to(self.device, non_blocking=True)
+
+    def _mask_columns(self, n: int) -> torch.Tensor:
+        """The next ``n`` columns of the mask buffer (grown by doubling), zeroed; ``width`` advances by ``n``."""
+        need = self.width + n
+        if need > self._mask.shape[1]:
+            grown = torch.zeros(self._mask.shape[0], max(need, 2 * self._mask.shape[1], 64), dtype=self._mask.dtype,
+                                device=self.device)  # [P, capacity]
+            grown[:, : self.width] = self._mask[:, : self.width]
+            self._mask = grown
+        cols = self._mask[:, self.width : need]
+        cols.zero_()
+        self.width = need
+        return cols
+
+    def _open(self, n: int) -> None:
+        """The session's first rows: ``n`` of them (on the static path the physical rows are ``n`` rounded up)."""
+        self.phys = list(range(n))
+        self.next_pos = [0] * n
+        if self.static is None:
+            self._mask = torch.zeros(n, 64, dtype=torch.long, device=self.device)
+            return
+        rows = bucket(n)
+        self.cache = None  # taken from the pool at the first forward, when the slots needed are known
+        self._mask = torch.zeros(rows, 256, dtype=torch.bool, device=self.device)  # [P, C] seen
+
+    # ------------------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def feed(self, blocks: Sequence[Sequence[int]]) -> None:
+        """Append ``blocks[i]`` to row i (may be empty).  One forward pass for all rows; on the first feed with
+        ``share_prefix``, rows sharing a prefix compute it once: one pass over the distinct prefixes, the cache rows
+        copied to every row that shares them, one pass over what follows each prefix."""
+        if self._mask is None:
+            self._open(len(blocks))
+            if self.share_prefix:
+                plan = shared_prefixes(blocks)
+                if plan is not None:
+                    cluster_of, cut = plan
+                    heads = cluster_heads(cluster_of)
+                    if self.static is None:
+                        self._open(len(heads))
+                    else:  # the physical rows stay those of every row
+                        self.phys, self.next_pos = self.phys[: len(heads)], self.next_pos[: len(heads)]
+                    self._feed([blocks[i][: cut[i]] for i in heads])  # [C rows]
+                    self.select(cluster_of)  # [B rows]: each row gets a copy of its prefix's keys and values
+                    self._feed([b[k:] for b, k in zip(blocks, cut)])
+                    return
+        self._feed(blocks)
+
+    def _feed(self, blocks: Sequence[Sequence[int]]) -> None:
+        if len(blocks) != self.batch_size:
+            raise ValueError(f"feed got {len(blocks)} blocks for {self.batch_size} rows")
+        lens = [len(b) for b in blocks]
+        if max(lens, default=0) == 0:
+            return
+        if self.static is not None:
+            self._forward_static(blocks)
+            return
+        cuts = None
+        if self.staged_prefill and self.cache is not None and _row_subset_cache_ok(self.cache):
+            cuts = plan_stages(lens, self.width)
+        if not cuts or len(cuts) == 1:
+            self._forward(None, blocks)
+            return
+        # stage 1: every row, its first cuts[0] tokens; stage j: the rows still longer than cuts[j-1], their next
+        # cuts[j] - cuts[j-1] tokens, forwarded on a copy of those rows' cache (see plan_stages)
+        self._forward(None, [b[: cuts[0]] for b in blocks])
+        for lo, hi in zip(cuts, cuts[1:]):
+            rows = [i for i, n in enumerate(lens) if n > lo]
+            self._forward(rows, [blocks[i][lo:hi] for i in rows])
+
+    def _block(self, rows, n: int, width: int):
+        """Host tensors of one block: ids, mask and positions ``[n, W]``, left-padded within the block, from
+        ``rows``: (line, row, block) triples; advances each row's next position."""
+        ids = torch.full((n, width), self.pad_id, dtype=torch.long)  # [n, W]
+        mask = torch.zeros(n, width, dtype=torch.long)  # [n, W]
+        pos = torch.zeros(n, width, dtype=torch.long)  # [n, W]
+        for line, r, b in rows:
+            start = self.next_pos[r]
+            if b:
+                ids[line, width - len(b) :] = torch.as_tensor(list(b), dtype=torch.long)
+                mask[line, width - len(b) :] = 1
+                pos[line, width - len(b) :] = torch.arange(start, start + len(b))
+            pos[line, : width - len(b)] = start  # pads: any valid position, they are masked out
+            self.next_pos[r] = start + len(b)
+        return ids, mask, pos
+
+    def _forward(self, rows: list[int] | None, blocks: Sequence[Sequence[int]]) -> None:
+        """One forward pass appending ``blocks[k]`` to row ``rows[k]`` (``rows`` None: every row, in order).  A row
+        subset runs on a copy of its rows' keys/values; the other rows get masked empty slots, so the cache stays
+        rectangular."""
+        width = max(len(b) for b in blocks)
+        n = len(blocks)
+        row_ids = range(n) if rows is None else rows
+        ids, mask, pos = self._block(zip(range(n), row_ids, blocks), n, width)
+        fed = torch.tensor([len(b) > 0 for b in blocks])  # [n]
+        ids, mask, pos, fed = (self._to_device(t) for t in (ids, mask, pos, fed))
+        self.fed_positions += n * width
+        idx = None if rows is None else self._to_device(torch.as_tensor(rows, dtype=torch.long))
+        if idx is None:
+            before = self.width
+            self._mask_columns(width).copy_(mask)
+            attn = self._mask[:, : before + width]  # [B, T+W]
+            cache = self.cache
+        else:
+            attn = torch.cat([self._mask[idx, : self.width], mask], dim=1)  # [n, T+W]
+            cache = _row_subset_cache(self.cache, idx)
+        # the last position's logits only.  For a block (width > 1) as an index tensor: the model then gathers a
+        # contiguous [n, 1, H] for its LM head, where the slice `logits_to_keep=1` takes is strided and torch's matmul
+        # falls back to a batched product over n copies of the [H, V] head weight (measured on SmolLM2: 250 ms per
+        # fed block in fp32, 4 s in bf16)
+        keep = 1 if width == 1 else torch.tensor([width - 1], device=self.device)
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=keep,
+                         **{self._cache_arg: cache})
+        self.forward_calls += 1
+        logits = out.logits[:, -1].float()  # [n, V]
+        if idx is None:
+            self.cache = getattr(out, self._cache_arg)
+            self.last_logits = logits if self.last_logits is None else torch.where(fed[:, None], logits,
+                                                                                   self.last_logits)
+            return
+        _append_row_subset(self.cache, getattr(out, self._cache_arg), idx, width)
+        self._mask_columns(width)[idx] = mask
+        self.last_logits[idx] = torch.where(fed[:, None], logits, self.last_logits[idx])
+
+    def _forward_static(self, blocks: Sequence[Sequence[int]]) -> None:
+        """One forward on the slot cache, at slots ``width … width+W-1``: a decode step (W = 1) runs every physical
+        row (fixed shapes, the compiled step); a wider block only the physical rows up to the last one in use.  Rows
+        without a block there (and physical rows no row uses) see their own pads, so no query is fully masked."""
+        width = max(len(b) for b in blocks)
+        rows = self._mask.shape[0] if width == 1 else max(self.phys) + 1
+        live = set(self.phys)
+        ids, mask, pos = self._block(((p, r, b) for r, (p, b) in enumerate(zip(self.phys, blocks))), rows, width)
+        dead = [p for p in range(rows) if p not in live]
+        if dead:
+            mask[dead] = 1
+        fed = torch.zeros(rows, dtype=torch.bool)  # [n]
+        fed[[p for p, b in zip(self.phys, blocks) if b]] = True
+        ids, mask, pos, fed = (self._to_device(t) for t in (ids, mask, pos, fed))
+        start = self.width
+        self._reserve(start + width)
+        self._mask_columns(width)[:rows] = mask.bool()
+        slots = torch.arange(start, start + width, device=self.device)  # [W]
+        attn = block_mask(self._mask[:rows, : self.cache.capacity], start, width, self._additive)  # [n, 1, W, C]
+        self.fed_positions += rows * width
+        if width == 1:
+            if hasattr(torch, "compiler"):
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = self.static.decode(ids, pos, attn, slots, self.cache)  # [P, V]
+        else:
+            logits = self.static.eager(ids, pos, attn, slots, self.cache, rows)  # [n, V]
+        self.forward_calls += 1
+        if self.last_logits is None:
+            self.last_logits = torch.zeros(self._mask.shape[0], logits.shape[1], device=self.device)  # [P, V]
+        self.last_logits[:rows] = torch.where(fed[:, None], logits, self.last_logits[:rows])
+
+    def _reserve(self, slots: int) -> None:
+        """A slot cache with room for ``slots`` slots (from the pool, or this one grown by doubling)."""
+        pool = self.static.pool
+        if self.cache is None:
+            dtype = self.model.get_input_embeddings().weight.dtype
+            self.cache = pool.get(self.model, self._mask.shape[0], bucket(max(slots, 512), 512), dtype, self.device)
+        elif slots > self.cache.capacity:
+            self.cache = self.cache.grown(bucket(slots, self.cache.capacity))
+            pool.put(self.model, self.cache)
+        if self._mask.shape[1] < self.cache.capacity:
+            grown = torch.zeros(self._mask.shape[0], self.cache.capacity, dtype=torch.bool, device=self.device)
+            grown[:, : self.width] = self._mask[:, : self.width]
+            self._mask = grown
+
+    def length(self, row: int) -> int:
+        return self.next_pos[row] if self.next_pos else 0
+
+    def select(self, keep: Sequence[int]) -> None:
+        """Keep only rows ``keep`` (in that order).  The dynamic cache drops the others; the slot cache keeps its
+        physical rows and only copies where a row is kept twice (a shared prefix handed to several rows)."""
+        keep = list(keep)
+        self.next_pos = [self.next_pos[i] for i in keep]
+        if self.static is not None:
+            src = [self.phys[i] for i in keep]
+            if len(set(src)) == len(src):
+                self.phys = src
+                return
+            dst = list(range(len(keep)))
+            s, d = (self._to_device(torch.as_tensor(x, dtype=torch.long)) for x in (src, dst))
+            self._mask[d] = self._mask[s]
+            if self.cache is not None:
+                self.cache.copy_rows(d, s, self.width)
+            if self.last_logits is not None:
+                self.last_logits[d] = self.last_logits[s]
+            self.phys = dst
+            return
+        idx = self._to_device(torch.as_tensor(keep, dtype=torch.long))
+        if self.cache is not None:
+            self.cache.batch_select_indices(idx)
+        self._mask = self._mask[idx]
+        self.phys = list(range(len(keep)))
+        if self.last_logits is not None:
+            self.last_logits = self.last_logits[idx]
+
+    # ------------------------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, programs: Sequence[list[Segment]]) -> list[list[Piece]]:
+        """Execute one program per row (all current rows); returns the pieces of each row in order.
+
+        One forward per lock step.  In a step each row appends a block: at most one sampled token (drawn from the
+        logits of the previous step, so only as the block's first token), then every token that needs no sampling
+        — the rest of a ``Force``, a ``Free`` segment's closing tokens, a ``Choice``'s single-continuation tokens —
+        up to the next token that must be sampled.  Forced runs thus cost no extra forward (the samples and their
+        log-probs are those of feeding one token per step: every sampled token still sees exactly the context
+        before it).  The step's samples are drawn together (:func:`draw`)."""
+        if len(programs) != self.batch_size:
+            raise ValueError(f"run got {len(programs)} programs for {self.batch_size} rows")
+        if self.last_logits is None:
+            raise RuntimeError("feed a prompt before running programs")
+        rows = [ProgramState(list(p)) for p in programs]
+        blocks = [st.written() for st in rows]  # what each row writes before its first sample
+        while True:
+            want = [i for i, st in enumerate(rows) if not st.done and not blocks[i]]  # rows that sample now
+            if want:
+                logits = self.last_logits[self._rows(want)]  # [R, V]
+                logp = torch.log_softmax(logits / self.temperature, dim=-1)  # [R, V]
+                drawn = draw(logp, [rows[i].restriction() for i in want], self.top_k, self.greedy, self.generator,
+                             self._table)
+                for i, (tok, logq, full, used) in zip(want, drawn):
+                    rows[i].take(tok, logq, full, used)
+                    blocks[i] = [tok] + rows[i].written()
+            if not any(blocks):
+                break
+            moving = [i for i, b in enumerate(blocks) if b]
+            self.lock_steps += 1
+            self.row_steps += len(moving)
+            self.context_tokens += sum(self.next_pos[i] for i in moving)
+            self.feed(blocks)
+            blocks = [[] for _ in rows]
+        return [st.pieces for st in rows]
+
+
+def check_generator(generator: torch.Generator | None, device: torch.device) -> None:
+    """A sampling generator must live on the model's device (torch refuses a CPU generator for CUDA tensors, deep in
+    the first draw): one line naming both, where the generator is first used."""
+    if generator is not None and torch.device(generator.device).type != torch.device(device).type:
+        raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}: make it "
+                         "with sglightning.data.sampling_generator(..., device=<the model's device>)")
+
+
+def plan_stages(lens: Sequence[int], cached: int, copy_cost: float = 1 / 64, pass_cost: float = 48) -> list[int]:
+    """How to feed blocks of unequal lengths: cumulative cut widths ``c_1 < … < c_m = max(lens)``.
+
+    One forward over all rows pads every block to the longest, and a padded position costs as much as a real one
+    (a turn's observations of 46 to 183 tokens for 16 rows were ~40 % padding in a twc rollout).  Fed in stages,
+    stage 1 gives every row its first ``c_1`` tokens and stage ``j`` gives the rows longer than ``c_{j-1}`` their
+    next ``c_j - c_{j-1}`` tokens, on a copy of those rows' cache.  Chosen by dynamic programming over the distinct
+    lengths to minimise, in units of one position's forward,
+
+        Σ_j n_j · (c_j − c_{j−1})  +  Σ_{j≥2} (n_j · cached · copy_cost + pass_cost)
+
+    with ``n_1`` = all rows and ``n_j`` = rows longer than ``c_{j−1}``: the positions computed, plus copying a
+    stage's rows' ``cached`` positions of keys/values (``copy_cost``: a cached position's keys and values across
+    the layers are ~1/100 of a position's forward FLOPs in bytes moved, on a memory-bound CPU) and a pass's fixed
+    cost (``pass_cost``: every pass reads all the weights; a 16-row decode step of SmolLM2-135M on 2 CPU cores costs
+    about as much as 50 prefill positions).  Decode steps (blocks of a few tokens) are therefore fed in one pass;
+    a turn's observations are cut where the lengths jump.  Returns ``[max(lens)]`` when one pass is cheapest."""
+    n = len(lens)
+    top = max(lens)
+    points = [0] + sorted({x for x in lens if 0 < x < top}) + [top]
+    longer = [sum(1 for x in lens if x > p) for p in points]  # rows still to feed after points[i]
+    best = [0.0] + [float("inf")] * (len(points) - 1)
+    back = [0] * len(points)
+    for j in range(1, len(points)):
+        for i in range(j):
+            rows = n if i == 0 else longer[i]
+            cost = best[i] + rows * (points[j] - points[i]) + (0 if i == 0 else rows * cached * copy_cost + pass_cost)
+            if cost < best[j]:
+                best[j], back[j] = cost, i
+    cuts, j = [], len(points) - 1
+    while j > 0:
+        cuts.append(points[j])
+        j = back[j]
+    return cuts[::-1]
+
+
+def _row_subset_cache_ok(cache) -> bool:
+    """Staged feeding needs plain full-attention layers holding ``keys``/``values`` tensors (transformers >= 4.56
+    ``DynamicLayer``); sliding-window, quantised or older caches are fed in one pass."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return False
+    layers = getattr(cache, "layers", None)
+    return bool(layers) and all(type(layer) is DynamicLayer and layer.keys is not None for layer in layers)
+
+
+def _row_subset_cache(cache, idx: torch.Tensor):
+    """A new cache holding copies of rows ``idx`` of ``cache``'s keys/values: [n, heads, T, d] per layer."""
+    from transformers.cache_utils import DynamicCache
+
+    sub = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        sub.update(layer.keys[idx], layer.values[idx], i)
+    return sub
+
+
+def _append_row_subset(cache, sub, idx: torch.Tensor, width: int) -> None:
+    """Append the last ``width`` positions of ``sub`` (rows ``idx``) to ``cache``; the other rows get zeros there
+    (masked out: they attend to nothing)."""
+    for layer, part in zip(cache.layers, sub.layers):
+        for name in ("keys", "values"):
+            full = getattr(layer, name)  # [B, H, T, d]
+            new = getattr(part, name)[:, :, -width:]  # [n, H, W, d]
+            slots = full.new_zeros(full.shape[0], full.shape[1], width, full.shape[3])  # [B, H, W, d]
+            slots[idx] = new
+            setattr(layer, name, torch.cat([full, slots], dim=2))

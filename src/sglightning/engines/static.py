@@ -1,0 +1,176 @@
+"""The in-process engine's fixed-shape path: a static KV cache with one slot per lock step, and a decode step that
+``torch.compile`` can capture as a CUDA graph.
+
+Why.  On a GPU one decode step of a sub-billion model is a few milliseconds of kernels; launched one by one from
+Python (and with a cache that grows by concatenation, copying every key and value each step) the launches take
+longer than the kernels.  A CUDA graph replays the whole step with one launch, but it needs fixed shapes and fixed
+addresses: a batch that does not shrink, a cache that does not move, a mask of fixed width.
+
+How.  The rows advance in lock step, so every row writes the same cache *slot* at each step (a row with nothing to
+write there writes a pad, masked out).  :class:`SlotCache` holds per layer keys and values ``[P, H_kv, C, d]`` for P
+physical rows and C slots, written in place at the step's slots; the attention mask ``[P, 1, W, C]`` is built here
+(a slot is seen if it holds a real token of the row and is not after the query's slot) and handed to the model as a
+4-D mask, which transformers passes to attention as it is.  Positions are counted per row, as in the dynamic path.
+Rows that end are not dropped: their physical row stays, unread.  P is the rows rounded up to a bucket and C grows by
+doubling, so a run sees few distinct shapes (each one compiled once).
+
+transformers' own ``StaticCache`` assumes one position counter for the whole batch and its update signature has
+changed between releases; this cache needs only ``update(keys, values, layer_idx, ...)``, stable across them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+#: ``model.engine.compile`` values that take this path, and what each compiles
+STATIC_MODES = ("static", "default", "cudagraphs", "reduce-overhead")
+
+
+def resolve_mode(setting: str, device: str, sharding: str | None, attention: str) -> str:
+    """The decode step ``model.engine.compile: setting`` means for a model on ``device`` (a device type), under
+    ``sharding`` (``fsdp1``, ``fsdp2`` or None), with attention implementation ``attention``: ``auto`` is
+    ``reduce-overhead`` on one unsharded CUDA device with SDPA or eager attention, ``off`` elsewhere.  A compiled
+    step needs weights that stay where they are (not FSDP's, gathered anew for every rollout) and every static mode
+    an attention that takes a 4-D mask: anything else is a ConfigError naming the key."""
+    from sglightning.errors import ConfigError
+
+    if setting == "auto":
+        ok = device == "cuda" and sharding is None and attention in ("sdpa", "eager")
+        return "reduce-overhead" if ok else "off"
+    if setting in STATIC_MODES and attention not in ("sdpa", "eager"):
+        raise ConfigError(f"model.engine.compile: {setting} needs an attention that takes a 4-D mask (sdpa or eager); "
+                          f"the model uses {attention}: set it to off")
+    if setting in STATIC_MODES and setting != "static" and sharding is not None:
+        raise ConfigError(f"model.engine.compile: {setting} captures the weights where they are, but under {sharding} "
+                          "they are gathered anew for every rollout: set it to static or off")
+    return setting
+
+
+def bucket(n: int, smallest: int = 8) -> int:
+    """``n`` rounded up to a power of two (at least ``smallest``): the physical rows or slots for ``n``."""
+    b = smallest
+    while b < n:
+        b *= 2
+    return b
+
+
+try:  # the base class the models check for (transformers >= 4.36); its constructor differs between releases
+    from transformers.cache_utils import Cache as _CacheBase
+except ImportError:  # pragma: no cover
+    _CacheBase = object
+
+
+class SlotCache(_CacheBase):
+    """Keys and values ``[P, H_kv, C, d]`` per layer, written in place at ``slots`` (set before each forward)."""
+
+    is_compileable = True
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor]):  # noqa: D107
+        # Cache.__init__ is not called: its signature differs between transformers releases, and nothing here
+        # needs what it sets up (the model only calls update)
+        self.keys, self.values = keys, values
+        self.slots: torch.Tensor | None = None  # [W] the slots the forward writes
+        self.rows: int | None = None  # the forward's rows are the first `rows` physical rows (None: all of them)
+        self.layers: list = []  # no per-layer objects (code that walks cache.layers finds none)
+
+    @classmethod
+    def allocate(cls, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype, device: torch.device
+                 ) -> SlotCache:
+        """Zeroed buffers for ``rows`` × ``slots`` of ``model``'s shape, marked as static addresses for graphs."""
+        cfg = model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        shape = (rows, heads, slots, head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        for t in keys + values:
+            torch._dynamo.mark_static_address(t)
+        return cls(keys, values)
+
+    @property
+    def batch(self) -> int:
+        """Physical rows."""
+        return self.keys[0].shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the block's keys/values ``[n, H_kv, W, d]`` at ``slots`` (n = ``rows`` or P); return the whole
+        layer's first n rows ``[n, H_kv, C, d]`` (the mask hides what is not to be read)."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        if self.rows is not None:
+            keys, values = keys[: self.rows], values[: self.rows]  # views: written in place
+        keys.index_copy_(2, self.slots, key_states.to(keys.dtype))
+        values.index_copy_(2, self.slots, value_states.to(values.dtype))
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.capacity
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.capacity
+
+    def copy_rows(self, dst: torch.Tensor, src: torch.Tensor, width: int) -> None:
+        """Rows ``src`` of the first ``width`` slots into rows ``dst`` (a gather first: sources may be overwritten)."""
+        for t in self.keys + self.values:
+            t[dst, :, :width] = t[src, :, :width]
+
+    def grown(self, slots: int) -> SlotCache:
+        """A cache of ``slots`` slots holding this one's keys and values in its first slots."""
+        out = SlotCache.allocate_like(self, slots)
+        for new, old in zip(out.keys + out.values, self.keys + self.values):
+            new[:, :, : old.shape[2]] = old
+        return out
+
+    @classmethod
+    def allocate_like(cls, other: SlotCache, slots: int) -> SlotCache:
+        keys = [torch.zeros(t.shape[:2] + (slots,) + t.shape[3:], dtype=t.dtype, device=t.device)
+                for t in other.keys]
+        values = [torch.zeros_like(k) for k in keys]
+        for t in keys + values:
+            torch._dynamo.mark_static_address(t)
+        return cls(keys, values)
+
+
+def block_mask(seen: torch.Tensor, start: int, width: int, additive: torch.dtype | None = None) -> torch.Tensor:
+    """The 4-D attention mask of a block fed at slots ``start … start+width-1``: query q of row p sees slot c when
+    ``seen[p, c]`` (a real token of the row, this block's included) and c ≤ start + q.  ``seen`` [P, C] bool.
+    Returns bool [P, 1, W, C] (True = attend), or with ``additive`` a float mask of that dtype (0 / its minimum),
+    for attention implementations that add the mask."""
+    cols = torch.arange(seen.shape[1], device=seen.device)  # [C]
+    rows = torch.arange(start, start + width, device=seen.device)  # [W]
+    mask = seen[:, None, None, :] & (cols[None, :] <= rows[:, None])[None, None]  # [P, 1, W, C]
+    if additive is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=additive, device=seen.device).masked_fill_(~mask, torch.finfo(additive).min)
+
+
+def decode_step(model: torch.nn.Module, cache_arg: str) -> Callable:
+    """The forward of one block on a :class:`SlotCache` (its first ``rows`` physical rows, or all), returning the
+    last position's logits [n, V] (float32)."""
+
+    def step(ids, pos, mask, slots, cache, rows=None):
+        cache.slots, cache.rows = slots, rows
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                    **{cache_arg: cache})
+        return out.logits[:, -1].float()
+
+    return step
+
+
+def compiled(step: Callable, mode: str) -> Callable:
+    """``step`` compiled for ``model.engine.compile`` = ``mode``: ``static`` eager (no compile); ``default`` inductor;
+    ``cudagraphs`` graphs of the traced step without code generation; ``reduce-overhead`` inductor + CUDA graphs."""
+    if mode == "static":
+        return step
+    if mode == "cudagraphs":
+        return torch.compile(step, backend="cudagraphs")
+    return torch.compile(step, mode=None if mode == "default" else mode)

@@ -1,0 +1,65 @@
+"""Rows that share a prefix compute it once: the rollout's first feed (a group's G episodes start from one prompt)
+and the update's forward (a group's samples share their prompt) both group rows by common prefixes (pure Python, no
+torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def shared_prefixes(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> tuple[list[int], list[int]] | None:
+    """Group rows whose blocks share a prefix of at least ``min_shared`` tokens, so as to compute the most once.
+
+    Rows are sorted by their ids, so that rows with long common prefixes are neighbours; a cluster is a run of
+    neighbours, its shared length the shortest common prefix inside the run, and it saves (rows − 1) × shared length.
+    A run is split where that saves more: two tasks' prompts share a system prompt, but each task's G rows share far
+    more (the whole task prompt), so ``[system + A] × 4, [system + B] × 4`` becomes two clusters, not one.  A row alone
+    is its own cluster (its whole block).  Returns (``cluster_of`` [B]: each row's cluster, numbered in order of
+    first appearance; ``cut`` [B]: how many leading tokens of the row come from its cluster's shared prefix), or None
+    when sharing would save fewer than ``min_shared`` token computations."""
+    n = len(blocks)
+    order = sorted(range(n), key=lambda i: tuple(blocks[i]))
+    lcp = [common_prefix(blocks[a], blocks[b]) for a, b in zip(order, order[1:])]  # [n-1] neighbours' prefixes
+
+    def best(lo: int, hi: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """Most tokens saved by splitting sorted rows lo..hi into runs, and those runs (first, last, shared)."""
+        if lo == hi:
+            return 0, [(lo, hi, len(blocks[order[lo]]))]
+        k = min(range(lo, hi), key=lambda j: lcp[j])  # the weakest link
+        (s_left, left), (s_right, right) = best(lo, k), best(k + 1, hi)
+        split = s_left + s_right, left + right
+        if lcp[k] < min_shared:
+            return split
+        whole = (hi - lo) * lcp[k]
+        return (whole, [(lo, hi, lcp[k])]) if whole >= split[0] else split
+
+    saved, runs = best(0, n - 1) if n else (0, [])
+    if saved < min_shared:
+        return None
+    run_of, shared = {}, []
+    for r, (lo, hi, k) in enumerate(runs):
+        shared.append(k)
+        for j in range(lo, hi + 1):
+            run_of[order[j]] = r
+    number: dict[int, int] = {}
+    cluster_of = [number.setdefault(run_of[i], len(number)) for i in range(n)]
+    cut = [shared[run_of[i]] for i in range(n)]
+    return cluster_of, cut
+
+
+def cluster_heads(cluster_of: Sequence[int]) -> list[int]:
+    """The first row of each cluster of :func:`shared_prefixes`, in cluster order (clusters are numbered by first
+    appearance): the rows whose prefix is computed for the cluster."""
+    heads: dict[int, int] = {}
+    for row, c in enumerate(cluster_of):
+        heads.setdefault(c, row)
+    return [heads[c] for c in range(len(heads))]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    k = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        k += 1
+    return k

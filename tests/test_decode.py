@@ -1,0 +1,172 @@
+"""The in-process engine's GPU-grade parts, checked on CPU: the batched draw against row-by-row sampling, the slot
+cache (static shapes, one slot per lock step) against the dynamic cache, the compiled decode step, the mask by hand,
+and which decode step ``model.engine.compile`` chooses where."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from sglightning.data import RolloutConfig
+from sglightning.engines import EngineConfig
+from sglightning.engines.builtin import BuiltinEngine, RestrictionTable, draw
+from sglightning.engines.static import SlotCache, block_mask, bucket, resolve_mode
+from sglightning.envs.household import HouseholdEnv
+from sglightning.episodes import Restriction
+from sglightning.errors import ConfigError
+from sglightning.guidance import GuidanceConfig
+from sglightning.models import PolicyConfig, load_policy
+from sglightning.rollout import Rollout
+
+
+class EndsEarlyEnv(HouseholdEnv):
+    """The household, ended (lost) after ``seed % 3 + 1`` steps: rows of one batch end at different steps."""
+
+    def reset(self, seed: int, split: str = "train"):
+        self._left = seed % 3 + 1
+        return super().reset(seed, split)
+
+    def step(self, action: str):
+        out = super().step(action)
+        self._left -= 1
+        if self._left <= 0 and not out.done:
+            out.done = True
+        return out
+
+
+ENV = functools.partial(EndsEarlyEnv, difficulty=0, info_actions=False)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_policy(PolicyConfig(name_or_path="embedded:tiny"))
+
+
+def _row_by_row(logp_row: torch.Tensor, r: Restriction | None, top_k: int, gen: torch.Generator):
+    """One row sampled the plain way (what the engine did before its draws were batched)."""
+    scores = logp_row.clone()
+    if r is not None:
+        listed = torch.zeros_like(scores, dtype=torch.bool)
+        listed[list(r.ids)] = True
+        scores[listed if r.exclude else ~listed] = float("-inf")
+    if top_k and (r is None or r.exclude):
+        k = min(top_k, int(torch.isfinite(scores).sum()))
+        top = torch.topk(scores, k).indices
+        r = Restriction(tuple(sorted(int(t) for t in top)))
+        keep = torch.full_like(scores, float("-inf"))
+        keep[top] = logp_row[top]
+        scores = keep
+    tok = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=gen))
+    full = float(logp_row[tok])
+    if r is None:
+        return tok, full, full, None
+    lse = torch.logsumexp(logp_row[list(r.ids)], dim=0)
+    mass = torch.log(-torch.expm1(lse.clamp(max=-1e-20))) if r.exclude else lse
+    return tok, full - float(mass), full, r
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_batched_draw_is_row_by_row_sampling(top_k):
+    """Rows with no restriction, a choice among a few tokens, an exclusion of many, and top-k: the batched draw
+    takes the tokens row-by-row sampling takes from the same generator (bit for bit on CPU), the same log q and
+    log π (1e-6), and records the same restriction (top-k: the set actually sampled from)."""
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(torch.randn(9, 300, generator=g) * 3, dim=-1)  # [R, V]
+    choice, ban = Restriction((3, 17, 250)), Restriction(tuple(range(0, 300, 2)), exclude=True)
+    rs = [None, choice, ban, None, Restriction((42,)), ban, choice, None, Restriction(tuple(range(10)), True)]
+    for seed in range(5):
+        got = draw(logp, rs, top_k, False, torch.Generator().manual_seed(seed), RestrictionTable())
+        gen = torch.Generator().manual_seed(seed)
+        want = [_row_by_row(logp[i], r, top_k, gen) for i, r in enumerate(rs)]
+        for (t, q, f, r), (t2, q2, f2, r2) in zip(got, want):
+            assert t == t2 and r == r2
+            assert q == pytest.approx(q2, abs=1e-6) and f == pytest.approx(f2, abs=1e-6)
+    greedy = draw(logp, rs, top_k, True, None)
+    assert [t for t, *_ in greedy][:2] == [int(logp[0].argmax()), max((3, 17, 250), key=lambda i: float(logp[1, i]))]
+
+
+def test_block_mask_by_hand():
+    """Query q of a block at slots 3..4 sees the row's real slots up to its own."""
+    seen = torch.tensor([[1, 1, 0, 1, 1, 0], [1, 0, 1, 0, 1, 0]], dtype=torch.bool)  # [P=2, C=6]
+    m = block_mask(seen, 3, 2)  # [2, 1, 2, 6]
+    assert m.shape == (2, 1, 2, 6)
+    assert m[0, 0, 0].tolist() == [True, True, False, True, False, False]  # slot 3's query: not slot 4
+    assert m[0, 0, 1].tolist() == [True, True, False, True, True, False]
+    assert m[1, 0, 0].tolist() == [True, False, True, False, False, False]  # slot 3 is this row's pad
+    add = block_mask(seen, 3, 2, torch.float32)
+    assert add[0, 0, 0, 0] == 0 and add[0, 0, 0, 2] == torch.finfo(torch.float32).min
+
+
+def test_compile_auto_is_graphs_on_one_cuda_device_only():
+    assert resolve_mode("auto", "cpu", None, "sdpa") == "off"
+    assert resolve_mode("auto", "cuda", None, "sdpa") == "reduce-overhead"
+    assert resolve_mode("auto", "cuda", "fsdp2", "sdpa") == "off"  # gathered weights move every rollout
+    assert resolve_mode("auto", "cuda", None, "flash_attention_2") == "off"  # takes no 4-D mask
+    assert resolve_mode("static", "cuda", "fsdp2", "sdpa") == "static"
+    with pytest.raises(ConfigError, match="model.engine.compile: cudagraphs captures the weights where they are"):
+        resolve_mode("cudagraphs", "cuda", "fsdp1", "sdpa")
+    with pytest.raises(ConfigError, match="model.engine.compile: static needs an attention that takes a 4-D mask"):
+        resolve_mode("static", "cuda", None, "flash_attention_2")
+    with pytest.raises(ValueError, match="model.engine.compile: 'fast' is not one of auto, off"):
+        EngineConfig(compile="fast")
+    assert [bucket(n) for n in (1, 8, 9, 100)] == [8, 8, 16, 128]
+
+
+def test_a_slot_cache_grows_without_losing_what_it_holds(tiny):
+    model, _ = tiny
+    cache = SlotCache.allocate(model, 2, 4, torch.float32, torch.device("cpu"))
+    for t in cache.keys + cache.values:
+        t.normal_()
+    grown = cache.grown(8)
+    assert grown.capacity == 8 and grown.batch == 2
+    assert all(torch.equal(n[:, :, :4], o) and not n[:, :, 4:].any() for n, o in zip(grown.keys, cache.keys))
+
+
+def _play(model, tok, engine, mode: str, decoding: str, action: str, top_k: int = 0, seeds=(1, 2, 3)):
+    gc = GuidanceConfig(prompt_mode=mode, decoding=decoding, action_decoding=action, max_guidance_tokens=6,
+                        max_action_tokens=6)
+    r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=4, temperature=0.8, top_k=top_k),
+                engine=engine)
+    try:
+        return r.run(list(seeds), generator=torch.Generator().manual_seed(0))
+    finally:
+        r.close()
+
+
+def _same(a, b, tol: float = 1e-5) -> None:
+    assert len(a.samples) == len(b.samples) > 0
+    for x, y in zip(a.samples, b.samples):
+        assert x.ids == y.ids and x.policy == y.policy and x.restrictions == y.restrictions
+        assert x.logprobs == pytest.approx(y.logprobs, abs=tol)
+
+
+@pytest.mark.parametrize("mode,decoding,action,top_k", [
+    ("single_stream", "constrained", "admissible", 0), ("two_call", "free", "free", 5),
+    ("single_stream", "free", "free", 0), ("two_call", "constrained", "admissible", 0)])
+def test_slot_cache_rollouts_equal_dynamic_cache_rollouts(tiny, mode, decoding, action, top_k):
+    """The slot cache (rows kept, one slot per lock step, prefix copies, rows ending, the cache growing past its
+    first capacity) plays the episodes the dynamic cache plays: same tokens, log-probs within 1e-5 (fp32)."""
+    model, tok = tiny
+    static = BuiltinEngine(EngineConfig(compile="static"))
+    a = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), mode, decoding, action, top_k)
+    b = _play(model, tok, static, mode, decoding, action, top_k)
+    _same(a, b)
+    assert len({len(e.steps) for e in b.episodes}) > 1  # some rows ended while others went on
+    caches = list(static.slots._caches.values())
+    assert caches and all(c.capacity > 512 or mode == "two_call" for c in caches)  # single stream grew past 512
+
+
+@pytest.mark.slow
+def test_a_compiled_decode_step_plays_the_same_episodes(tiny):
+    """``model.engine.compile: default`` (inductor, on CPU here; on CUDA ``reduce-overhead`` adds graphs to the same
+    traced step): the same tokens as the eager dynamic cache, over two rollouts (the second reuses the compiled step
+    and the pooled cache)."""
+    model, tok = tiny
+    plain = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained",
+                  "admissible")
+    engine = BuiltinEngine(EngineConfig(compile="default"))
+    for _ in range(2):
+        _same(plain, _play(model, tok, engine, "single_stream", "constrained", "admissible"))
+    assert engine.mode(model) == "default" and len(engine._steps) == 2

@@ -1,0 +1,69 @@
+"""Device placement, checked on a CPU-only machine: every generator a rollout draws from is made on the model's
+device (training, dynamic sampling, validation before and after fit, a standalone validate) and refused where it is
+used when it is not.  On CUDA a CPU generator crashed the main command's first validation (torch refuses it deep in
+the first draw); nothing on a CPU could see it, so these tests look at the devices themselves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglightning import callbacks
+from sglightning.cli import cli_main
+from sglightning.data import sampling_generator
+from sglightning.engines.builtin import DecodeSession, check_generator
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+
+
+@pytest.fixture()
+def made(monkeypatch):
+    """Every sampling generator the rollout callback makes, with the device it was asked for and the module's."""
+    seen: list[tuple[str, torch.device, torch.device]] = []
+    real = callbacks.sampling_generator
+
+    def spy(seed, step, rank, salt=0, *, device):
+        gen = real(seed, step, rank, salt, device=device)
+        seen.append((f"salt {salt}", torch.device(device), gen.device))
+        return gen
+
+    monkeypatch.setattr(callbacks, "sampling_generator", spy)
+    return seen
+
+
+def test_every_rollout_generator_is_made_on_the_models_device(tmp_path, made):
+    """A fit that validates before and after training, with a dynamic-sampling round, then validate from the
+    checkpoint: every generator made (training salt 0, dynamic sampling salt 3, validation salt 1) is on the
+    module's device."""
+    args = ["--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+            "--trainer.max_steps=2", "--model.evaluation.num_tasks=2", "--model.evaluation.tasks_per_batch=2",
+            "--model.evaluation.before_fit=true", "--model.rollout.dynamic_sampling_rounds=1"]
+    cli = cli_main(["fit", *args])
+    device = cli.model.device
+    cli_main(["validate", *args, "--ckpt_path=last"])
+    salts = {s for s, _, _ in made}
+    assert {"salt 0", "salt 1"} <= salts, salts
+    assert all(asked == device and got.type == device.type for _, asked, got in made), made
+
+
+def test_a_generator_on_another_device_is_refused_where_it_is_used():
+    """The session checks the generator against the model's device before the first draw: a CPU generator for a
+    model elsewhere (a meta-device model stands in for a GPU one here) is one line naming both devices."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"the sampling generator is on cpu but the model is on meta"):
+        DecodeSession(model, 0, generator=torch.Generator())
+    with pytest.raises(ValueError, match=r"the sampling generator is on cpu but the model is on cuda:0"):
+        check_generator(torch.Generator(), torch.device("cuda:0"))
+    check_generator(torch.Generator(), torch.device("cpu"))
+    check_generator(None, torch.device("cuda:0"))  # greedy decoding draws nothing
+
+
+def test_sampling_generator_needs_the_device():
+    with pytest.raises(TypeError):
+        sampling_generator(0, 0, 0)  # the device is a required keyword: no caller can forget it
+    assert sampling_generator(0, 1, 0, device="cpu").device.type == "cpu"

@@ -1,0 +1,67 @@
+"""On a CUDA device only (skipped elsewhere; ``benchmarks/gpu_session.sh`` runs this file on a lent GPU): the
+main command's seeded rollouts run there, and every decode step of the in-process engine plays the episodes the
+dynamic cache plays, with the trainer's log-probs of them (fp32, the tiny model)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglightning.cli import cli_main
+from sglightning.data import RolloutConfig, sampling_generator
+from sglightning.engines import EngineConfig
+from sglightning.engines.builtin import BuiltinEngine
+from sglightning.envs.household import HouseholdEnv
+from sglightning.guidance import GuidanceConfig
+from sglightning.models import PolicyConfig, load_policy
+from sglightning.rollout import Rollout
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = functools.partial(HouseholdEnv, difficulty=0, info_actions=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda():
+    model, tok = load_policy(PolicyConfig(name_or_path="embedded:tiny"), device="cuda")
+    return model.to("cuda").eval(), tok
+
+
+def _play(model, tok, compile_mode: str, mode: str):
+    gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="admissible", max_guidance_tokens=6)
+    r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=4, temperature=0.8),
+                engine=BuiltinEngine(EngineConfig(compile=compile_mode)))
+    try:
+        return r.run([1, 2, 3], generator=sampling_generator(0, 0, 0, device="cuda"))
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("mode", ["single_stream", "two_call"])
+@pytest.mark.parametrize("compile_mode", ["static", "cudagraphs", "reduce-overhead"])
+def test_every_decode_step_plays_the_dynamic_caches_episodes_on_cuda(tiny_cuda, compile_mode, mode):
+    model, tok = tiny_cuda
+    a, b = _play(model, tok, "off", mode), _play(model, tok, compile_mode, mode)
+    assert len(a.samples) == len(b.samples) > 0
+    for x, y in zip(a.samples, b.samples):
+        assert x.ids == y.ids
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+
+
+def test_the_tiny_config_fits_resumes_and_validates_on_cuda(tmp_path):
+    """The first GPU run's crash: seeded validation rollouts (before training, after it, and from a checkpoint) on
+    CUDA, through the CLI."""
+    common = ["--config", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+              f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.accelerator=gpu",
+              "--trainer.precision=bf16-mixed", "--trainer.enable_progress_bar=false",
+              "--model.evaluation.before_fit=true"]
+    cli = cli_main(["fit", *common, "--trainer.max_steps=2"])
+    assert len(cli.model.history) == 2 and cli.model.val_report_before and cli.model.val_report
+    cli = cli_main(["fit", *common, "--trainer.max_steps=3", "--ckpt_path=last"])
+    assert cli.model.global_step == 3
+    cli = cli_main(["validate", *common, "--ckpt_path=last"])
+    assert cli.model.val_report["step"] == 3
