@@ -9,6 +9,7 @@ The rollout callback is given the configs it plays by; from the LightningModule 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -83,6 +84,10 @@ class RolloutCallback(Callback):
             self.rollout = Rollout(pl_module.peft_model, pl_module.tokenizer, self.env_factory, self.guidance_cfg,
                                    self.rollout_cfg, chat_template_kwargs=self.chat_template_kwargs,
                                    engine=self.engine)
+            # the model, tokenizer and libraries are loaded and live as long as the run: keep the garbage collector
+            # from scanning their ~500 k objects at every collection a rollout's allocations trigger (0.39 -> 0.06 s
+            # of a 128-episode tiny-model rollout; on a GPU that time is the rollout's own order)
+            gc.freeze()
         return self.rollout
 
     # ------------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 def pad_token_id(tokenizer) -> int:
-    """The id used to pad rows, in the decoder's cache and in the update's batches: the tokenizer's pad token, else its
+    """The id used to pad rows, in the engine's cache and in the update's batches: the tokenizer's pad token, else its
     end-of-sequence token.  (``models.load_tokenizer`` gives every tokenizer it loads a pad token by the same rule;
     padded positions are always masked, so the value never changes a result.)"""
     pad = tokenizer.pad_token_id
@@ -39,6 +39,9 @@ class ChatFormat:
         # what closes an assistant turn and opens a user turn / what closes it and opens the next answer
         self.turn_prefix, self.turn_suffix = t2[a + len(self._A) : u], t2[u + len(self._U) :]
         self.eos_text = tokenizer.eos_token or ""
+        # text -> ids: the forced words, label options and admissible actions recur in every turn of every episode,
+        # and a tokenizer call costs ~80 µs of Python (more than a GPU's decode step per hundred calls)
+        self._ids: dict[str, tuple[int, ...]] = {}
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(
@@ -46,7 +49,12 @@ class ChatFormat:
         )
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=False))
+        ids = self._ids.get(text)
+        if ids is None:
+            if len(self._ids) >= 65_536:
+                self._ids.clear()
+            ids = self._ids[text] = tuple(self.tok.encode(text, add_special_tokens=False))
+        return list(ids)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         return self.encode(self._render(messages, True))

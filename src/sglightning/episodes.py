@@ -1,11 +1,11 @@
-"""The records one training step is made of, from the decoder's tokens to the played episodes (ground floor:
+"""The records one training step is made of, from the engine's tokens to the played episodes (ground floor:
 dataclasses only, no torch, no model, no Lightning).
 
 Every layer names these and none of them runs anything, so a module that only reads episodes (rewards, metrics,
 reports, a user's reward term) imports this file and never the rollout engine.
 
 * :class:`Piece` — what one segment of a turn's program produced for one row: token ids, which of them the policy
-  sampled, their log-probs and the :class:`Restriction` each was drawn from (the decoder's output);
+  sampled, their log-probs and the :class:`Restriction` each was drawn from (the engine's output);
 * :class:`Sample` — one token sequence the trainer scores (one call, or a whole single-stream episode), built from
   context ids and pieces, with a kind (``KIND_CONTEXT`` / ``KIND_GUIDANCE`` / ``KIND_ACTION``) and an episode step
   per token;
@@ -36,6 +36,15 @@ class Restriction:
 
     ids: tuple[int, ...]
     exclude: bool = False
+    #: the hash, computed once (a banned set holds thousands of ids, and the engine and the update look sets up
+    #: in dicts at every token)
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.ids, self.exclude)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclass
@@ -195,8 +204,8 @@ class RolloutBatch:
     env_seconds: float = 0.0  # wall time spent waiting for environment resets/steps
     generated_tokens: int = 0
     forward_calls: int = 0
-    #: row × position slots the decoder's context passes computed, padding included (a prompt shared by a group is
-    #: counted once when the decoder shares prefixes; 0 for a decoder that does not count)
+    #: row × position slots the engine's context passes computed, padding included (a prompt shared by a group is
+    #: counted once when the engine shares prefixes; 0 for an engine that does not count)
     prefill_positions: int = 0
     policy_version: int = 0  # the trainer step whose weights sampled this batch (logged as rollout/policy_lag)
     guided: bool = True

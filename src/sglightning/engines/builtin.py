@@ -34,7 +34,15 @@ import torch
 
 from sglightning.engines.base import Engine, Session, Weights
 from sglightning.engines.program import ProgramState, Segment
-from sglightning.engines.static import SlotCache, block_mask, bucket, compiled, decode_step, resolve_mode
+from sglightning.engines.static import (
+    VIEW_STEP,
+    SlotCache,
+    block_mask,
+    bucket,
+    compiled,
+    decode_step,
+    resolve_mode,
+)
 from sglightning.episodes import Piece, Restriction
 from sglightning.models import cache_argument_name
 from sglightning.prefixes import cluster_heads, shared_prefixes
@@ -141,7 +149,7 @@ class RestrictionTable:
         if t is None:
             if len(self._ids) >= self.limit:
                 self._ids.clear()
-            t = self._ids[key] = torch.tensor(r.ids, dtype=torch.long).to(device, non_blocking=True)  # [K]
+            t = self._ids[key] = torch.tensor(r.ids, dtype=torch.long).to(device)  # [K] (once per set)
         return t
 
     def stack(self, rs: Sequence[Restriction], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +157,8 @@ class RestrictionTable:
         rows = [self.ids(r, device) for r in rs]
         ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [U, K]
         k = torch.arange(ids.shape[1], device=device)  # [K]
-        lens = torch.tensor([len(r.ids) for r in rs], dtype=torch.long).to(device, non_blocking=True)  # [U]
+        lens = torch.tensor([len(r.ids) for r in rs], dtype=torch.long)  # [U]
+        lens = (lens.pin_memory() if device.type == "cuda" else lens).to(device, non_blocking=True)
         return ids, k[None, :] < lens[:, None]
 
 
@@ -165,6 +174,11 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
     R, V = logp.shape
     dev = logp.device
     table = table or RestrictionTable()
+
+    def h2d(values, dtype) -> torch.Tensor:  # small host lists to the device without a stream sync (pinned)
+        t = torch.tensor(values, dtype=dtype)
+        return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
+
     neg_inf = torch.full((), float("-inf"), dtype=logp.dtype, device=dev)
     # the step's distinct restrictions as a table (as the trainer's collate builds it): ids [U, K], valid [U, K]
     uniq: dict[Restriction, int] = {}
@@ -174,20 +188,20 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
     if uniq:
         rs = list(uniq)
         ids, valid = table.stack(rs, dev)  # [U, K]
-        exclude = torch.tensor([r.exclude for r in rs], dtype=torch.bool).to(dev, non_blocking=True)  # [U]
+        exclude = h2d([r.exclude for r in rs], torch.bool)  # [U]
         listed = torch.zeros(len(rs), V + 1, dtype=torch.bool, device=dev)  # [U, V+1] (column V: padding)
         listed.scatter_(1, torch.where(valid, ids, V), True)
         listed = listed[:, :V]  # [U, V]
         allowed_u = torch.where(exclude[:, None], ~listed, listed)  # [U, V]
-        rows_u = torch.tensor([max(u, 0) for u in u_of], dtype=torch.long).to(dev, non_blocking=True)  # [R]
-        restricted = torch.tensor([u >= 0 for u in u_of], dtype=torch.bool).to(dev, non_blocking=True)  # [R]
+        rows_u = h2d([max(u, 0) for u in u_of], torch.long)  # [R]
+        restricted = h2d([u >= 0 for u in u_of], torch.bool)  # [R]
         allowed = allowed_u[rows_u] | ~restricted[:, None]  # [R, V]
         mass_rows = [i for i, u in enumerate(u_of) if u >= 0]
     scores = logp if allowed is None else torch.where(allowed, logp, neg_inf)  # [R, V]
     topk_rows = [i for i, r in enumerate(restrictions) if r is None or r.exclude] if top_k else []
     top_idx = None
     if topk_rows:
-        rows = torch.tensor(topk_rows, dtype=torch.long).to(dev, non_blocking=True)  # [T]
+        rows = h2d(topk_rows, torch.long)  # [T]
         vals, top_idx = scores[rows].topk(min(top_k, V), dim=-1)  # [T, k]
         top_ok = torch.isfinite(vals)  # [T, k] (fewer than k allowed tokens: the rest is -inf)
         keep = torch.zeros(len(topk_rows), V + 1, dtype=torch.bool, device=dev)  # [T, V+1]
@@ -204,7 +218,7 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
         # log Z(A) of each row's set: listed ids (a Choice, top-k) or the complement of the listed ids (banned)
         log_z = torch.zeros(R, dtype=logp.dtype, device=dev)  # [R]
         if mass_rows:
-            m = torch.tensor(mass_rows, dtype=torch.long).to(dev, non_blocking=True)  # [M]
+            m = h2d(mass_rows, torch.long)  # [M]
             u = rows_u[m]  # [M]
             sel = logp[m[:, None], ids[u]]  # [M, K] log π of the listed ids
             log_z = log_z.index_copy(0, m, restricted_log_mass(sel, valid[u], exclude[u]))
@@ -389,19 +403,21 @@ class DecodeSession(Session):
 
     def _block(self, rows, n: int, width: int):
         """Host tensors of one block: ids, mask and positions ``[n, W]``, left-padded within the block, from
-        ``rows``: (line, row, block) triples; advances each row's next position."""
-        ids = torch.full((n, width), self.pad_id, dtype=torch.long)  # [n, W]
-        mask = torch.zeros(n, width, dtype=torch.long)  # [n, W]
-        pos = torch.zeros(n, width, dtype=torch.long)  # [n, W]
+        ``rows``: (line, row, block) triples; advances each row's next position.  Built as lists and converted
+        once (per-row tensor writes cost more than a GPU's decode step at a hundred rows)."""
+        ids = [self.pad_id] * (n * width)  # [n * W], row-major
+        mask = [0] * (n * width)  # [n * W]
+        pos = [0] * (n * width)  # [n * W]
         for line, r, b in rows:
-            start = self.next_pos[r]
-            if b:
-                ids[line, width - len(b) :] = torch.as_tensor(list(b), dtype=torch.long)
-                mask[line, width - len(b) :] = 1
-                pos[line, width - len(b) :] = torch.arange(start, start + len(b))
-            pos[line, : width - len(b)] = start  # pads: any valid position, they are masked out
-            self.next_pos[r] = start + len(b)
-        return ids, mask, pos
+            start, k = self.next_pos[r], len(b)
+            lo, mid, hi = line * width, line * width + width - k, (line + 1) * width
+            pos[lo:mid] = [start] * (mid - lo)  # pads: any valid position, they are masked out
+            if k:
+                ids[mid:hi] = b
+                mask[mid:hi] = [1] * k
+                pos[mid:hi] = range(start, start + k)
+            self.next_pos[r] = start + k
+        return tuple(torch.tensor(x, dtype=torch.long).view(n, width) for x in (ids, mask, pos))
 
     def _forward(self, rows: list[int] | None, blocks: Sequence[Sequence[int]]) -> None:
         """One forward pass appending ``blocks[k]`` to row ``rows[k]`` (``rows`` None: every row, in order).  A row
@@ -459,7 +475,8 @@ class DecodeSession(Session):
         self._reserve(start + width)
         self._mask_columns(width)[:rows] = mask.bool()
         slots = torch.arange(start, start + width, device=self.device)  # [W]
-        attn = block_mask(self._mask[:rows, : self.cache.capacity], start, width, self._additive)  # [n, 1, W, C]
+        view = min(self.cache.capacity, -(-(start + width) // VIEW_STEP) * VIEW_STEP)  # slots attention reads
+        attn = block_mask(self._mask[:rows, :view], start, width, self._additive)  # [n, 1, W, view]
         self.fed_positions += rows * width
         if width == 1:
             if hasattr(torch, "compiler"):

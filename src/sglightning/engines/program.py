@@ -15,6 +15,7 @@ no choice and is recorded as context; a ``Free`` segment cut by its cap writes i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -63,6 +64,13 @@ def build_trie(options: Sequence[Sequence[int]]) -> dict:
     return root
 
 
+@functools.lru_cache(maxsize=256)
+def banned_restriction(banned: frozenset[int]) -> Restriction:
+    """A ``Free`` segment's banned tokens as one shared restriction object (built once per set: sorting thousands of
+    ids at every segment, and comparing equal copies in the engine's lookups, cost more than a GPU decode step)."""
+    return Restriction(tuple(sorted(banned)), exclude=True)
+
+
 def node_restriction(node: dict) -> Restriction:
     """A trie node's allowed continuations as a restriction (built once per node, kept under key -2)."""
     restriction = node.get(-2)
@@ -99,7 +107,7 @@ class ProgramState:
         elif isinstance(seg, Choice):
             self.node = build_trie(seg.options)
         elif isinstance(seg, Free):
-            self.banned = Restriction(tuple(sorted(seg.banned_ids)), exclude=True) if seg.banned_ids else None
+            self.banned = banned_restriction(seg.banned_ids) if seg.banned_ids else None
         self.pending_close = []
 
     def advance(self) -> None:

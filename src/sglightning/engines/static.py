@@ -27,6 +27,10 @@ import torch
 #: ``model.engine.compile`` values that take this path, and what each compiles
 STATIC_MODES = ("static", "default", "cudagraphs", "reduce-overhead")
 
+#: attention reads the slots in use rounded up to a multiple of this (one captured graph per multiple reached),
+#: not the whole cache: the cache keeps the longest rollout's capacity, which early steps would read in vain
+VIEW_STEP = 256
+
 
 def resolve_mode(setting: str, device: str, sharding: str | None, attention: str) -> str:
     """The decode step ``model.engine.compile: setting`` means for a model on ``device`` (a device type), under
@@ -73,6 +77,7 @@ class SlotCache(_CacheBase):
         self.keys, self.values = keys, values
         self.slots: torch.Tensor | None = None  # [W] the slots the forward writes
         self.rows: int | None = None  # the forward's rows are the first `rows` physical rows (None: all of them)
+        self.view: int | None = None  # attention reads the first `view` slots (the mask's width; None: all)
         self.layers: list = []  # no per-layer objects (code that walks cache.layers finds none)
 
     @classmethod
@@ -103,11 +108,13 @@ class SlotCache(_CacheBase):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the block's keys/values ``[n, H_kv, W, d]`` at ``slots`` (n = ``rows`` or P); return the whole
-        layer's first n rows ``[n, H_kv, C, d]`` (the mask hides what is not to be read)."""
+        """Write the block's keys/values ``[n, H_kv, W, d]`` at ``slots`` (n = ``rows`` or P); return the layer's
+        first n rows and first ``view`` slots ``[n, H_kv, view, d]`` (the mask hides what is not to be read)."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         if self.rows is not None:
             keys, values = keys[: self.rows], values[: self.rows]  # views: written in place
+        if self.view is not None:
+            keys, values = keys[:, :, : self.view], values[:, :, : self.view]
         keys.index_copy_(2, self.slots, key_states.to(keys.dtype))
         values.index_copy_(2, self.slots, value_states.to(values.dtype))
         return keys, values
@@ -158,7 +165,7 @@ def decode_step(model: torch.nn.Module, cache_arg: str) -> Callable:
     last position's logits [n, V] (float32)."""
 
     def step(ids, pos, mask, slots, cache, rows=None):
-        cache.slots, cache.rows = slots, rows
+        cache.slots, cache.rows, cache.view = slots, rows, mask.shape[-1]
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                     **{cache_arg: cache})
         return out.logits[:, -1].float()

@@ -53,7 +53,7 @@ import torch
 from sglightning import distributed
 from sglightning.engines import PROBE_TEXT, VLLM_LORA_RANKS, EngineConfig
 from sglightning.engines.base import Engine, RunContext, Session, Weights
-from sglightning.engines.program import Choice, Force, Free, ProgramState
+from sglightning.engines.program import Choice, Force, Free, ProgramState, banned_restriction
 from sglightning.engines.server import RequestFailed, VLLMClient, VLLMServer, free_port
 from sglightning.episodes import Piece, Restriction
 from sglightning.errors import ConfigError, EngineError
@@ -149,7 +149,7 @@ class VLLMSession(Session):
                 piece.error = f"engine: {err}"
                 st.pieces.append(piece)
                 return st.pieces
-            banned = Restriction(tuple(sorted(seg.banned_ids)), exclude=True) if seg.banned_ids else None
+            banned = banned_restriction(seg.banned_ids) if seg.banned_ids else None
             for tok, lp in zip(toks, lps):
                 piece.add(tok, lp, True, banned, math.nan if banned is not None else lp)
                 ctx.append(tok)
