@@ -507,6 +507,20 @@ def test_ctrl_c_during_fit_says_how_to_resume(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.parametrize("sub", ["fit", "validate"])
+def test_no_config_is_one_line_naming_the_configs_to_start_from(sub, tmp_path, capsys, monkeypatch):
+    """A bare ``sglightning fit`` would train the defaults for minutes with every action invalid: refused in one
+    line that names the two configs to start from, exit 2, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        cli_main([sub, "--trainer.max_steps=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"sglightning {sub}: error: no --config") and "configs/quickstart.yaml" in err[0]
+    assert "configs/tiny.yaml" in err[0]
+    assert not any(tmp_path.iterdir())
+
+
 def test_help_documents_every_key_with_its_choices(capsys):
     with pytest.raises(SystemExit):
         cli_main(["fit", "--help"])
@@ -791,6 +805,63 @@ def test_a_tiny_fit_prints_only_its_progress_bar_and_summary(tmp_path, extra):
     bar = [p for p in res.stdout.replace("\r", "\n").splitlines() if p.strip().startswith("fit:")]
     assert any("2/2" in p and "s/step" in p and "success=" in p and "lam=" in p for p in bar), bar
     assert "sglightning fit: 2 GRPO steps" in res.stdout
+
+
+#: a child process that makes Lightning say, through its own functions, what it says on a CUDA box with 16 cores (the
+#: Tensor Cores tip, the visible devices, the loaders' worker warning), then runs the CLI
+_CUDA_NOISE = """
+import sys, torch
+from torch.utils.data import DataLoader
+import sglightning.cli as cli
+from lightning.fabric.accelerators import cuda as fabric_cuda
+from lightning.pytorch.accelerators import cuda as pl_cuda
+from lightning.pytorch.trainer.connectors import data_connector as dc
+saved = torch.cuda.is_available, fabric_cuda._is_ampere_or_later, pl_cuda.num_cuda_devices, dc.suggested_max_num_workers
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_name = lambda *a: "NVIDIA H200"
+fabric_cuda._is_ampere_or_later = lambda *a: True
+fabric_cuda._check_cuda_matmul_precision(torch.device("cuda", 0))
+pl_cuda.num_cuda_devices = lambda: 1
+pl_cuda.CUDAAccelerator.set_nvidia_flags(0)
+dc.suggested_max_num_workers = lambda n: 16
+trainer = type("T", (), {"num_devices": 1})()
+for name in ("train_dataloader", "val_dataloader"):
+    dc._worker_check(trainer, DataLoader([1, 2, 3], num_workers=0), name)
+torch.cuda.is_available, fabric_cuda._is_ampere_or_later, pl_cuda.num_cuda_devices, dc.suggested_max_num_workers = saved
+sys.argv = ["sglightning"] + sys.argv[1:]
+cli.main()
+"""
+
+
+def test_what_lightning_says_on_a_cuda_box_is_not_printed(tmp_path):
+    """The Tensor Cores tip, ``LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [0]`` and the two "does not have many workers"
+    warnings, each made by Lightning's own code in a real process, then a tiny fit: nothing on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-c", _CUDA_NOISE, "fit", "--config", TINY, "--trainer.max_steps=1",
+         f"--trainer.logger.init_args.save_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.strip() == "", res.stderr[-3000:]
+    assert "sglightning fit: 1 GRPO steps" in res.stdout or "sglightning fit: 1 GRPO step" in res.stdout
+
+
+def test_a_bpe_tokenizer_loaded_from_a_folder_never_cleans_up_spaces(tmp_path, capsys):
+    """A folder's BPE tokenizer saved with ``clean_up_tokenization_spaces: true`` (as converted GGUF tokenizers are):
+    loaded with it off, so decoding keeps the text and transformers has nothing to warn about."""
+    from sglightning.models import PolicyConfig, build_tiny_tokenizer, load_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.clean_up_tokenization_spaces = True
+    tok.save_pretrained(tmp_path)
+    loaded = load_tokenizer(PolicyConfig(name_or_path=str(tmp_path)))
+    assert loaded.clean_up_tokenization_spaces is False
+    text = "go to the table . take the cup ,"
+    assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
+    assert capsys.readouterr().err == ""
 
 
 def test_a_run_logged_to_a_file_writes_one_plain_line_per_step_and_per_validation(tmp_path):

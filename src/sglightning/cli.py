@@ -469,10 +469,26 @@ def _check_config_files(argv: list[str], prog: str) -> None:
             sys.exit(2)
 
 
+def _check_something_configured(argv: list[str], prog: str) -> None:
+    """``sglightning fit`` (or ``validate``) with no config file and no ``--model.*`` key would run the defaults — the
+    embedded model on a household env it was not sized for, every action invalid, minutes for nothing: say which
+    configs to start from instead, in one line, exit 2."""
+    if not argv or argv[0] not in ("fit", "validate"):
+        return
+    if any(a in ("-h", "--help", "--print_config") or a.startswith(("--config", "-c", "--model", "--print_config"))
+           for a in argv[1:]):
+        return
+    sys.stderr.write(f"{prog}: error: no --config: start from configs/quickstart.yaml (the embedded SmolLM2, minutes "
+                     f"on CPU) or configs/tiny.yaml (a tiny model, seconds), e.g. {prog} --config configs/tiny.yaml\n")
+    sys.exit(2)
+
+
 def cli_main(args: list[str] | None = None) -> SGLightningCLI:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(args) if args is not None else sys.argv[1:]
-    _check_config_files(argv, "sglightning " + (argv[0] if argv and not argv[0].startswith("-") else ""))
+    prog = "sglightning " + (argv[0] if argv and not argv[0].startswith("-") else "")
+    _check_something_configured(argv, prog.strip())
+    _check_config_files(argv, prog)
     subcommand = argv[0] if argv and argv[0] in SUBCOMMANDS else None
     return SGLightningCLI(
         SelfGuideModule,

@@ -32,6 +32,9 @@ _EXPECTED_WARNINGS = (
     (r"Using ModelCheckpoint with manual optimization", UserWarning),
     # lightning's pytree compatibility shim, emitted inside lightning itself
     (r".*isinstance\(treespec, LeafSpec\)", Warning),
+    # our loaders yield an index per step; the work is the rollout in the main process, which workers cannot do
+    # (printed on boxes with more than 2 cores, twice: train and validation)
+    (r"The '.*' does not have many workers", Warning),
 )
 
 #: Lightning's info lines that say nothing about this run: advertisements for its cloud products, accelerators that are
@@ -45,7 +48,10 @@ _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "H
           "Restored all states from the checkpoint at",
           "will override existing callbacks passed to Trainer",
           # validate: ``sglightning validate`` names the checkpoint it loads in its own line
-          "Loaded model weights from the checkpoint at")
+          "Loaded model weights from the checkpoint at",
+          # CUDA: the visible devices (the device is in the config); the TF32 tip (fp32 matmuls stay exact on
+          # purpose: the sampler's and the trainer's log-probs are compared; bf16 runs do not use them)
+          "CUDA_VISIBLE_DEVICES: [", "that has Tensor Cores. To properly utilize them")
 
 #: warnings that say nothing about a ``validate`` run: it saves no checkpoint, so the checkpoint callback's state in
 #: the file it loads (best scores, kept paths of the training run's folder) is of no use to it, wherever it writes
@@ -63,7 +69,7 @@ def quiet() -> None:
     for message, category in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
-                 "lightning.fabric.utilities.seed"):
+                 "lightning.fabric.utilities.seed", "lightning.pytorch.accelerators.cuda"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())

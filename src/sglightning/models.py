@@ -357,6 +357,11 @@ def load_tokenizer(cfg: PolicyConfig):
     if name == EMBEDDED_SMOLLM2:
         name = str(ensure_smollm2_folder(cfg))
     tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is not None and type(backend.model).__name__ == "BPE":
+        # decoding never "cleans up" spaces before punctuation for a BPE vocabulary (the step is WordPiece's and
+        # corrupts BPE text; transformers 5.2x skips it with a warning per run, older releases apply it)
+        tok.clean_up_tokenization_spaces = False
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:
