@@ -107,6 +107,10 @@ def test_compile_auto_is_graphs_on_one_cuda_device_only():
     assert resolve_mode("static", "cuda", "fsdp2", "sdpa") == "static"
     with pytest.raises(ConfigError, match="model.engine.compile: cudagraphs captures the weights where they are"):
         resolve_mode("cudagraphs", "cuda", "fsdp1", "sdpa")
+    with pytest.raises(ConfigError, match="model.engine.compile: reduce-overhead replays CUDA graphs, and the model is "
+                       "on cpu"):
+        resolve_mode("reduce-overhead", "cpu", None, "sdpa")
+    assert resolve_mode("default", "cpu", None, "sdpa") == "default"
     with pytest.raises(ConfigError, match="model.engine.compile: static needs an attention that takes a 4-D mask"):
         resolve_mode("static", "cuda", None, "flash_attention_2")
     with pytest.raises(ValueError, match="model.engine.compile: 'fast' is not one of auto, off"):

@@ -46,6 +46,9 @@ def resolve_mode(setting: str, device: str, sharding: str | None, attention: str
     if setting in STATIC_MODES and attention not in ("sdpa", "eager"):
         raise ConfigError(f"model.engine.compile: {setting} needs an attention that takes a 4-D mask (sdpa or eager); "
                           f"the model uses {attention}: set it to off")
+    if setting in ("cudagraphs", "reduce-overhead") and device != "cuda":
+        raise ConfigError(f"model.engine.compile: {setting} replays CUDA graphs, and the model is on {device}: set it "
+                          "to default, static or off")
     if setting in STATIC_MODES and setting != "static" and sharding is not None:
         raise ConfigError(f"model.engine.compile: {setting} captures the weights where they are, but under {sharding} "
                           "they are gathered anew for every rollout: set it to static or off")
