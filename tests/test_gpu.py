@@ -65,3 +65,14 @@ def test_the_tiny_config_fits_resumes_and_validates_on_cuda(tmp_path):
     assert cli.model.global_step == 3
     cli = cli_main(["validate", *common, "--ckpt_path=last"])
     assert cli.model.val_report["step"] == 3
+    assert list(tmp_path.rglob("adapter/adapter_model.safetensors"))  # the adapter export ran
+
+
+def test_the_tiny_config_under_fsdp2_on_one_gpu(tmp_path):
+    """FSDP2 on one device: the rollout gathers the weights (the decode step falls back to the dynamic cache: a
+    compiled graph could not follow weights gathered anew each rollout), two steps, validation after."""
+    cli = cli_main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+                    f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.accelerator=gpu",
+                    "--trainer.devices=1", "--trainer.strategy=sglightning.strategies.FSDP2Strategy",
+                    "--trainer.precision=bf16-mixed", "--trainer.enable_progress_bar=false", "--trainer.max_steps=2"])
+    assert len(cli.model.history) == 2 and cli.model.val_report
