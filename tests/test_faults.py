@@ -84,3 +84,42 @@ def test_jvm_killed_mid_episode_through_the_trainer(tmp_path):
     while set(live_java_processes()) - before and time.time() < deadline:
         time.sleep(0.2)
     assert not set(live_java_processes()) - before
+
+
+@pytest.mark.parametrize("phase", ["rollout", "update"])
+def test_running_out_of_accelerator_memory_is_one_line_naming_the_keys_and_the_last_whole_step(tmp_path, capsys,
+                                                                                              monkeypatch, phase):
+    """A CUDA out-of-memory error (raised here on CPU, where it is the same class) in the second step's rollout or
+    update: one line naming the phase, the step, the keys that shrink it and last.ckpt (which holds step 1), exit 1."""
+    from pathlib import Path
+
+    import torch
+
+    from sglightning.callbacks import RolloutCallback
+    from sglightning.cli import cli_main
+    from sglightning.module import SelfGuideModule
+
+    cls, name = (RolloutCallback, "collect") if phase == "rollout" else (SelfGuideModule, "update")
+    real, calls = getattr(cls, name), []
+
+    def fails_the_second_time(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                              "capacity of 139.81 GiB")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(cls, name, fails_the_second_time)
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", str(root / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+                  f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                  "--trainer.limit_val_batches=0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1 and len(err) == 1, err
+    line = err[0]
+    assert f"out of accelerator memory in the {phase} of step 2 (CUDA out of memory" in line, line
+    keys = "rollout.groups_per_step" if phase == "rollout" else "update.micro_batch_size"
+    assert keys in line and "holds the last whole step: resume with --ckpt_path last" in line, line
+    ckpt = torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 1

@@ -33,7 +33,7 @@ from sglightning.engines import make_engine
 from sglightning.engines.base import Engine, RunContext
 from sglightning.envs.base import TextEnv
 from sglightning.episodes import Episode, RolloutBatch
-from sglightning.errors import ConfigError, EngineError
+from sglightning.errors import ConfigError, EngineError, out_of_memory
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
 from sglightning.models import PolicyConfig, base_signature
@@ -160,6 +160,8 @@ class RolloutCallback(Callback):
             raise EngineError(f"{err}; step {pl_module.rollouts_done + 1} was abandoned, "
                               f"{run_dir(trainer) / 'checkpoints' / 'last.ckpt'} holds the last whole step "
                               f"({pl_module.rollouts_done}): resume with --ckpt_path last") from None
+        except torch.cuda.OutOfMemoryError as err:
+            raise out_of_memory("rollout", err, pl_module.rollouts_done + 1) from None
         _none_started(batch.rollout, "rollout.split", self.rollout_cfg.split)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -195,6 +197,8 @@ class RolloutCallback(Callback):
                         batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature,
                         guided=mode == "sg", generator=gen, split=cfg.split, should_stop=sigterm_check(trainer),
                         policy_version=self.engine.version)
+                except torch.cuda.OutOfMemoryError as err:
+                    raise out_of_memory("validation", err, pl_module.rollouts_done) from None
                 except RolloutAborted:
                     # SIGTERM mid-evaluation: stop within a round rather than play the batch out.  In fit the saved
                     # checkpoint has this validation pending (Lightning runs it again on resume); a standalone

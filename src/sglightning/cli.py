@@ -25,7 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from sglightning import threads
 from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
 from sglightning.console import StepProgressBar, quiet, quiet_validate
-from sglightning.errors import ConfigError, EngineError
+from sglightning.errors import ConfigError, EngineError, OutOfMemory
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
 from sglightning.preemption import PreemptionCheckpoint
@@ -363,6 +363,18 @@ class SGLightningCLI(LightningCLI):
             _remove_unstarted_run(self.trainer)
             print(f"sglightning {subcommand}: error: {one_line(str(err))}", file=sys.stderr)
             sys.exit(1)
+        except OutOfMemory as err:  # a rollout or an update did not fit: the keys that shrink it, the last whole step
+            _remove_unstarted_run(self.trainer)
+            print(f"sglightning {subcommand}: error: {one_line(str(err))}{self._last_whole_step()}", file=sys.stderr)
+            sys.exit(1)
+
+    def _last_whole_step(self) -> str:
+        """Where the last whole step is, for an error that abandoned the step in progress (fit only)."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None or self.subcommand != "fit":
+            return ""
+        ckpt = run_dir(trainer) / "checkpoints" / "last.ckpt"
+        return f"; {ckpt} holds the last whole step: resume with --ckpt_path last" if ckpt.is_file() else ""
 
     def _interruption_code(self) -> int:
         trainer = getattr(self, "trainer", None)

@@ -11,3 +11,23 @@ class ConfigError(ValueError):
 class EngineError(RuntimeError):
     """The generation engine (a vLLM server) is gone or refused something essential mid-run: the step in progress is
     abandoned (``last.ckpt`` still holds the last whole step) and the CLI says so in one line."""
+
+
+class OutOfMemory(RuntimeError):
+    """The accelerator ran out of memory in a rollout or an update: the step in progress is abandoned (``last.ckpt``
+    still holds the last whole step) and the CLI says so in one line, naming the keys that shrink that phase."""
+
+
+#: the keys that shrink each phase's memory, named by the out-of-memory line
+SHRINKS = {
+    "rollout": "rollout.groups_per_step, rollout.group_size, rollout.max_context_tokens (and model.engine.compile: off "
+               "drops the static cache)",
+    "validation": "evaluation.tasks_per_batch, evaluation.episodes_per_task, rollout.max_context_tokens",
+    "update": "update.micro_batch_size, model.policy.gradient_checkpointing: true, rollout.max_context_tokens",
+}
+
+
+def out_of_memory(phase: str, err: BaseException, step: int) -> OutOfMemory:
+    """The one-line error for an out-of-memory ``err`` in ``phase`` (rollout, validation, update) of step ``step``."""
+    what = str(err).split("\n")[0].split(". ")[0][:160]
+    return OutOfMemory(f"out of accelerator memory in the {phase} of step {step} ({what}): lower {SHRINKS[phase]}")

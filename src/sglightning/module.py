@@ -39,7 +39,7 @@ from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Episode
-from sglightning.errors import ConfigError
+from sglightning.errors import ConfigError, out_of_memory
 from sglightning.grpo import (
     GRPOConfig,
     calibration_term,
@@ -310,7 +310,10 @@ class SelfGuideModule(LightningModule):
                                   reward_terms=self.reward_terms, share_prefix=self.share_prefix(),
                                   drop_failed_groups=self.rollout_cfg.failed_episodes == "drop_group")
         # grpo.ppo_epochs optimiser steps on it (every rank, with or without rows: the same collectives)
-        update_logs = self.update(prepared)
+        try:
+            update_logs = self.update(prepared)
+        except torch.cuda.OutOfMemoryError as err:
+            raise out_of_memory("update", err, self.rollouts_done + 1) from None
         # the step's numbers, merged over ranks
         logs = step_logs(rb, prepared, step)
         # per-episode means through torchmetrics (under DDP over all ranks' episodes), of the policy's own draw
