@@ -56,6 +56,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--compile", default="auto", help="model.engine.compile (auto, off, static, default, cudagraphs, "
                     "reduce-overhead)")
     ap.add_argument("--precision", default=None, help="trainer precision (default: bf16-mixed on GPU, 32-true on CPU)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="any other sglightning fit key, e.g. --set model.grpo.rollout_correction=null (repeatable)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks the script end to end")
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
     args = ap.parse_args(argv)
@@ -93,6 +95,7 @@ def fit_args(args, gpu: bool, root: str) -> list[str]:
         "--model.guidance.max_action_tokens=24", "--model.grpo.kl_coef=0.01", "--model.update.micro_batch_size=8",
         f"--model.engine.compile={args.compile}", *val,
         "--model.optimizer=torch.optim.AdamW", "--model.optimizer.lr=1e-5",
+        *(f"--{kv}" for kv in args.set),
     ]
 
 
@@ -153,6 +156,14 @@ def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: flo
            / max(sum(r["time/update_s"] for r in rows), 1e-9),
            "update_s_per_step": sum(r["time/update_s"] for r in rows) / len(rows),
            "logprob_gap_sampler_trainer": max(r.get("policy/logprob_gap_sampler_trainer", 0.0) for r in hist)}
+    # the sampler/trainer ratio of the first pass, and what the update did with it (rollout correction)
+    for key, reduce in (("policy/sampler_ratio_mean", "mean"), ("policy/sampler_ratio_outside_0.9_1.1", "mean"),
+                        ("policy/sampler_ratio_max", "max"), ("policy/ratio_mean", "mean"),
+                        ("loss/clip_frac", "mean"), ("policy/is_weight_mean", "mean"),
+                        ("policy/is_weight_truncated", "mean")):
+        vals = [r[key] for r in hist if key in r]
+        if vals:
+            out[key.split("/", 1)[1]] = max(vals) if reduce == "max" else sum(vals) / len(vals)
     b = sum(r.get("engine/rows_per_lock_step", 0.0) for r in rows) / len(rows)
     ctx = sum(r.get("engine/mean_context_tokens", 0.0) for r in rows) / len(rows)
     out.update(rows_per_lock_step=b, mean_context_tokens=ctx, **shape_numbers(shape))

@@ -9,8 +9,8 @@
 #       probe at 8 x 8 episodes, the Qwen3-1.7B shape at the paper's 16 x 8
 #   part 2 (carry .gpu/wheels .gpu/gguf2): bash benchmarks/gpu_session.sh 2
 #       the quickstart (embedded SmolLM2, bf16), the Qwen3-4B shape at 16 x 8
-#   part 3, only if device time is left: the probe with CUDA graphs but no inductor, and with the dynamic cache
-#       (what compiling adds, what the static cache adds)
+#   part 3, only if device time is left: the probe with CUDA graphs but no inductor, with the dynamic cache (what
+#       compiling adds, what the static cache adds), and without rollout correction (the ratio spread it corrects)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
 part=${1:-1}
@@ -64,13 +64,15 @@ elif [ "$part" = 2 ]; then
 else
   check probe_8x8_cudagraphs 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile cudagraphs
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off
+  check probe_8x8_no_correction 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
+    --set model.grpo.rollout_correction=null
 fi
 rm -rf "$OUT/runs"
 
 {
   echo
-  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB | validation before -> after |"
-  echo "|---|---|---|---|---|---|---|---|---|"
+  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB | validation before -> after | sampler ratio outside [0.9, 1.1] / max |"
+  echo "|---|---|---|---|---|---|---|---|---|---|"
   [ -f "$OUT/results.jsonl" ] && "$PY" - "$OUT/results.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
@@ -79,7 +81,8 @@ for line in open(sys.argv[1]):
     mfu = f" ({100 * o['update_mfu']:.1f} %)" if o.get("update_mfu") else ""
     print(f"| {o['run']} | {o['shape']} | {o['episodes_per_step']:.0f} | {o.get('decode_step')} | "
           f"{o['rollout_tokens_per_s']:,.0f}{share} | {o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | "
-          f"{o.get('peak_memory_GB') or 0:.1f} | {o['validation_before']} -> {o['validation_after']} |")
+          f"{o.get('peak_memory_GB') or 0:.1f} | {o['validation_before']} -> {o['validation_after']} | "
+          f"{o.get('sampler_ratio_outside_0.9_1.1', float('nan')):.4f} / {o.get('sampler_ratio_max', float('nan')):.3f} |")
 PY
   echo
   cat "$OUT/stages.md"

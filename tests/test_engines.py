@@ -41,7 +41,8 @@ def test_engine_config_names_the_key(kw, needle):
     (["--model.engine.python=/no/such/python"], "model.engine.python: /no/such/python is not an executable python"),
     (["--model.engine.python=/no/such/python", "--model.rollout.top_k=5"], "rollout.top_k: top-k sampling is not "
      "supported with model.engine.backend vllm"),
-    (["--model.engine.dtype=bfloat16"], "grpo.rollout_correction: an engine in bfloat16 samples from other "
+    (["--model.engine.dtype=bfloat16", "--model.grpo.rollout_correction=null"],  # auto would correct it
+     "grpo.rollout_correction: an engine in bfloat16 samples from other "
      "log-probs than the trainer's"),
     # configs/tiny.yaml's head size is 16: refused before a server starts, naming the cause
     ([f"--model.engine.python={sys.executable}"], "model.engine.backend: vLLM's CPU build has no attention kernel for "
@@ -185,3 +186,56 @@ def test_a_vllm_engine_refuses_a_head_size_its_cpu_build_has_no_kernel_for(monke
     shape = TinyModelConfig(hidden_size=128, num_heads=2, intermediate_size=256)  # head size 64
     tiny_module(policy=PolicyConfig(name_or_path="embedded:tiny", tiny=shape),
                 engine=EngineConfig(backend="vllm", python=sys.executable))._check_engine()
+
+
+@pytest.mark.parametrize("over,expected", [
+    ({}, None),  # fp32 weights, a 32-bit trainer: the sampler's log-probs are the trainer's
+    ({"policy": "bfloat16"}, "token"),  # a bf16 base samples and trains in bf16
+    ({"engine": EngineConfig(backend="vllm", dtype="bfloat16")}, "token"),
+    ({"grpo": {"rollout_correction": None}, "policy": "bfloat16"}, None),  # said explicitly
+    ({"grpo": {"rollout_correction": "sequence"}}, "sequence"),
+])
+def test_rollout_correction_auto_is_on_where_half_precision_samples_or_trains(over, expected):
+    from tiny import tiny_module
+
+    from sglightning.grpo import GRPOConfig
+
+    kw = {}
+    if "policy" in over:
+        kw["policy"] = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, dtype=over["policy"])
+    if "engine" in over:
+        kw["engine"] = over["engine"]
+    if "grpo" in over:
+        kw["grpo"] = GRPOConfig(**over["grpo"])
+    module = tiny_module(**kw)
+    module.configure_model()
+    module._trainer = None
+    assert module.grpo_cfg.rollout_correction == over.get("grpo", {}).get("rollout_correction", "auto")
+    assert module.correction_mode() == expected
+
+
+def test_the_recompute_runs_without_dropout_and_its_weights_are_logged(tmp_path):
+    """LoRA dropout 0.5 on adapters that change the model: the trainer's recomputed old log-probs are the sampler's
+    (both without dropout: every weight 1, none truncated), while the first training pass, with dropout, is not (its
+    logged ratio to the sampler spreads): the weights correct the sampler, not the dropout."""
+    from tiny import tiny_module, tiny_trainer
+
+    from sglightning.grpo import GRPOConfig
+
+    module = tiny_module(policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=0.5),
+                         grpo=GRPOConfig(kl_coef=0.01, rollout_correction="token"))  # KL: every row is scored
+    module.configure_model()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # B is zero at initialisation: give the adapters something to drop out
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    tiny_trainer(tmp_path, steps=2).fit(module)
+    assert len(module.history) == 2
+    for h in module.history:
+        assert h["policy/is_weight_mean"] == pytest.approx(1.0, abs=1e-4), h
+        assert h["policy/is_weight_min"] == pytest.approx(1.0, abs=1e-4)
+        assert h["policy/is_weight_max"] == pytest.approx(1.0, abs=1e-4)
+        assert h["policy/is_weight_truncated"] == 0.0 and h["policy/engine_mismatch_kl"] < 1e-8
+        assert h["policy/sampler_ratio_max"] > 1.01  # dropout in the training pass: the logged ratio shows it
+        assert 0.0 <= h["policy/sampler_ratio_outside_0.9_1.1"] <= 1.0 and h["policy/sampler_ratio_mean"] > 0

@@ -25,6 +25,11 @@ def test_arguments():
     assert (a.strategy, a.devices, a.steps, a.cpu_smoke, a.shape) == ("fsdp2", 2, 5, False, "qwen3-1.7b")
     with pytest.raises(SystemExit):
         gpu_check.parse(["--shape", "qwen9"])
+    args = gpu_check.fit_args(gpu_check.parse(["--set", "model.grpo.rollout_correction=null", "--shape", "qwen3-4b"]),
+                              gpu=True, root="/tmp/x")
+    assert args[0] == "fit" and "--model.grpo.rollout_correction=null" in args
+    assert "--model.policy.tiny.num_kv_heads=8" in args and "--model.policy.tiny.arch=qwen3" in args
+    assert "--trainer.precision=bf16-mixed" in args and "--model.policy.dtype=bfloat16" in args
     assert gpu_check.parse(["--strategy", "fsdp1", "--devices", "2"]).strategy == "fsdp1"
     with pytest.raises(SystemExit):
         gpu_check.parse(["--strategy", "deepspeed"])

@@ -114,8 +114,9 @@ def finish_gradients(policy: torch.nn.Module, params: list[torch.nn.Parameter], 
 
 def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int) -> dict[str, float]:
     """Merge the ranks' step logs (one ``all_gather_object``): keys in ``sum_keys`` summed, peak memory
-    (``memory/…``) the maximum over ranks, the rest averaged over the ranks that have them (episode means come from
-    torchmetrics and are global already).  No key is dropped."""
+    (``memory/…``) and maxima (``…_max``) the maximum over ranks, minima (``…_min``) the minimum, the rest averaged
+    over the ranks that have them (episode means come from torchmetrics and are global already).  No key is
+    dropped."""
     if not is_distributed():
         return logs
     sums = set(sum_keys)
@@ -124,8 +125,9 @@ def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int
     merged: dict[str, float] = {}
     for key in sorted({k for g in gathered if g for k in g}):
         vals = [float(g[key]) for g in gathered if g and key in g]
-        merged[key] = (sum(vals) if key in sums else max(vals) if key.startswith(memory.PREFIX)
-                       else sum(vals) / len(vals))
+        merged[key] = (sum(vals) if key in sums
+                       else max(vals) if key.startswith(memory.PREFIX) or key.endswith("_max")
+                       else min(vals) if key.endswith("_min") else sum(vals) / len(vals))
     return merged
 
 

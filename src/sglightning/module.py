@@ -344,38 +344,71 @@ class SelfGuideModule(LightningModule):
         adv = prepared.adv.to(self.device) if prepared.adv is not None else None
         opt = self.optimizers()
         out: dict[str, float] = {}
-        if self.grpo_cfg.rollout_correction and data is not None:
-            data, mismatch = self._rollout_correction(data)
-            out["policy/engine_mismatch_kl"] = mismatch
+        mode = self.correction_mode()
+        if mode and (data is not None or self._sharded()):  # under FSDP every rank runs the recompute's collectives
+            data, stats = self._rollout_correction(data, mode)
+            out.update(stats)
         for epoch in range(self.grpo_cfg.ppo_epochs):
             out.update(self._optimiser_step(data, adv, totals, prepared.rows_left_out, opt, first_epoch=epoch == 0))
         return out
 
+    def correction_mode(self) -> str | None:
+        """``grpo.rollout_correction`` resolved: ``auto`` is ``token`` where half precision samples or trains (a bf16
+        or fp16 base, a mixed-precision trainer, a half-precision vLLM engine), else None (fp32: the sampler's
+        log-probs are the trainer's within ~1e-5)."""
+        mode = self.grpo_cfg.rollout_correction
+        if mode != "auto":
+            return mode
+        engine = self.engine_cfg
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        base = self.peft_model.get_input_embeddings().weight.dtype if self.policy is not None else torch.float32
+        half = (base in (torch.bfloat16, torch.float16) or not precision.startswith(("32", "64"))
+                or (engine.backend == "vllm" and engine.dtype != "float32"))
+        return "token" if half else None
+
     @torch.no_grad()
-    def _rollout_correction(self, step_data: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
-        """``grpo.rollout_correction``: the old log-probs recomputed by the trainer (the weights have not moved yet
-        this step) replace the engine's; the truncated importance weight between the two
-        (:func:`sglightning.grpo.rollout_correction_weights`) weights each token's policy term.  Returns the data with
-        ``old_logp`` (the trainer's), ``sampler_logp`` (the engine's) and ``is_weight``, and the mismatch KL."""
+    def _rollout_correction(self, step_data: dict[str, torch.Tensor] | None, mode: str
+                            ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
+        """The rollout correction (``grpo.rollout_correction``): the old log-probs recomputed by the trainer (the
+        weights have not moved yet this step; eval mode, as the sampler ran: no LoRA dropout) replace the sampler's;
+        the truncated importance weight between the two (:func:`sglightning.grpo.rollout_correction_weights`)
+        weights each token's policy term.  Returns the data with ``old_logp`` (the trainer's), ``sampler_logp`` (the
+        sampler's) and ``is_weight``, and the statistics: the mismatch KL, the weights' mean, min, max and the share
+        truncated at the cap.  Under FSDP a rank with fewer micro-batches (or no rows: ``step_data`` None) runs
+        empty forwards, since each forward is a collective."""
         c, mbs, temp = self.grpo_cfg, self.update_cfg.micro_batch_size, self.rollout_cfg.temperature
-        mask = step_data["mask"]
-        trainer_old = torch.zeros_like(step_data["old_logp"])  # [S, L]
-        starts = [st for st in range(0, mask.shape[0], mbs) if mask[st : st + mbs].any()]
-        if self._sharded():  # every forward is a collective: ranks with fewer micro-batches run empty ones
-            most = distributed.all_reduce(torch.tensor([len(starts)], device=self.device),
-                                          op=torch.distributed.ReduceOp.MAX)
-            ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-            for _ in range(int(most.item()) - len(starts)):
-                self.token_logprobs(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device), temp)
-        for start in starts:
-            rows = slice(start, start + mbs)
-            mb = scoring.microbatch(step_data, torch.zeros_like(step_data["old_logp"]), rows)
-            logp, _ = self.token_logprobs(mb["ids"], mb["attn"], mb["mask"], temp, restrict=mb["restrict"])
-            trainer_old[rows, : logp.shape[1]] = logp
-        weights, mismatch = rollout_correction_weights(trainer_old, step_data["old_logp"], mask,
-                                                            c.rollout_correction, c.rollout_correction_cap)
+        mask = step_data["mask"] if step_data is not None else None
+        starts = [st for st in range(0, mask.shape[0], mbs) if mask[st : st + mbs].any()] if mask is not None else []
+        was_training = self.policy.training
+        self.policy.eval()
+        try:
+            if self._sharded():  # every forward is a collective: ranks with fewer micro-batches run empty ones
+                most = distributed.all_reduce(torch.tensor([len(starts)], device=self.device),
+                                              op=torch.distributed.ReduceOp.MAX)
+                ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
+                for _ in range(int(most.item()) - len(starts)):
+                    self.token_logprobs(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device),
+                                        temp)
+            if step_data is None:
+                return None, {}
+            trainer_old = torch.zeros_like(step_data["old_logp"])  # [S, L]
+            for start in starts:
+                rows = slice(start, start + mbs)
+                mb = scoring.microbatch(step_data, torch.zeros_like(step_data["old_logp"]), rows)
+                logp, _ = self.token_logprobs(mb["ids"], mb["attn"], mb["mask"], temp, restrict=mb["restrict"])
+                trainer_old[rows, : logp.shape[1]] = logp
+        finally:
+            self.policy.train(was_training)
+        weights, mismatch = rollout_correction_weights(trainer_old, step_data["old_logp"], mask, mode,
+                                                       c.rollout_correction_cap)
         out = dict(step_data, old_logp=trainer_old, sampler_logp=step_data["old_logp"], is_weight=weights)
-        return out, float(mismatch)
+        w = weights[mask.bool()]  # [M]
+        stats = {"policy/engine_mismatch_kl": float(mismatch)}
+        if w.numel():
+            stats.update({"policy/is_weight_mean": float(w.mean()), "policy/is_weight_min": float(w.min()),
+                          "policy/is_weight_max": float(w.max()),
+                          "policy/is_weight_truncated": float((w >= c.rollout_correction_cap).float().mean())})
+        return out, stats
 
     def _optimiser_step(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None,
                         totals: torch.Tensor, skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
@@ -437,6 +470,9 @@ class SelfGuideModule(LightningModule):
             extra = scoring.microbatch_stats(mb, loss, st, logp, ent, first_epoch)
             n = float(m.sum())
             for k, v in extra.items():
+                if k.endswith("_max"):  # a maximum over the step, not a mean
+                    sums[k], weights[k] = max(sums.get(k, v), v), 1.0
+                    continue
                 sums[k] = sums.get(k, 0.0) + v * n
                 weights[k] = weights.get(k, 0.0) + n
         params = [p for p in self.policy.parameters() if p.requires_grad]

@@ -22,6 +22,7 @@ Masking in Policy Gradient Algorithms", 2020).  Unrestricted tokens have A = the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -159,6 +160,14 @@ def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: dict[s
         old, full = mb["old_logp"], mb["full_logp"]
         sampler = mb.get("sampler_logp", old)  # with rollout correction `old` is the trainer's own recomputation
         out["policy/logprob_gap_sampler_trainer"] = float(masked_mean((logp.detach() - sampler).abs(), m))
+        # the per-token ratio π_trainer / π_sampler of the first pass (1 where both compute the same thing; bf16
+        # engines spread it): its mean, the share of tokens outside [0.9, 1.1], and the largest of r and 1/r
+        if m.any():
+            log_r = (logp.detach() - sampler)[m].float()  # [M]
+            out["policy/sampler_ratio_mean"] = float(log_r.exp().mean())
+            out["policy/sampler_ratio_outside_0.9_1.1"] = float(((log_r < math.log(0.9)) |
+                                                                  (log_r > math.log(1.1))).float().mean())
+            out["policy/sampler_ratio_max"] = float(log_r.abs().max().exp())
         known = m & torch.isfinite(full)  # an engine that returns only log q records NaN for the unrestricted log π
         if known.any():
             out["policy/logprob_unrestricted"] = float(masked_mean(full.nan_to_num(0.0), known))

@@ -235,8 +235,8 @@ class VLLMEngine(Engine):
                               "null with model.engine.backend vllm")
         if e.dtype != "float32" and grpo.rollout_correction is None:
             raise ConfigError(f"grpo.rollout_correction: an engine in {e.dtype} samples from other log-probs than "
-                              "the trainer's; set grpo.rollout_correction (token or sequence) or model.engine.dtype "
-                              "float32")
+                              "the trainer's; set grpo.rollout_correction (auto, token or sequence) or "
+                              "model.engine.dtype float32")
         if e.url is None:
             python = Path(e.python).expanduser()
             if not (python.is_file() and os.access(python, os.X_OK)):
