@@ -11,7 +11,8 @@ import torch
 
 from sglightning.data import RolloutConfig
 from sglightning.engines import EngineConfig
-from sglightning.engines.builtin import BuiltinEngine, RestrictionTable, draw
+from sglightning.engines.builtin import BuiltinEngine
+from sglightning.engines.draw import RestrictionTable, draw
 from sglightning.engines.static import SlotCache, block_mask, bucket, resolve_mode
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Restriction

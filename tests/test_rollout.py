@@ -612,7 +612,7 @@ def test_action_help_first_turn_only_needs_the_single_stream():
 
 
 def test_plan_stages_cuts_where_lengths_jump_and_keeps_decode_steps_in_one_pass():
-    from sglightning.engines.builtin import plan_stages
+    from sglightning.engines.prefill import plan_stages
 
     assert plan_stages([1] * 13 + [4, 4, 4], cached=400) == [4]  # decode-sized blocks: one pass
     assert plan_stages([50] * 12 + [180] * 4, cached=400) == [50, 180]  # 16x180 padded vs 16x50 + 4x130 (+ copies)

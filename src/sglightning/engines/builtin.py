@@ -33,6 +33,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from sglightning.engines.base import Engine, Session, Weights
+from sglightning.engines.draw import RestrictionTable, draw
+from sglightning.engines.prefill import append_row_subset, plan_stages, row_subset_cache, row_subset_cache_ok
 from sglightning.engines.program import ProgramState, Segment
 from sglightning.engines.static import (
     VIEW_STEP,
@@ -43,10 +45,9 @@ from sglightning.engines.static import (
     decode_step,
     resolve_mode,
 )
-from sglightning.episodes import Piece, Restriction
+from sglightning.episodes import Piece
 from sglightning.models import cache_argument_name
 from sglightning.prefixes import cluster_heads, shared_prefixes
-from sglightning.scoring import restricted_log_mass
 
 
 class BuiltinEngine(Engine):
@@ -133,116 +134,6 @@ class StaticSession:
 
     def __init__(self, pool: SlotPool, eager, decode):
         self.pool, self.eager, self.decode = pool, eager, decode
-
-
-class RestrictionTable:
-    """Restrictions as tensors on a device, kept across lock steps and sessions (a ``Free`` segment's banned set is
-    the same thousands of ids at every step; a trie node's continuations recur in every group)."""
-
-    def __init__(self, limit: int = 4096):
-        self.limit = limit
-        self._ids: dict[tuple[Restriction, torch.device], torch.Tensor] = {}
-
-    def ids(self, r: Restriction, device: torch.device) -> torch.Tensor:
-        key = (r, device)
-        t = self._ids.get(key)
-        if t is None:
-            if len(self._ids) >= self.limit:
-                self._ids.clear()
-            t = self._ids[key] = torch.tensor(r.ids, dtype=torch.long).to(device)  # [K] (once per set)
-        return t
-
-    def stack(self, rs: Sequence[Restriction], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rs`` as padded ``ids`` [U, K] and ``valid`` [U, K] (K = the longest)."""
-        rows = [self.ids(r, device) for r in rs]
-        ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [U, K]
-        k = torch.arange(ids.shape[1], device=device)  # [K]
-        lens = torch.tensor([len(r.ids) for r in rs], dtype=torch.long)  # [U]
-        lens = (lens.pin_memory() if device.type == "cuda" else lens).to(device, non_blocking=True)
-        return ids, k[None, :] < lens[:, None]
-
-
-def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: int = 0, greedy: bool = False,
-         generator: torch.Generator | None = None, table: RestrictionTable | None = None
-         ) -> list[tuple[int, float, float, Restriction | None]]:
-    """Sample one token per row of ``logp`` [R, V] (log-probabilities, already temperature-scaled), row r within
-    ``restrictions[r]`` (None: the whole vocabulary) and the ``top_k`` most likely tokens (where not already a
-    ``Choice``), drawing in row order from ``generator``.  One copy to the host at the end.
-
-    Returns per row (token, log q of the distribution it was drawn from, unrestricted log π, the restriction that
-    applied — top-k included — or None)."""
-    R, V = logp.shape
-    dev = logp.device
-    table = table or RestrictionTable()
-
-    def h2d(values, dtype) -> torch.Tensor:  # small host lists to the device without a stream sync (pinned)
-        t = torch.tensor(values, dtype=dtype)
-        return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
-
-    neg_inf = torch.full((), float("-inf"), dtype=logp.dtype, device=dev)
-    # the step's distinct restrictions as a table (as the trainer's collate builds it): ids [U, K], valid [U, K]
-    uniq: dict[Restriction, int] = {}
-    u_of = [-1 if r is None else uniq.setdefault(r, len(uniq)) for r in restrictions]
-    allowed = None  # [R, V] bool, None = every row unrestricted
-    mass_rows: list[int] = []  # rows whose log q needs log Z(A)
-    if uniq:
-        rs = list(uniq)
-        ids, valid = table.stack(rs, dev)  # [U, K]
-        exclude = h2d([r.exclude for r in rs], torch.bool)  # [U]
-        listed = torch.zeros(len(rs), V + 1, dtype=torch.bool, device=dev)  # [U, V+1] (column V: padding)
-        listed.scatter_(1, torch.where(valid, ids, V), True)
-        listed = listed[:, :V]  # [U, V]
-        allowed_u = torch.where(exclude[:, None], ~listed, listed)  # [U, V]
-        rows_u = h2d([max(u, 0) for u in u_of], torch.long)  # [R]
-        restricted = h2d([u >= 0 for u in u_of], torch.bool)  # [R]
-        allowed = allowed_u[rows_u] | ~restricted[:, None]  # [R, V]
-        mass_rows = [i for i, u in enumerate(u_of) if u >= 0]
-    scores = logp if allowed is None else torch.where(allowed, logp, neg_inf)  # [R, V]
-    topk_rows = [i for i, r in enumerate(restrictions) if r is None or r.exclude] if top_k else []
-    top_idx = None
-    if topk_rows:
-        rows = h2d(topk_rows, torch.long)  # [T]
-        vals, top_idx = scores[rows].topk(min(top_k, V), dim=-1)  # [T, k]
-        top_ok = torch.isfinite(vals)  # [T, k] (fewer than k allowed tokens: the rest is -inf)
-        keep = torch.zeros(len(topk_rows), V + 1, dtype=torch.bool, device=dev)  # [T, V+1]
-        keep.scatter_(1, torch.where(top_ok, top_idx, V), True)
-        scores = scores.index_copy(0, rows, torch.where(keep[:, :V], logp[rows], neg_inf))
-        top_idx = torch.where(top_ok, top_idx, -1)  # [T, k]
-    if greedy:
-        tok = scores.argmax(dim=-1)  # [R]
-    else:
-        tok = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]  # [R]
-    full = logp.gather(1, tok[:, None])[:, 0]  # [R] log π(y)
-    logq = full
-    if mass_rows or topk_rows:
-        # log Z(A) of each row's set: listed ids (a Choice, top-k) or the complement of the listed ids (banned)
-        log_z = torch.zeros(R, dtype=logp.dtype, device=dev)  # [R]
-        if mass_rows:
-            m = h2d(mass_rows, torch.long)  # [M]
-            u = rows_u[m]  # [M]
-            sel = logp[m[:, None], ids[u]]  # [M, K] log π of the listed ids
-            log_z = log_z.index_copy(0, m, restricted_log_mass(sel, valid[u], exclude[u]))
-        if topk_rows:
-            sel = logp[rows[:, None], top_idx.clamp(min=0)]  # [T, k]
-            no = torch.zeros(len(topk_rows), dtype=torch.bool, device=dev)
-            log_z = log_z.index_copy(0, rows, restricted_log_mass(sel, top_ok, no))
-        logq = full - log_z  # [R] log q(y) = log π(y) − log Z(A)
-    cols = [tok.double()[:, None], logq.double()[:, None], full.double()[:, None]]
-    packed = torch.cat(cols, dim=1)  # [R, 3]
-    host_top: dict[int, list[int]] = {}
-    if topk_rows:
-        top_host = top_idx.double()  # [T, k]
-        packed = torch.cat([packed, torch.zeros(R, top_host.shape[1], dtype=torch.float64, device=dev)
-                            .index_copy(0, rows, top_host)], dim=1)  # [R, 3 + k]
-    values = packed.tolist()  # the one device-to-host copy of the step
-    if topk_rows:
-        for i in topk_rows:
-            host_top[i] = sorted(int(t) for t in values[i][3:] if t >= 0)
-    out = []
-    for i, (r, row) in enumerate(zip(restrictions, values)):
-        used = Restriction(tuple(host_top[i])) if i in host_top else r
-        out.append((int(row[0]), row[1] if used is not None else row[2], row[2], used))
-    return out
 
 
 class DecodeSession(Session):
@@ -389,7 +280,7 @@ class DecodeSession(Session):
             self._forward_static(blocks)
             return
         cuts = None
-        if self.staged_prefill and self.cache is not None and _row_subset_cache_ok(self.cache):
+        if self.staged_prefill and self.cache is not None and row_subset_cache_ok(self.cache):
             cuts = plan_stages(lens, self.width)
         if not cuts or len(cuts) == 1:
             self._forward(None, blocks)
@@ -438,7 +329,7 @@ class DecodeSession(Session):
             cache = self.cache
         else:
             attn = torch.cat([self._mask[idx, : self.width], mask], dim=1)  # [n, T+W]
-            cache = _row_subset_cache(self.cache, idx)
+            cache = row_subset_cache(self.cache, idx)
         # the last position's logits only.  For a block (width > 1) as an index tensor: the model then gathers a
         # contiguous [n, 1, H] for its LM head, where the slice `logits_to_keep=1` takes is strided and torch's matmul
         # falls back to a batched product over n copies of the [H, V] head weight (measured on SmolLM2: 250 ms per
@@ -453,7 +344,7 @@ class DecodeSession(Session):
             self.last_logits = logits if self.last_logits is None else torch.where(fed[:, None], logits,
                                                                                    self.last_logits)
             return
-        _append_row_subset(self.cache, getattr(out, self._cache_arg), idx, width)
+        append_row_subset(self.cache, getattr(out, self._cache_arg), idx, width)
         self._mask_columns(width)[idx] = mask
         self.last_logits[idx] = torch.where(fed[:, None], logits, self.last_logits[idx])
 
@@ -577,72 +468,3 @@ def check_generator(generator: torch.Generator | None, device: torch.device) -> 
     if generator is not None and torch.device(generator.device).type != torch.device(device).type:
         raise ValueError(f"the sampling generator is on {generator.device} but the model is on {device}: make it "
                          "with sglightning.data.sampling_generator(..., device=<the model's device>)")
-
-
-def plan_stages(lens: Sequence[int], cached: int, copy_cost: float = 1 / 64, pass_cost: float = 48) -> list[int]:
-    """How to feed blocks of unequal lengths: cumulative cut widths ``c_1 < … < c_m = max(lens)``.
-
-    One forward over all rows pads every block to the longest, and a padded position costs as much as a real one
-    (a turn's observations of 46 to 183 tokens for 16 rows were ~40 % padding in a twc rollout).  Fed in stages,
-    stage 1 gives every row its first ``c_1`` tokens and stage ``j`` gives the rows longer than ``c_{j-1}`` their
-    next ``c_j - c_{j-1}`` tokens, on a copy of those rows' cache.  Chosen by dynamic programming over the distinct
-    lengths to minimise, in units of one position's forward,
-
-        Σ_j n_j · (c_j − c_{j−1})  +  Σ_{j≥2} (n_j · cached · copy_cost + pass_cost)
-
-    with ``n_1`` = all rows and ``n_j`` = rows longer than ``c_{j−1}``: the positions computed, plus copying a
-    stage's rows' ``cached`` positions of keys/values (``copy_cost``: a cached position's keys and values across
-    the layers are ~1/100 of a position's forward FLOPs in bytes moved, on a memory-bound CPU) and a pass's fixed
-    cost (``pass_cost``: every pass reads all the weights; a 16-row decode step of SmolLM2-135M on 2 CPU cores costs
-    about as much as 50 prefill positions).  Decode steps (blocks of a few tokens) are therefore fed in one pass;
-    a turn's observations are cut where the lengths jump.  Returns ``[max(lens)]`` when one pass is cheapest."""
-    n = len(lens)
-    top = max(lens)
-    points = [0] + sorted({x for x in lens if 0 < x < top}) + [top]
-    longer = [sum(1 for x in lens if x > p) for p in points]  # rows still to feed after points[i]
-    best = [0.0] + [float("inf")] * (len(points) - 1)
-    back = [0] * len(points)
-    for j in range(1, len(points)):
-        for i in range(j):
-            rows = n if i == 0 else longer[i]
-            cost = best[i] + rows * (points[j] - points[i]) + (0 if i == 0 else rows * cached * copy_cost + pass_cost)
-            if cost < best[j]:
-                best[j], back[j] = cost, i
-    cuts, j = [], len(points) - 1
-    while j > 0:
-        cuts.append(points[j])
-        j = back[j]
-    return cuts[::-1]
-
-
-def _row_subset_cache_ok(cache) -> bool:
-    """Staged feeding needs plain full-attention layers holding ``keys``/``values`` tensors (transformers >= 4.56
-    ``DynamicLayer``); sliding-window, quantised or older caches are fed in one pass."""
-    try:
-        from transformers.cache_utils import DynamicLayer
-    except ImportError:
-        return False
-    layers = getattr(cache, "layers", None)
-    return bool(layers) and all(type(layer) is DynamicLayer and layer.keys is not None for layer in layers)
-
-
-def _row_subset_cache(cache, idx: torch.Tensor):
-    """A new cache holding copies of rows ``idx`` of ``cache``'s keys/values: [n, heads, T, d] per layer."""
-    from transformers.cache_utils import DynamicCache
-
-    sub = DynamicCache()
-    for i, layer in enumerate(cache.layers):
-        sub.update(layer.keys[idx], layer.values[idx], i)
-    return sub
-
-
-def _append_row_subset(cache, sub, idx: torch.Tensor, width: int) -> None:
-    """Append the last ``width`` positions of ``sub`` (rows ``idx``) to ``cache``; the other rows get zeros there
-    (masked out: they attend to nothing)."""
-    for layer, part in zip(cache.layers, sub.layers):
-        for name in ("keys", "values"):
-            full = getattr(layer, name)  # [B, H, T, d]
-            new = getattr(part, name)[:, :, -width:]  # [n, H, W, d]
-            slots = full.new_zeros(full.shape[0], full.shape[1], width, full.shape[3])  # [B, H, W, d]
-            slots[idx] = new
-            setattr(layer, name, torch.cat([full, slots], dim=2))

@@ -1,0 +1,128 @@
+"""The in-process engine's draw: every row that samples in a lock step, drawn at once on the model's device.
+
+Each row's restriction (a ``Choice``'s allowed continuations, a ``Free`` segment's banned tokens, top-k) becomes a
+mask on the device — from a table of the step's distinct sets, kept across steps — then one batched draw uses the
+seeded generator, log q and log π are gathered there, and one copy to the host brings back the step's tokens and
+log-probs.  Drawn in row order from one generator, the tokens are those of drawing row by row (on CPU bit for bit).
+log q is computed by the trainer's own function (:func:`~sglightning.scoring.restricted_log_mass`), over the same
+sets, so that the sampler's and the trainer's log-probs of a token agree to float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sglightning.episodes import Restriction
+from sglightning.scoring import restricted_log_mass
+
+
+class RestrictionTable:
+    """Restrictions as tensors on a device, kept across lock steps and sessions (a ``Free`` segment's banned set is
+    the same thousands of ids at every step; a trie node's continuations recur in every group)."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._ids: dict[tuple[Restriction, torch.device], torch.Tensor] = {}
+
+    def ids(self, r: Restriction, device: torch.device) -> torch.Tensor:
+        key = (r, device)
+        t = self._ids.get(key)
+        if t is None:
+            if len(self._ids) >= self.limit:
+                self._ids.clear()
+            t = self._ids[key] = torch.tensor(r.ids, dtype=torch.long).to(device)  # [K] (once per set)
+        return t
+
+    def stack(self, rs: Sequence[Restriction], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rs`` as padded ``ids`` [U, K] and ``valid`` [U, K] (K = the longest)."""
+        rows = [self.ids(r, device) for r in rs]
+        ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [U, K]
+        k = torch.arange(ids.shape[1], device=device)  # [K]
+        lens = torch.tensor([len(r.ids) for r in rs], dtype=torch.long)  # [U]
+        lens = (lens.pin_memory() if device.type == "cuda" else lens).to(device, non_blocking=True)
+        return ids, k[None, :] < lens[:, None]
+
+
+def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: int = 0, greedy: bool = False,
+         generator: torch.Generator | None = None, table: RestrictionTable | None = None
+         ) -> list[tuple[int, float, float, Restriction | None]]:
+    """Sample one token per row of ``logp`` [R, V] (log-probabilities, already temperature-scaled), row r within
+    ``restrictions[r]`` (None: the whole vocabulary) and the ``top_k`` most likely tokens (where not already a
+    ``Choice``), drawing in row order from ``generator``.  One copy to the host at the end.
+
+    Returns per row (token, log q of the distribution it was drawn from, unrestricted log π, the restriction that
+    applied — top-k included — or None)."""
+    R, V = logp.shape
+    dev = logp.device
+    table = table or RestrictionTable()
+
+    def h2d(values, dtype) -> torch.Tensor:  # small host lists to the device without a stream sync (pinned)
+        t = torch.tensor(values, dtype=dtype)
+        return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
+
+    neg_inf = torch.full((), float("-inf"), dtype=logp.dtype, device=dev)
+    # the step's distinct restrictions as a table (as the trainer's collate builds it): ids [U, K], valid [U, K]
+    uniq: dict[Restriction, int] = {}
+    u_of = [-1 if r is None else uniq.setdefault(r, len(uniq)) for r in restrictions]
+    allowed = None  # [R, V] bool, None = every row unrestricted
+    mass_rows: list[int] = []  # rows whose log q needs log Z(A)
+    if uniq:
+        rs = list(uniq)
+        ids, valid = table.stack(rs, dev)  # [U, K]
+        exclude = h2d([r.exclude for r in rs], torch.bool)  # [U]
+        listed = torch.zeros(len(rs), V + 1, dtype=torch.bool, device=dev)  # [U, V+1] (column V: padding)
+        listed.scatter_(1, torch.where(valid, ids, V), True)
+        listed = listed[:, :V]  # [U, V]
+        allowed_u = torch.where(exclude[:, None], ~listed, listed)  # [U, V]
+        rows_u = h2d([max(u, 0) for u in u_of], torch.long)  # [R]
+        restricted = h2d([u >= 0 for u in u_of], torch.bool)  # [R]
+        allowed = allowed_u[rows_u] | ~restricted[:, None]  # [R, V]
+        mass_rows = [i for i, u in enumerate(u_of) if u >= 0]
+    scores = logp if allowed is None else torch.where(allowed, logp, neg_inf)  # [R, V]
+    topk_rows = [i for i, r in enumerate(restrictions) if r is None or r.exclude] if top_k else []
+    top_idx = None
+    if topk_rows:
+        rows = h2d(topk_rows, torch.long)  # [T]
+        vals, top_idx = scores[rows].topk(min(top_k, V), dim=-1)  # [T, k]
+        top_ok = torch.isfinite(vals)  # [T, k] (fewer than k allowed tokens: the rest is -inf)
+        keep = torch.zeros(len(topk_rows), V + 1, dtype=torch.bool, device=dev)  # [T, V+1]
+        keep.scatter_(1, torch.where(top_ok, top_idx, V), True)
+        scores = scores.index_copy(0, rows, torch.where(keep[:, :V], logp[rows], neg_inf))
+        top_idx = torch.where(top_ok, top_idx, -1)  # [T, k]
+    if greedy:
+        tok = scores.argmax(dim=-1)  # [R]
+    else:
+        tok = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)[:, 0]  # [R]
+    full = logp.gather(1, tok[:, None])[:, 0]  # [R] log π(y)
+    logq = full
+    if mass_rows or topk_rows:
+        # log Z(A) of each row's set: listed ids (a Choice, top-k) or the complement of the listed ids (banned)
+        log_z = torch.zeros(R, dtype=logp.dtype, device=dev)  # [R]
+        if mass_rows:
+            m = h2d(mass_rows, torch.long)  # [M]
+            u = rows_u[m]  # [M]
+            sel = logp[m[:, None], ids[u]]  # [M, K] log π of the listed ids
+            log_z = log_z.index_copy(0, m, restricted_log_mass(sel, valid[u], exclude[u]))
+        if topk_rows:
+            sel = logp[rows[:, None], top_idx.clamp(min=0)]  # [T, k]
+            no = torch.zeros(len(topk_rows), dtype=torch.bool, device=dev)
+            log_z = log_z.index_copy(0, rows, restricted_log_mass(sel, top_ok, no))
+        logq = full - log_z  # [R] log q(y) = log π(y) − log Z(A)
+    cols = [tok.double()[:, None], logq.double()[:, None], full.double()[:, None]]
+    packed = torch.cat(cols, dim=1)  # [R, 3]
+    host_top: dict[int, list[int]] = {}
+    if topk_rows:
+        top_host = top_idx.double()  # [T, k]
+        packed = torch.cat([packed, torch.zeros(R, top_host.shape[1], dtype=torch.float64, device=dev)
+                            .index_copy(0, rows, top_host)], dim=1)  # [R, 3 + k]
+    values = packed.tolist()  # the one device-to-host copy of the step
+    if topk_rows:
+        for i in topk_rows:
+            host_top[i] = sorted(int(t) for t in values[i][3:] if t >= 0)
+    out = []
+    for i, (r, row) in enumerate(zip(restrictions, values)):
+        used = Restriction(tuple(host_top[i])) if i in host_top else r
+        out.append((int(row[0]), row[1] if used is not None else row[2], row[2], used))
+    return out
