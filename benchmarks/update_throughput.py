@@ -63,10 +63,9 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
         samples = sorted(samples, key=lambda s: s.ids)
     data = scoring.collate(samples, pad_id, targets=bool(calibration))
     adv = torch.where(data["mask"], (data["episode"] % 3 - 1).float()[:, None] + 0.5, torch.zeros(()))  # [S, L]
-    totals = grpo.policy_counts(data["mask"])
-    if calibration:  # the trainer's denominator: every target at a policy token of the update
-        n_targets = float(((data["target"] >= 0) & data["mask"]).sum())
-        totals = torch.cat([totals, torch.tensor([n_targets], dtype=torch.float64)])
+    # the trainer's denominators: every policy token and sequence, and every target at a policy token of the update
+    n_targets = float(((data["target"] >= 0) & data["mask"]).sum()) if calibration else 0.0
+    totals = grpo.StepCounts(*grpo.policy_counts(data["mask"]).tolist(), targets=n_targets)
     fed = 0
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ from tiny import rollout, tiny_module, tiny_trainer
 
 from sglightning import scoring
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Piece, Restriction, Sample
-from sglightning.grpo import GRPOConfig, calibration_term
+from sglightning.grpo import GRPOConfig, StepCounts, calibration_term
 from sglightning.guidance import GuidanceConfig
 from sglightning.rollout import label_targets
 
@@ -90,7 +90,7 @@ def test_the_auxiliary_term_is_log_q_of_the_target_and_moves_only_label_logits()
 def _term(logq, labels, counts, balance, rows=slice(None)):
     """calibration_term on rows ``rows`` of a [S, 1] batch whose every row is a target."""
     logq, labels = torch.tensor(logq)[:, None][rows], torch.tensor(labels)[:, None][rows]
-    totals = torch.tensor([0.0, 0.0, float(sum(counts)), *counts], dtype=torch.float64)
+    totals = StepCounts(targets=float(sum(counts)), per_label=tuple(counts))
     return calibration_term(logq, torch.ones_like(labels, dtype=torch.bool), labels, totals, balance)
 
 
@@ -116,7 +116,7 @@ def test_balanced_calibration_pulls_harder_on_the_rare_label():
     grads = {}
     for balance in (False, True):
         logq = torch.full((4,), -0.7, requires_grad=True)
-        totals = torch.tensor([0.0, 0.0, 4.0, *counts], dtype=torch.float64)
+        totals = StepCounts(targets=4.0, per_label=tuple(counts))
         term, _ = calibration_term(logq[:, None], torch.ones(4, 1, dtype=torch.bool), torch.tensor(labels)[:, None],
                                    totals, balance)
         term.backward()
@@ -182,16 +182,16 @@ def test_calibration_off_logs_nothing_of_it_and_on_adds_one_term(tmp_path):
 def test_the_trainer_applies_the_balanced_term_when_asked(tmp_path, monkeypatch):
     """With ``calibration_balance`` the update's term is the balanced one, computed from the step's per-label counts;
     on these steps (labels unequally common) it differs from the uniform term on the same tensors."""
-    import sglightning.module as module_mod
+    import sglightning.grpo as grpo_mod
 
-    real, seen = module_mod.calibration_term, []
+    real, seen = grpo_mod.calibration_term, []
 
     def spy(logq, targets, labels, totals, balance=False):
         both = [float(real(logq, targets, labels, totals, b)[0]) for b in (True, False)]
-        seen.append((balance, *both, totals[3:].tolist()))
+        seen.append((balance, *both, list(totals.per_label)))
         return real(logq, targets, labels, totals, balance)
 
-    monkeypatch.setattr(module_mod, "calibration_term", spy)
+    monkeypatch.setattr(grpo_mod, "calibration_term", spy)  # the update's objective calls it through the module
     bal = _fit(tmp_path / "bal", calibration=1.0, balance=True)
     assert seen and all(b for b, *_ in seen)  # the flag reaches the loss
     assert all(sum(counts) > 0 and len(counts) == 3 for *_, counts in seen)  # the step's targets by label

@@ -475,13 +475,13 @@ def test_blend_includes_penalties_and_extra_terms_by_hand():
 def test_microbatch_weights_make_one_global_token_mean():
     """Micro-batch means weighted by microbatch_weight sum to the mean over all policy tokens (token_mean) or over all
     sequences (seq_mean_token_mean)."""
-    from sglightning.grpo import microbatch_weight, policy_counts
+    from sglightning.grpo import StepCounts, microbatch_weight, policy_counts
 
     torch.manual_seed(0)
     vals = torch.randn(5, 6)
     mask = torch.rand(5, 6) > 0.4
     mask[2] = False  # a sequence without policy tokens
-    totals = policy_counts(mask)
+    totals = StepCounts(*policy_counts(mask).tolist())
     for agg in ("token_mean", "seq_mean_token_mean"):
         whole = grpo_loss_like(vals, mask, agg)
         parts = sum(float(microbatch_weight(mask[a:b], totals, agg)) * grpo_loss_like(vals[a:b], mask[a:b], agg)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny import rollout, tiny_module, tiny_trainer
 
+import sglightning.grpo
 import sglightning.module
 from sglightning import grpo, scoring
 from sglightning.chat import pad_token_id
@@ -103,7 +104,7 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch,
         seen.setdefault("adv", []).append((advantages.detach().clone(), mask.clone()))
         return real(logp, old_logp, advantages, mask, **kw)
 
-    monkeypatch.setattr(sglightning.module, "grpo_loss", spy)
+    monkeypatch.setattr(sglightning.grpo, "grpo_loss", spy)
     captured = {}
     orig_adv = grpo.group_advantages
 
@@ -141,7 +142,7 @@ def test_nonfinite_loss_skips_the_update(tmp_path, monkeypatch):
         loss, st = real(*a, **kw)
         return loss * float("nan"), st
 
-    monkeypatch.setattr(sglightning.module, "grpo_loss", nan_loss)
+    monkeypatch.setattr(sglightning.grpo, "grpo_loss", nan_loss)
     module = tiny_module()
     module.configure_model()
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
@@ -715,7 +716,7 @@ def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):
 
 def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):
     real = grpo.grpo_loss
-    monkeypatch.setattr(sglightning.module, "grpo_loss",
+    monkeypatch.setattr(sglightning.grpo, "grpo_loss",
                         lambda *a, **kw: (real(*a, **kw)[0] * float("inf"), real(*a, **kw)[1]))
     module = tiny_module(update=UpdateConfig(max_consecutive_skips=2, micro_batch_size=8))
     with pytest.warns(RuntimeWarning, match="consecutive non-finite"):
@@ -728,7 +729,7 @@ def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, mon
 
 def test_cli_exits_nonzero_when_the_run_stops_itself(tmp_path, monkeypatch, capsys):
     real = grpo.grpo_loss
-    monkeypatch.setattr(sglightning.module, "grpo_loss",
+    monkeypatch.setattr(sglightning.grpo, "grpo_loss",
                         lambda *a, **kw: (real(*a, **kw)[0] * float("nan"), real(*a, **kw)[1]))
     with pytest.raises(SystemExit) as exc, pytest.warns(RuntimeWarning):
         cli_main([

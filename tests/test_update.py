@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Episode, Piece, RolloutBatch, Sample, StepRecord
-from sglightning.grpo import GRPOConfig
+from sglightning.grpo import GRPOConfig, StepCounts
 from sglightning.update import UpdateConfig, prepare_update
 
 A = 1 / math.sqrt(2)  # a group of two unequal returns: Â = ±(d/2) / (|d|/√2) = ±1/√2 (unbiased std), up to eps
@@ -69,7 +69,7 @@ def test_returns_by_hand_and_every_policy_token_carries_its_episode_advantage():
         assert (u.adv[row][~m[row]] == 0).all()
     assert u.stats["tokens/policy"] == 12.0 and u.stats["tokens/guidance_share"] == pytest.approx(8 / 12)
     assert u.stats["tokens/zero_advantage_samples"] == 2.0 and u.stats["tokens/skipped_zero_advantage_samples"] == 0
-    assert u.counts.tolist() == [12.0, 4.0, 0.0]
+    assert u.counts == StepCounts(tokens=12.0, sequences=4.0, targets=0.0, per_label=(0.0, 0.0, 0.0))
 
 
 def test_guidance_tokens_carry_the_scaled_advantage():
@@ -83,7 +83,7 @@ def test_without_kl_zero_advantage_rows_are_left_out_but_still_counted():
     u = _prepare()
     assert u.rows_left_out and u.data["ids"].shape[0] == 2 and u.adv.shape[0] == 2
     assert u.data["episode"].tolist() == [0, 1]
-    assert u.counts.tolist() == [12.0, 4.0, 0.0]  # the token-mean's denominator keeps every row
+    assert (u.counts.tokens, u.counts.sequences) == (12.0, 4.0)  # the token-mean's denominator keeps every row
     assert u.stats["tokens/skipped_zero_advantage_samples"] == 2.0
     kept = _prepare(update={"skip_zero_advantage": False})
     assert not kept.rows_left_out and kept.data["ids"].shape[0] == 4
@@ -97,7 +97,7 @@ def test_a_failed_group_is_dropped_only_when_asked():
     assert keep.stats["rollout/dropped_groups"] == 0.0
     drop = _prepare(batch, grpo={"kl_coef": 0.01}, drop_failed_groups=True)
     assert drop.data["episode"].tolist() == [0, 1] and drop.stats["rollout/dropped_groups"] == 1.0
-    assert drop.counts.tolist() == [6.0, 2.0, 0.0]
+    assert (drop.counts.tokens, drop.counts.sequences, drop.counts.targets) == (6.0, 2.0, 0.0)
 
 
 def test_shared_prefixes_sit_side_by_side():
@@ -123,18 +123,83 @@ def test_with_calibration_the_counts_hold_the_targets_of_each_label():
         s = ep.samples[0]
         s.targets, s.target_labels = {3: 7}, {3: label}
     u = _prepare(batch, grpo={"calibration": 1.0})
-    assert u.counts.tolist() == [12.0, 4.0, 4.0, 1.0, 3.0, 0.0]  # 4 targets: 1 positive, 3 neutral, 0 negative
+    assert u.counts == StepCounts(12.0, 4.0, 4.0, (1.0, 3.0, 0.0))  # 4 targets: 1 positive, 3 neutral, 0 negative
     # group 1's rows have Â = 0 but hold a target: scored all the same, their labels collated with them
     assert u.data["target_label"][u.data["target"] >= 0].tolist() == [1, 1, 0, 1]
-    assert _prepare(RolloutBatch(episodes=[]), grpo={"calibration": 1.0}).counts.tolist() == [0.0] * 6
+    assert _prepare(RolloutBatch(episodes=[]), grpo={"calibration": 1.0}).counts.to_tensor().tolist() == [0.0] * 6
 
 
 def test_a_rank_with_nothing_to_score():
     u = _prepare(RolloutBatch(episodes=[]))
-    assert u.data is None and u.adv is None and u.counts.tolist() == [0.0, 0.0, 0.0]
+    # the same six counts on every rank, whatever the config: they are summed over ranks
+    assert u.data is None and u.adv is None and u.counts.to_tensor().tolist() == [0.0] * 6
     assert u.stats["tokens/zero_advantage_samples"] == 0.0
 
 
 def test_the_update_preparation_imports_no_lightning():
     code = "import sys, sglightning.update, sglightning.metrics; assert 'lightning' not in sys.modules, 'lightning'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def _microbatch(calibrate: bool):
+    """Two rows × three tokens, policy tokens at (0, 1), (0, 2), (1, 1), sampled as the current policy would
+    (ratio 1)."""
+    mask = torch.tensor([[False, True, True], [False, True, False]])
+    logp = torch.tensor([[0.0, -1.0, -0.5], [0.0, -2.0, 0.0]], requires_grad=True)
+    mb = {"mask": mask, "old_logp": logp.detach().clone(), "adv": torch.tensor([[0.0, 1.0, 1.0], [0.0, -1.0, 0.0]]),
+          "kinds": torch.full((2, 3), KIND_ACTION), "full_logp": logp.detach().clone(),
+          "restrict": {"index": torch.full((2, 3), -1),
+                       "target": torch.tensor([[-1, 5, -1], [-1, -1, -1]]) if calibrate else None,
+                       "target_label": torch.tensor([[-1, 1, -1], [-1, -1, -1]]) if calibrate else None}}
+    ent = {"sampled": torch.ones(2, 3), "unrestricted": torch.ones(2, 3)}
+    if calibrate:
+        ent["target_logq"] = torch.tensor([[0.0, -0.7, 0.0], [0.0, 0.0, 0.0]])
+    return mb, logp, ent
+
+
+def test_the_microbatch_objective_by_hand_without_lightning():
+    """No KL, ratio 1: the micro-batch's token-mean loss is −(1 + 1 − 1)/3; the step has 6 policy tokens, so its
+    share is 3/6 of it: −1/6, and its gradient −Â_k/6 at each policy token.  With α = 0.5 and one target of −log q =
+    0.7 among the step's 2: + 0.5 · 0.7/2.  Pure: nothing of Lightning is imported."""
+    from sglightning.update import microbatch_objective
+
+    totals = StepCounts(tokens=6.0, sequences=4.0, targets=2.0, per_label=(0.0, 2.0, 0.0))
+    mb, logp, ent = _microbatch(calibrate=False)
+    part = microbatch_objective(mb, logp, ent, None, totals, GRPOConfig(kl_coef=0.0), first_epoch=True)
+    assert math.isclose(float(part.objective), -1 / 6, rel_tol=1e-6) and part.tokens == 3.0
+    part.objective.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, -1 / 6, -1 / 6], [0.0, 1 / 6, 0.0]]), atol=1e-7)
+    assert part.stats["policy/ratio_mean"] == pytest.approx(1.0) and part.stats["policy/sampler_ratio_max"] == 1.0
+    mb, logp, ent = _microbatch(calibrate=True)
+    cfg = GRPOConfig(kl_coef=0.0, calibration=0.5)
+    part = microbatch_objective(mb, logp, ent, None, totals, cfg, first_epoch=False)
+    assert math.isclose(float(part.objective), -1 / 6 + 0.5 * 0.7 / 2, rel_tol=1e-6)
+    assert (part.calibration_nll, part.calibration_targets) == (pytest.approx(0.7), 1.0)
+    assert "policy/sampler_ratio_max" not in part.stats  # the sampler comparison is the first epoch's only
+    script = ("import sys, sglightning.update; "
+              "sys.exit(any(m.startswith(('lightning', 'pytorch_lightning')) for m in sys.modules))")
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 0
+
+
+def test_step_stats_average_by_tokens_and_keep_maxima_and_minima():
+    from sglightning.update import MicrobatchObjective, StepStats
+
+    s = StepStats()
+    s.add(MicrobatchObjective(torch.zeros(()), {"a": 1.0, "b_max": 2.0, "c_min": 5.0}, 3.0, 0.6, 2.0))
+    s.add(MicrobatchObjective(torch.zeros(()), {"a": 3.0, "b_max": 4.0, "c_min": 1.0}, 1.0, 0.3, 1.0))
+    assert s.result() == {"a": 1.5, "b_max": 4.0, "c_min": 1.0, "loss/calibration": pytest.approx(0.3)}
+
+
+@pytest.mark.parametrize("setting,dtype,precision,engine,expected", [
+    ("auto", torch.float32, "32-true", ("builtin", "float32"), None),
+    ("auto", torch.bfloat16, "32-true", ("builtin", "float32"), "token"),
+    ("auto", torch.float32, "bf16-mixed", ("builtin", "float32"), "token"),
+    ("auto", torch.float32, "32-true", ("vllm", "bfloat16"), "token"),
+    (None, torch.bfloat16, "bf16-mixed", ("builtin", "float32"), None),
+    ("sequence", torch.float32, "32-true", ("builtin", "float32"), "sequence"),
+])
+def test_rollout_correction_mode_by_case(setting, dtype, precision, engine, expected):
+    from sglightning.update import rollout_correction_mode
+
+    assert rollout_correction_mode(setting, weights_dtype=dtype, precision=precision, engine_backend=engine[0],
+                                   engine_dtype=engine[1]) == expected

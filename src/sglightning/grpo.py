@@ -109,6 +109,7 @@ __all__ = [
     "check_choice",
     "policy_counts",
     "microbatch_weight",
+    "StepCounts",
     "calibration_term",
     "kl_penalty",
     "masked_mean",
@@ -467,15 +468,36 @@ def zero_advantage_rows(tok_adv: Tensor, mask: Tensor) -> Tensor:
     return ((tok_adv != 0) & mask.bool()).sum(1) == 0  # [S]
 
 
-def calibration_term(target_logq: Tensor, targets: Tensor, target_label: Tensor, totals: Tensor,
+@dataclass(frozen=True)
+class StepCounts:
+    """What one step's means divide by, counted before any row is left out and summed over micro-batches and ranks:
+    its policy tokens, its sequences with a policy token, its hindsight label targets, and those of each label."""
+
+    tokens: float = 0.0
+    sequences: float = 0.0
+    targets: float = 0.0
+    #: the targets of each label (LABELS order): for ``grpo.calibration_balance``
+    per_label: tuple[float, ...] = ()
+
+    def to_tensor(self, device=None) -> Tensor:
+        """``[3 + labels]`` float64, for a sum over ranks (every rank has the same number of labels)."""
+        return torch.tensor([self.tokens, self.sequences, self.targets, *self.per_label], dtype=torch.float64,
+                            device=device)
+
+    @classmethod
+    def from_tensor(cls, t: Tensor) -> StepCounts:
+        v = [float(x) for x in t.tolist()]
+        return cls(v[0], v[1], v[2], tuple(v[3:]))
+
+
+def calibration_term(target_logq: Tensor, targets: Tensor, target_label: Tensor, totals: StepCounts,
                      balance: bool = False) -> tuple[Tensor, Tensor]:
     r"""One micro-batch's share of the step's hindsight label loss (``grpo.calibration``, before α), and the plain sum
     of −log q(y*) over its targets (for the log).
 
     ``target_logq`` [B, W]: log q_θ(y*) (0 where no target); ``targets`` [B, W] bool: the positions with a target;
-    ``target_label`` [B, W]: each target's label (index in LABELS, −1 = none); ``totals``: the step's counts summed
-    over micro-batches and ranks, ``totals[2]`` = N targets, ``totals[3:]`` = n_c targets of each label.  Over all
-    micro-batches the shares add up to
+    ``target_label`` [B, W]: each target's label (index in LABELS, −1 = none); ``totals``: the step's counts, N =
+    ``totals.targets``, n_c = ``totals.per_label``.  Over all micro-batches the shares add up to
 
         uniform:   (1/N) Σ_k −log q(y*_k)
         balanced:  (1/N) Σ_k w_{c(k)} · (−log q(y*_k)),   w_c = N / (K · n_c),  K = |{c : n_c > 0}|
@@ -483,24 +505,25 @@ def calibration_term(target_logq: Tensor, targets: Tensor, target_label: Tensor,
 
     The balanced form gives each target label present the same weight whatever its share of the steps."""
     nll = -(target_logq * targets)  # [B, W]
-    n = totals[2].clamp(min=1)
+    n = max(totals.targets, 1.0)
     if balance:
-        n_c = totals[3:]  # [C]
-        k = (n_c > 0).sum().clamp(min=1)
-        w_c = torch.where(n_c > 0, totals[2] / (k * n_c.clamp(min=1)), torch.zeros_like(n_c))  # [C]
+        n_c = torch.tensor(totals.per_label, dtype=torch.float64, device=nll.device)  # [C]
+        k = max(int((n_c > 0).sum()), 1)
+        w_c = torch.where(n_c > 0, totals.targets / (k * n_c.clamp(min=1)), torch.zeros_like(n_c))  # [C]
         w = (w_c[target_label.clamp(min=0)] * targets).to(nll.dtype)  # [B, W]
-        return (nll * w).sum() / n.to(nll.dtype), nll.sum().detach()
-    return nll.sum() / n.to(nll.dtype), nll.sum().detach()
+        return (nll * w).sum() / n, nll.sum().detach()
+    return nll.sum() / n, nll.sum().detach()
 
 
-def microbatch_weight(mask: Tensor, totals: Tensor, loss_agg: str = "token_mean") -> Tensor:
+def microbatch_weight(mask: Tensor, totals: StepCounts, loss_agg: str = "token_mean") -> Tensor:
     """The share of the step's global loss that one micro-batch's own mean carries: its policy tokens over all
-    micro-batches' and ranks' (``token_mean``), or its sequences over all (``seq_mean_token_mean``).  ``totals``:
-    :func:`policy_counts` summed over micro-batches and ranks.  Σ weight · (micro-batch mean) = the global mean."""
+    micro-batches' and ranks' (``token_mean``), or its sequences over all (``seq_mean_token_mean``).  ``totals``: the
+    step's counts.  Σ weight · (micro-batch mean) = the global mean."""
     check_choice("grpo.loss_agg", loss_agg, LOSS_AGGS)
-    mine = policy_counts(mask).to(totals.device)
-    k = 0 if loss_agg == "token_mean" else 1
-    return (mine[k] / totals[k].clamp(min=1)).to(torch.float32)
+    mine = policy_counts(mask)
+    if loss_agg == "token_mean":
+        return (mine[0] / max(totals.tokens, 1.0)).to(torch.float32)
+    return (mine[1] / max(totals.sequences, 1.0)).to(torch.float32)
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:

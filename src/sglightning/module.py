@@ -42,9 +42,7 @@ from sglightning.episodes import Episode
 from sglightning.errors import ConfigError, out_of_memory
 from sglightning.grpo import (
     GRPOConfig,
-    calibration_term,
-    grpo_loss,
-    microbatch_weight,
+    StepCounts,
     rollout_correction_weights,
     trust_schedule,
 )
@@ -60,7 +58,15 @@ from sglightning.models import (
 )
 from sglightning.rewards import RewardTerm
 from sglightning.strategies import check_quantization, check_tensor_parallel, sharding_of
-from sglightning.update import UpdateBatch, UpdateConfig, prepare_update
+from sglightning.update import (
+    StepStats,
+    UpdateBatch,
+    UpdateConfig,
+    microbatch_objective,
+    prepare_update,
+    rollout_correction_mode,
+    rollout_correction_stats,
+)
 
 quiet()
 
@@ -339,7 +345,7 @@ class SelfGuideModule(LightningModule):
         under DDP every rank takes part in the same collectives and keeps the same step count).  Returns the
         token-weighted loss statistics."""
         # this step's policy tokens and sequences over all ranks: the loss is one mean over all of them
-        totals = distributed.all_reduce(prepared.counts.to(self.device))
+        totals = StepCounts.from_tensor(distributed.all_reduce(prepared.counts.to_tensor(self.device)))
         data = {k: v.to(self.device) for k, v in prepared.data.items()} if prepared.data is not None else None
         adv = prepared.adv.to(self.device) if prepared.adv is not None else None
         opt = self.optimizers()
@@ -353,18 +359,11 @@ class SelfGuideModule(LightningModule):
         return out
 
     def correction_mode(self) -> str | None:
-        """``grpo.rollout_correction`` resolved: ``auto`` is ``token`` where half precision samples or trains (a bf16
-        or fp16 base, a mixed-precision trainer, a half-precision vLLM engine), else None (fp32: the sampler's
-        log-probs are the trainer's within ~1e-5)."""
-        mode = self.grpo_cfg.rollout_correction
-        if mode != "auto":
-            return mode
-        engine = self.engine_cfg
-        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        """``grpo.rollout_correction`` resolved for this run (:func:`sglightning.update.rollout_correction_mode`)."""
         base = self.peft_model.get_input_embeddings().weight.dtype if self.policy is not None else torch.float32
-        half = (base in (torch.bfloat16, torch.float16) or not precision.startswith(("32", "64"))
-                or (engine.backend == "vllm" and engine.dtype != "float32"))
-        return "token" if half else None
+        precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        return rollout_correction_mode(self.grpo_cfg.rollout_correction, weights_dtype=base, precision=precision,
+                                       engine_backend=self.engine_cfg.backend, engine_dtype=self.engine_cfg.dtype)
 
     @torch.no_grad()
     def _rollout_correction(self, step_data: dict[str, torch.Tensor] | None, mode: str
@@ -402,26 +401,19 @@ class SelfGuideModule(LightningModule):
         weights, mismatch = rollout_correction_weights(trainer_old, step_data["old_logp"], mask, mode,
                                                        c.rollout_correction_cap)
         out = dict(step_data, old_logp=trainer_old, sampler_logp=step_data["old_logp"], is_weight=weights)
-        w = weights[mask.bool()]  # [M]
-        stats = {"policy/engine_mismatch_kl": float(mismatch)}
-        if w.numel():
-            stats.update({"policy/is_weight_mean": float(w.mean()), "policy/is_weight_min": float(w.min()),
-                          "policy/is_weight_max": float(w.max()),
-                          "policy/is_weight_truncated": float((w >= c.rollout_correction_cap).float().mean())})
-        return out, stats
+        return out, rollout_correction_stats(weights, mask, c.rollout_correction_cap, float(mismatch))
 
     def _optimiser_step(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None,
-                        totals: torch.Tensor, skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
-        """One optimiser step on the whole step's batch (micro-batches accumulate; under DDP one gradient sum over
-        ranks; under FSDP every rank runs as many micro-batches).  ``totals``: the step's global policy tokens and
-        sequences (the loss is one mean over all of them); ``skipped``: zero-advantage samples were left out.
-        Returns the token-weighted statistics."""
+                        totals: StepCounts, skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
+        """One optimiser step on the whole step's batch: per micro-batch the forward passes here, its objective from
+        :func:`sglightning.update.microbatch_objective` (pure), its backward here (gradients accumulate; under DDP one
+        sum over ranks; under FSDP every rank runs as many micro-batches); then the gradient's norm and the optimiser.
+        ``totals``: the step's counts over ranks; ``skipped``: zero-advantage rows were left out.  Returns the
+        step's statistics."""
         c, mbs = self.grpo_cfg, self.update_cfg.micro_batch_size
         mask = step_data["mask"] if step_data is not None else None
         temp = self.rollout_cfg.temperature
-        sums: dict[str, float] = {}
-        weights: dict[str, float] = {}
-        cal_sum = cal_n = 0.0
+        stats = StepStats()
         finite = True
         opt.zero_grad()
         starts = ([st for st in range(0, mask.shape[0], mbs) if mask[st : st + mbs].any()]
@@ -443,21 +435,8 @@ class SelfGuideModule(LightningModule):
                 with torch.no_grad(), self.policy.disable_adapter():
                     ref, _ = self.token_logprobs(ids, attn, m, temp, restrict=restrict)
             logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True, restrict=restrict)
-            loss, st = grpo_loss(
-                logp, mb["old_logp"], mb["adv"], m, clip_low=c.clip_low, clip_high=c.clip_high, ref_logp=ref,
-                kl_coef=c.kl_coef, kl_kind=c.kl_kind, loss_agg=c.loss_agg, is_weight=mb.get("is_weight"),
-            )
-            w = microbatch_weight(m, totals, c.loss_agg).to(self.device)
-            objective = loss * w
-            if c.calibration > 0 and "target_logq" in ent:
-                # hindsight label loss, one mean over the step's targets (all micro-batches and ranks): α·(−log q(y*));
-                # grpo.calibration_balance: each target label's mean weighs 1/K
-                targets = (restrict["target"] >= 0) & m  # [B, W]
-                term, nll = calibration_term(ent["target_logq"], targets, restrict["target_label"], totals,
-                                             c.calibration_balance)
-                objective = objective + c.calibration * term
-                cal_sum += float(nll)
-                cal_n += float(targets.sum())
+            part = microbatch_objective(mb, logp, ent, ref, totals, c, first_epoch)
+            objective = part.objective
             if not torch.isfinite(objective):
                 finite = False
                 if not sharded:
@@ -467,14 +446,7 @@ class SelfGuideModule(LightningModule):
                 objective = objective * self._world()[1]
             with distributed.no_sync(self.trainer.strategy.model if self._trainer is not None else None):
                 self.manual_backward(objective)
-            extra = scoring.microbatch_stats(mb, loss, st, logp, ent, first_epoch)
-            n = float(m.sum())
-            for k, v in extra.items():
-                if k.endswith("_max"):  # a maximum over the step, not a mean
-                    sums[k], weights[k] = max(sums.get(k, v), v), 1.0
-                    continue
-                sums[k] = sums.get(k, 0.0) + v * n
-                weights[k] = weights.get(k, 0.0) + n
+            stats.add(part)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if skipped:  # a skipped sample's gradient is an exact 0: the optimiser sees the same step (AdamW's momentum
             for p in params:  # and weight decay still move the weights when every sample of the step was skipped)
@@ -486,12 +458,7 @@ class SelfGuideModule(LightningModule):
             return self._skip_update(opt)
         self.consecutive_skips = 0
         opt.step()
-        out = {k: sums[k] / max(weights[k], 1e-9) for k in sums}
-        if cal_n:
-            out["loss/calibration"] = cal_sum / cal_n  # mean −log q(y*) over this rank's hindsight targets
-        out["train/grad_norm"] = float(grad_norm)
-        out["train/update_skipped"] = 0.0
-        return out
+        return {**stats.result(), "train/grad_norm": float(grad_norm), "train/update_skipped": 0.0}
 
     def _skip_update(self, opt) -> dict[str, float]:
         """A non-finite loss or gradient: no parameter (or optimiser state) moves, the step still counts; after

@@ -15,8 +15,12 @@ and minimise this loss", in the order the paper writes it:
 
 It returns an :class:`UpdateBatch`: the collated rows to score (ids, masks, the sampler's log-probs, restrictions),
 their token advantages, the step's policy-token counts (the token-mean's denominator, taken *before* any row is
-left out) and the numbers the step logs about all of this.  The micro-batch loop that consumes it (scoring,
-:func:`sglightning.grpo.grpo_loss`, backward, the optimiser step) is the LightningModule's ``update``.
+left out) and the numbers the step logs about all of this.
+
+:func:`microbatch_objective` is one micro-batch's share of the step's loss: the clipped surrogate, the KL and
+calibration terms, each weighted by its own denominator from :class:`sglightning.grpo.StepCounts`, with the statistics
+the step logs; :class:`StepStats` sums them over micro-batches.  Both are pure: scored log-probs in, tensors out.
+The LightningModule keeps what needs Lightning: scoring under FSDP, backward, collectives and the optimiser.
 
 :class:`UpdateConfig` holds how the update is computed — micro-batch size, shared prefixes, skipping zero-advantage
 rows, when to stop on non-finite updates: settings that change speed or robustness, never the result.
@@ -61,7 +65,7 @@ class UpdateConfig:
             raise ValueError(f"update.max_consecutive_skips: must be >= 0, got {self.max_consecutive_skips}")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class UpdateBatch:
     """What one optimiser step consumes.  N episodes; S rows to score (after row selection); L tokens per row."""
 
@@ -73,10 +77,9 @@ class UpdateBatch:
     #: the rows to score (:func:`sglightning.scoring.collate`, then row selection), or None: nothing to score here
     data: dict[str, Tensor] | None
     adv: Tensor | None  # [S, L] token advantages of those rows (0 off the policy tokens)
-    #: [3] float64: this rank's policy tokens, sequences and hindsight label targets *before* row selection — the
-    #: loss is one mean over all of them (summed over ranks by the caller); with ``grpo.calibration`` [6]: then the
-    #: targets of each label (LABELS order), for ``grpo.calibration_balance``
-    counts: Tensor
+    #: this rank's policy tokens, sequences, hindsight label targets and those of each label, *before* row selection:
+    #: the loss is one mean over all of them (summed over ranks by the caller)
+    counts: grpo.StepCounts
     rows_left_out: bool = False  # zero-advantage rows were left out (their gradient is an exact 0)
     stats: dict[str, float] = field(default_factory=dict)  # logged: failed/dropped groups, token counts
 
@@ -114,10 +117,8 @@ def prepare_update(
         samples.sort(key=lambda s: s.ids)
     if not samples:  # nothing to score on this rank (it still takes part in the step's collectives)
         stats["tokens/zero_advantage_samples"] = stats["tokens/skipped_zero_advantage_samples"] = 0.0
-        # the same shape on every rank (the counts are summed over ranks): with calibration, the per-label targets too
-        n_counts = 3 + (len(LABELS) if cfg.calibration > 0 else 0)
-        return UpdateBatch(lam, returns, internal, terms, groups, None, None,
-                           torch.zeros(n_counts, dtype=torch.float64), stats=stats)
+        return UpdateBatch(lam=lam, returns=returns, internal=internal, terms=terms, groups=groups, data=None,
+                           adv=None, counts=grpo.StepCounts(per_label=(0.0,) * len(LABELS)), stats=stats)
 
     calibrate = cfg.calibration > 0
     data = scoring.collate(samples, pad_id, targets=calibrate)  # [S, L] each (+ the restriction table, targets)
@@ -133,13 +134,15 @@ def prepare_update(
     # choice tokens with one allowed continuation: no choice was made, so no loss and no place in the mean
     stats["tokens/forced_choice"] = float(sum(s.forced for s in samples))
     stats["tokens/total"] = float(data["attn"].sum())
-    # [3] every row, before selection: the token-mean's denominator, and the hindsight targets' count
+    # every row, before selection: the token-mean's denominators, the hindsight targets and those of each label
     targets = (data["target"] >= 0) & mask if calibrate else torch.zeros_like(mask)  # [S, L]
-    counts = torch.cat([grpo.policy_counts(mask), torch.tensor([float(targets.sum())], dtype=torch.float64)])
-    if calibrate:  # [3] more: the targets of each label (LABELS order), for grpo.calibration_balance's weights
+    tokens, sequences = grpo.policy_counts(mask).tolist()
+    per_label = (0.0,) * len(LABELS)
+    if calibrate:  # the targets of each label (LABELS order), for grpo.calibration_balance's weights
         labels = data["target_label"][targets]  # [T] the label index of each target
-        counts = torch.cat([counts, torch.bincount(labels, minlength=len(LABELS)).to(torch.float64)])
+        per_label = tuple(float(x) for x in torch.bincount(labels, minlength=len(LABELS)).tolist())
         stats["guidance/calibration_targets"] = float(targets.sum())
+    counts = grpo.StepCounts(tokens, sequences, float(targets.sum()), per_label)
 
     zero = grpo.zero_advantage_rows(adv, mask) & ~targets.any(1)  # [S] no advantage and no target: no gradient
     stats["tokens/zero_advantage_samples"] = float(zero.sum())
@@ -149,4 +152,106 @@ def prepare_update(
         # no forward/backward for them.  With KL they are computed.
         data, adv = scoring.select_rows(data, ~zero), adv[~zero]
     stats["tokens/skipped_zero_advantage_samples"] = stats["tokens/zero_advantage_samples"] if left_out else 0.0
-    return UpdateBatch(lam, returns, internal, terms, groups, data, adv, counts, left_out, stats)
+    return UpdateBatch(lam=lam, returns=returns, internal=internal, terms=terms, groups=groups, data=data, adv=adv,
+                       counts=counts, rows_left_out=left_out, stats=stats)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# one micro-batch's objective, and the step's statistics over its micro-batches
+
+
+@dataclass
+class MicrobatchObjective:
+    """One micro-batch's part of the step's objective, from its log-probs (the caller's forward passes)."""
+
+    #: scalar: its share of the step's loss — the GRPO loss × its weight (:func:`grpo.microbatch_weight`) plus
+    #: α × its share of the hindsight label loss (:func:`grpo.calibration_term`); summed over micro-batches (and
+    #: ranks) it is the step's loss.  Backward on it accumulates the step's gradient
+    objective: Tensor
+    #: its statistics (:func:`scoring.microbatch_stats`), averaged over the step by policy tokens
+    stats: dict[str, float]
+    tokens: float  # its policy tokens
+    calibration_nll: float = 0.0  # Σ −log q(y*) over its hindsight targets
+    calibration_targets: float = 0.0  # how many
+
+
+def microbatch_objective(mb: dict, logp: Tensor, ent: dict, ref_logp: Tensor | None, totals: grpo.StepCounts,
+                         cfg: grpo.GRPOConfig, first_epoch: bool) -> MicrobatchObjective:
+    """The objective of micro-batch ``mb`` (:func:`scoring.microbatch`: ids, masks, old log-probs, advantages,
+    restrictions, rollout-correction weights) given the current log-probs of its sampled tokens ``logp`` [B, W] and
+    their entropies ``ent`` (with ``target_logq`` when calibrating), the reference's ``ref_logp`` (None without the KL
+    term), the step's ``totals`` over ranks, and whether this is the rollout's first PPO epoch.  Pure: no model, no
+    collective; the caller runs the forward passes, the backward and the optimiser."""
+    m = mb["mask"]
+    loss, st = grpo.grpo_loss(
+        logp, mb["old_logp"], mb["adv"], m, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logp=ref_logp,
+        kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, loss_agg=cfg.loss_agg, is_weight=mb.get("is_weight"),
+    )
+    objective = loss * grpo.microbatch_weight(m, totals, cfg.loss_agg).to(loss.device)
+    nll = n_targets = 0.0
+    if cfg.calibration > 0 and "target_logq" in ent:
+        # the hindsight label loss, one mean over the step's targets (all micro-batches and ranks): α·(−log q(y*));
+        # grpo.calibration_balance: each target label's mean weighs 1/K
+        restrict = mb["restrict"]
+        targets = (restrict["target"] >= 0) & m  # [B, W]
+        term, nll_sum = grpo.calibration_term(ent["target_logq"], targets, restrict["target_label"], totals,
+                                              cfg.calibration_balance)
+        objective = objective + cfg.calibration * term
+        nll, n_targets = float(nll_sum), float(targets.sum())
+    stats = scoring.microbatch_stats(mb, loss, st, logp, ent, first_epoch)
+    return MicrobatchObjective(objective, stats, float(m.sum()), nll, n_targets)
+
+
+class StepStats:
+    """A step's statistics over its micro-batches: means weighted by policy tokens; ``…_max`` the maximum and
+    ``…_min`` the minimum; ``loss/calibration`` the mean −log q(y*) over the step's hindsight targets."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, float] = {}
+        self._weights: dict[str, float] = {}
+        self._nll = self._targets = 0.0
+
+    def add(self, part: MicrobatchObjective) -> None:
+        for k, v in part.stats.items():
+            if k.endswith(("_max", "_min")):
+                pick = max if k.endswith("_max") else min
+                self._sums[k], self._weights[k] = pick(self._sums.get(k, v), v), 1.0
+                continue
+            self._sums[k] = self._sums.get(k, 0.0) + v * part.tokens
+            self._weights[k] = self._weights.get(k, 0.0) + part.tokens
+        self._nll += part.calibration_nll
+        self._targets += part.calibration_targets
+
+    def result(self) -> dict[str, float]:
+        out = {k: self._sums[k] / max(self._weights[k], 1e-9) for k in self._sums}
+        if self._targets:
+            out["loss/calibration"] = self._nll / self._targets  # mean −log q(y*) over this rank's hindsight targets
+        return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rollout correction: when it is on, and what its weights were
+
+
+def rollout_correction_mode(setting: str | None, *, weights_dtype: torch.dtype, precision: str,
+                            engine_backend: str = "builtin", engine_dtype: str = "float32") -> str | None:
+    """``grpo.rollout_correction`` resolved: ``auto`` is ``token`` where half precision samples or trains — a bf16 or
+    fp16 base (``weights_dtype``), a mixed- or half-precision trainer (Lightning's ``precision``), a half-precision
+    vLLM engine — and None in fp32, where the sampler's log-probs are the trainer's within ~1e-5."""
+    if setting != "auto":
+        return setting
+    half = (weights_dtype in (torch.bfloat16, torch.float16) or not str(precision).startswith(("32", "64"))
+            or (engine_backend == "vllm" and engine_dtype != "float32"))
+    return "token" if half else None
+
+
+def rollout_correction_stats(weights: Tensor, mask: Tensor, cap: float, mismatch: float) -> dict[str, float]:
+    """What the rollout correction logs: the engine/trainer mismatch KL, and the weights' mean, min, max and share
+    truncated at ``cap`` over the policy tokens of ``mask`` (``weights``, ``mask``: [S, L])."""
+    w = weights[mask.bool()]  # [M]
+    out = {"policy/engine_mismatch_kl": float(mismatch)}
+    if w.numel():
+        out.update({"policy/is_weight_mean": float(w.mean()), "policy/is_weight_min": float(w.min()),
+                    "policy/is_weight_max": float(w.max()),
+                    "policy/is_weight_truncated": float((w >= cap).float().mean())})
+    return out
