@@ -10,7 +10,8 @@
 #   part 2 (carry .gpu/wheels .gpu/gguf2): bash benchmarks/gpu_session.sh 2
 #       the quickstart (embedded SmolLM2, bf16), the Qwen3-4B shape at 16 x 8
 #   part 3, only if device time is left: the probe with CUDA graphs but no inductor, with the dynamic cache (what
-#       compiling adds, what the static cache adds), and without rollout correction (the ratio spread it corrects)
+#       compiling adds, what the static cache adds), without rollout correction (the ratio spread it corrects), and
+#       the Qwen3-1.7B update with micro-batches by token budget instead of shared prefixes (its MFU against part 1)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
 part=${1:-1}
@@ -66,6 +67,9 @@ else
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off
   check probe_8x8_no_correction 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
     --set model.grpo.rollout_correction=null
+  check qwen3-1.7b_16x8_token_budget 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
+    --set model.update.share_prefix=false --set model.update.micro_batch_size=16 \
+    --set model.update.micro_batch_tokens=32768
 fi
 rm -rf "$OUT/runs"
 

@@ -4,6 +4,7 @@
     python benchmarks/update_throughput.py --model tiny --repeats 1 # seconds, a smoke run
     python benchmarks/update_throughput.py --micro 2 4 8 --json out.json
     python benchmarks/update_throughput.py --compare calibration   # the hindsight label loss on vs off
+    python benchmarks/update_throughput.py --compare token_budget --micro 8 --budget 4096  # micro-batches by tokens
 
 One rollout is played with the quickstart's settings (household env, single-stream self-guidance, constrained label,
 admissible actions, LoRA r16 on every linear layer); its samples get fixed non-zero advantages, and one update
@@ -55,12 +56,15 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
 
 
 def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature: float,
-               calibration: float | None = None) -> tuple[float, int]:
+               calibration: float | None = None, budget: int | None = None) -> tuple[float, int]:
     """Forward + backward of every micro-batch of ``samples`` (as the trainer orders them); returns (seconds, positions
     fed to the decoder).  ``calibration``: score as the trainer does (entropies too) and, when > 0, add the hindsight
-    label loss α·Σ(−log q(y*)) / targets."""
+    label loss α·Σ(−log q(y*)) / targets.  ``budget``: micro-batches of at most ``micro`` rows and ``budget`` fed
+    positions, rows longest first (``update.micro_batch_tokens``)."""
     if share:
         samples = sorted(samples, key=lambda s: s.ids)
+    elif budget:
+        samples = sorted(samples, key=lambda s: -scoring.scored_length(s))
     data = scoring.collate(samples, pad_id, targets=bool(calibration))
     adv = torch.where(data["mask"], (data["episode"] % 3 - 1).float()[:, None] + 0.5, torch.zeros(()))  # [S, L]
     # the trainer's denominators: every policy token and sequence, and every target at a policy token of the update
@@ -69,8 +73,8 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
     fed = 0
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    for start in range(0, adv.shape[0], micro):
-        mb = scoring.microbatch(data, adv, slice(start, start + micro))
+    for rows in scoring.microbatch_rows(data, micro, budget):
+        mb = scoring.microbatch(data, adv, rows)
         if share:
             fed += _fed_positions(mb["ids"], mb["attn"])
         else:
@@ -110,9 +114,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the two arms, alternated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--json", help="write every measurement and the ratios here")
-    ap.add_argument("--compare", default="share_prefix", choices=["share_prefix", "calibration"],
+    ap.add_argument("--compare", default="share_prefix", choices=["share_prefix", "calibration", "token_budget"],
                     help="share_prefix: plain vs shared prefixes; calibration: the trainer's update without vs with "
-                         "the hindsight label loss (alpha 1)")
+                         "the hindsight label loss (alpha 1); token_budget: plain micro-batches of --micro rows vs "
+                         "longest-first micro-batches of at most --budget positions")
+    ap.add_argument("--budget", type=int, default=4096, help="update.micro_batch_tokens for --compare token_budget")
     args = ap.parse_args()
     quiet()
     if args.threads:
@@ -149,6 +155,8 @@ def main() -> None:
         n_targets = int(((cal["target"] >= 0) & cal["mask"]).sum())
         report["label_targets"] = n_targets
         print(f"{n_targets} hindsight label targets among the policy tokens")
+    elif args.compare == "token_budget":  # same rows, same loss: fixed row counts vs a budget of fed positions
+        arms = {"rows": dict(share=False), "budget": dict(share=False, budget=args.budget)}
     else:
         arms = {"plain": dict(share=False), "shared": dict(share=True)}
     first, second = arms
@@ -163,13 +171,15 @@ def main() -> None:
                       flush=True)
         per_round = [a / b for a, b in zip(secs[first], secs[second])]
         ratio = statistics.median(per_round)
+        name = {"share_prefix": "shared_speedup", "calibration": "off_over_on", "token_budget": "budget_speedup"}
         report["ratios"][str(micro)] = {
-            ("shared_speedup" if args.compare == "share_prefix" else "off_over_on"): ratio,
+            name[args.compare]: ratio,
             "range": [min(per_round), max(per_round)],
             **{f"{a}_x_floor": statistics.median(secs[a]) / floor for a in arms},
         }
-        what = ("shared prefix {r:.2f}x faster than plain" if args.compare == "share_prefix" else
-                "the update with the label loss takes {inv:.3f}x the time without it")
+        what = {"share_prefix": "shared prefix {r:.2f}x faster than plain",
+                "calibration": "the update with the label loss takes {inv:.3f}x the time without it",
+                "token_budget": "the token budget {r:.2f}x faster than fixed rows"}[args.compare]
         print(f"micro {micro}: " + what.format(r=ratio, inv=1 / ratio) + f" (per-round range {min(per_round):.3f}-"
               f"{max(per_round):.3f} of {first}/{second}); "
               + ", ".join(f"{a} {report['ratios'][str(micro)][f'{a}_x_floor']:.2f}x the floor" for a in arms),

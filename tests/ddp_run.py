@@ -22,6 +22,7 @@ from tiny import tiny_module
 
 from sglightning.callbacks import AdapterExport
 from sglightning.data import RolloutConfig
+from sglightning.distributed import release_process_group
 from sglightning.models import PolicyConfig
 from sglightning.module import EvalConfig
 from sglightning.update import UpdateConfig
@@ -83,6 +84,7 @@ def main(out: Path, strategy: str, bf16: bool = False) -> None:
                 "rollouts_done": module.rollouts_done, "global_step": trainer.global_step}, out / f"rank{rank}.pt")
     if rank == 0:
         (out / "val_report.json").write_text(json.dumps(module.val_report, default=str))
+    release_process_group()  # as the CLI does: gloo's threads left to interpreter teardown can abort the process
 
 
 if __name__ == "__main__":

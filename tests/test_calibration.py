@@ -237,9 +237,9 @@ def test_trust_meter_trusts_the_oracle_not_a_constant_guide():
     oracle = [_episode(["neutral", "positive", "neutral", "negative"], [1, 0, -1, 2], won=False)]
     constant = [_episode(["positive"] * 4, [1, 0, -1, 2], won=False)]
     meter = TrustMeter(window=2)
-    assert meter.update(oracle) == pytest.approx(1.0)
-    assert meter.update(constant) < 1.0  # the window mixes the two steps
-    assert meter.update(constant) == 0.0  # the oracle step has left the window
+    assert meter.add(oracle) == pytest.approx(1.0)
+    assert meter.add(constant) < 1.0  # the window mixes the two steps
+    assert meter.add(constant) == 0.0  # the oracle step has left the window
     restored = TrustMeter(window=2)
     restored.load_state_dict(meter.state_dict())
     assert restored.steps == meter.steps

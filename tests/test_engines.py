@@ -119,6 +119,27 @@ def test_rollout_correction_weights_by_hand():
         rollout_correction_weights(old, eng, mask, "both", 2.0)
 
 
+def test_sequence_correction_is_per_turn_so_long_episodes_do_not_weigh_less():
+    """A single-stream sample holds every turn of an episode: the sequence weight is the product over one turn's
+    tokens (its episode step), not over the whole episode, whose weight would shrink with its length."""
+    turns, per_turn = 50, 20
+    d = -0.001  # a small, steady gap per token (bf16-like)
+    L = turns * per_turn
+    old, eng = torch.full((1, L), d), torch.zeros(1, L)
+    mask = torch.ones(1, L, dtype=torch.bool)
+    steps = torch.arange(L).div(per_turn, rounding_mode="floor").unsqueeze(0)  # [1, L] the turn of each token
+    whole, _ = rollout_correction_weights(old, eng, mask, "sequence", 2.0)
+    turn, _ = rollout_correction_weights(old, eng, mask, "sequence", 2.0, segments=steps)
+    assert math.isclose(float(whole[0, 0]), math.exp(d * L), rel_tol=1e-5)  # 0.37: the episode weighs a third
+    assert torch.allclose(turn, torch.full((1, L), math.exp(d * per_turn)), rtol=1e-5)  # 0.98 on every token
+    # two turns of one row get their own weights; tokens outside the mask get 0
+    old2 = torch.tensor([[0.0, 0.2, 0.2, -0.3, 0.0]])
+    m2 = torch.tensor([[False, True, True, True, False]])
+    w, _ = rollout_correction_weights(old2, torch.zeros(1, 5), m2, "sequence", 2.0,
+                                      segments=torch.tensor([[0, 0, 0, 1, 1]]))
+    assert torch.allclose(w, torch.tensor([[0.0, math.exp(0.4), math.exp(0.4), math.exp(-0.3), 0.0]]))
+
+
 def test_the_correction_weight_scales_each_tokens_policy_term_not_its_kl():
     logp = torch.tensor([[0.0, -1.0, -2.0]], requires_grad=True)
     old = torch.tensor([[0.0, -1.0, -2.0]])
@@ -182,10 +203,10 @@ def test_a_vllm_engine_refuses_a_head_size_its_cpu_build_has_no_kernel_for(monke
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     module = tiny_module(engine=EngineConfig(backend="vllm", python=sys.executable))
     with pytest.raises(ConfigError, match="vLLM's CPU build has no attention kernel for head size 16"):
-        module._check_engine()
+        module.preflight()
     shape = TinyModelConfig(hidden_size=128, num_heads=2, intermediate_size=256)  # head size 64
     tiny_module(policy=PolicyConfig(name_or_path="embedded:tiny", tiny=shape),
-                engine=EngineConfig(backend="vllm", python=sys.executable))._check_engine()
+                engine=EngineConfig(backend="vllm", python=sys.executable)).preflight()
 
 
 @pytest.mark.parametrize("over,expected", [

@@ -123,3 +123,32 @@ def test_running_out_of_accelerator_memory_is_one_line_naming_the_keys_and_the_l
     assert keys in line and "holds the last whole step: resume with --ckpt_path last" in line, line
     ckpt = torch.load(next(tmp_path.rglob("last.ckpt")), map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 1
+
+
+@pytest.mark.parametrize("ending", ["returns", "exits"])
+def test_the_cli_releases_the_process_group_on_every_ending(monkeypatch, ending):
+    """A run's process group is destroyed before the interpreter tears down, whatever the ending: left to teardown,
+    gloo's worker threads abort a finished run ("terminate called without an active exception", exit -6)."""
+    import torch.distributed as dist
+    from lightning.pytorch.cli import LightningCLI
+
+    from sglightning.cli import SGLightningCLI
+
+    def run(self, subcommand):
+        assert dist.is_initialized()
+        if ending == "exits":
+            raise SystemExit(1)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    monkeypatch.setattr(LightningCLI, "_run_subcommand", run)
+    cli = SGLightningCLI.__new__(SGLightningCLI)  # only the subcommand wrapper runs: no parser, no trainer
+    try:
+        if ending == "exits":
+            with pytest.raises(SystemExit):
+                cli._run_subcommand("fit")
+        else:
+            cli._run_subcommand("fit")
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

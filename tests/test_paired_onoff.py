@@ -88,3 +88,29 @@ def test_a_report_without_both_modes_is_one_line_naming_it(tmp_path):
     path.write_text("{not json")
     with pytest.raises(SystemExit, match="not a readable validation report"):
         ps.main([str(path)])
+
+
+def test_validation_collects_by_mode_and_merges_in_seed_order():
+    """report.Validation without Lightning: batches in, per mode the episodes once each in seed order, the means
+    from torchmetrics, peak memory the maximum; reset empties it."""
+    import torch
+
+    from sglightning import memory
+    from sglightning.episodes import Episode, RolloutBatch
+    from sglightning.report import Validation
+
+    def batch(seeds, won, peak):
+        eps = [Episode(index=i, group=i, seed=s, won=w) for i, (s, w) in enumerate(zip(seeds, won))]
+        return RolloutBatch(episodes=eps, peak_memory={memory.rss_key("validation"): peak})
+
+    v = Validation()
+    v.add({"sg": batch([7, 3], [True, False], 1.5), "nosg": batch([7, 3], [False, False], 1.0)})
+    v.add({"sg": batch([5], [True], 2.5), "nosg": batch([5], [False], 0.5)})
+    merged = v.merged(["sg", "nosg"], world_size=1, device=torch.device("cpu"))
+    means, episodes = merged["sg"]
+    assert [e.seed for e in episodes] == [3, 5, 7]
+    assert means["rollout/success_rate"] == pytest.approx(2 / 3)
+    assert means[memory.rss_key("validation")] == 2.5 and merged["nosg"][0][memory.rss_key("validation")] == 1.0
+    assert merged["nosg"][0]["rollout/success_rate"] == 0.0
+    v.reset()
+    assert v.episodes == {"sg": [], "nosg": []} and v.peaks == {"sg": {}, "nosg": {}}

@@ -203,3 +203,63 @@ def test_rollout_correction_mode_by_case(setting, dtype, precision, engine, expe
 
     assert rollout_correction_mode(setting, weights_dtype=dtype, precision=precision, engine_backend=engine[0],
                                    engine_dtype=engine[1]) == expected
+
+
+def _collated(lengths: list[int], policy: list[bool] | None = None) -> dict[str, torch.Tensor]:
+    """A collated step of rows with these lengths (right padding); each row's last token a policy token."""
+    S, L = len(lengths), max(lengths)
+    attn = torch.zeros(S, L, dtype=torch.long)
+    mask = torch.zeros(S, L, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        attn[i, :n] = 1
+        mask[i, n - 1] = True if policy is None else policy[i]
+    return {"attn": attn, "mask": mask}
+
+
+def test_micro_batches_by_rows_and_by_token_budget():
+    from sglightning.scoring import microbatch_rows
+
+    data = _collated([10, 9, 4, 3, 3, 1])
+    assert microbatch_rows(data, 4) == [slice(0, 4), slice(4, 6)]  # rows only, as before
+    # a budget of 20 fed positions (rows × the longest): 10+9 → 2×10; 4+3+3+1 → 4×4 = 16
+    assert microbatch_rows(data, 4, max_tokens=20) == [slice(0, 2), slice(2, 6)]
+    assert microbatch_rows(data, 2, max_tokens=20) == [slice(0, 2), slice(2, 4), slice(4, 6)]  # the row cap too
+    # a row longer than the budget goes alone; every row lands in exactly one micro-batch
+    assert microbatch_rows(data, 8, max_tokens=5) == [slice(i, i + 1) for i in range(6)]  # 2 × 3 > 5: alone too
+    assert microbatch_rows(data, 8, max_tokens=6) == [*(slice(i, i + 1) for i in range(3)), slice(3, 5), slice(5, 6)]
+    # micro-batches without a policy token are left out; no rows, no micro-batches
+    quiet = _collated([5, 5, 5, 5], policy=[False, False, True, False])
+    assert microbatch_rows(quiet, 2) == [slice(2, 4)]
+    assert microbatch_rows(None, 4) == []
+
+
+def test_with_a_token_budget_rows_come_longest_first_and_prefix_order_wins():
+    batch = RolloutBatch(episodes=[
+        _episode(0, 0, 1.0, [0.1], [False]),  # prompt 3 tokens: 6 scored
+        _episode(1, 0, 0.0, [0.0], [True], prompt=(1, 2, 4)),  # 6
+        _episode(2, 1, 1.0, [0.1], [False], prompt=(1, 2, 9, 9, 9, 9)),  # 9
+        _episode(3, 1, 0.0, [0.1], [False], prompt=(1, 2, 0, 7)),  # 7
+    ])
+    u = _prepare(batch, grpo={"kl_coef": 0.01}, update={"micro_batch_tokens": 64})
+    assert u.data["episode"].tolist() == [2, 3, 0, 1] and u.data["attn"].sum(1).tolist() == [9, 7, 6, 6]
+    assert torch.allclose(u.adv[0][u.data["mask"][0]], torch.full((3,), A), atol=1e-5)  # advantages moved too
+    assert _prepare(batch, grpo={"kl_coef": 0.01}).data["episode"].tolist() == [0, 1, 2, 3]  # no budget: as played
+    shared = _prepare(batch, grpo={"kl_coef": 0.01}, update={"micro_batch_tokens": 64}, share_prefix=True)
+    assert shared.data["episode"].tolist() == [3, 0, 1, 2]  # sorted by ids: (1, 2, 0, …) < (1, 2, 3, …) < …
+    with pytest.raises(ValueError, match="update.micro_batch_tokens"):
+        UpdateConfig(micro_batch_tokens=0)
+
+
+def test_trust_keeps_the_checkpoints_horizon_unless_total_steps_is_set():
+    from sglightning.rewards import Trust
+
+    t = Trust(GRPOConfig())
+    assert t.restore(None, 100) is None and t.saved_horizon is None
+    assert t.restore(100, 100) is None and t.saved_horizon == 100  # same horizon: nothing to say
+    line = t.restore(50, 100)
+    assert t.saved_horizon == 50 and "keeps its horizon of 50 steps" in line
+    assert t.scheduled(30, 50) == 1.0 and t.scheduled(30, 100) == 0.0  # breakpoints 0.4-0.8 of the horizon
+    explicit = Trust(GRPOConfig(total_steps=200))
+    assert "rescaled" in explicit.restore(50, 200) and explicit.saved_horizon is None
+    constant = Trust(GRPOConfig(trust_constant=0.3))
+    assert constant.restore(50, 100) is None and constant.scheduled(7, 100) == 0.3  # no horizon to keep

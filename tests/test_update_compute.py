@@ -99,18 +99,21 @@ class _EveryGroupDegenerate(RewardTerm):
 
 
 def _fit(tmp_path, skip: bool, kl: float = 0.0, ppo_epochs: int = 1, term: RewardTerm | None = None,
-         steps: int | None = None, share: bool | None = False, micro: int = 2, mode: str = "single_stream"):
+         steps: int | None = None, share: bool | None = False, micro: int = 2, mode: str = "single_stream",
+         budget: int | None = None):
     seed_everything(0)
     module = tiny_module(
         rollout=RolloutConfig(groups_per_step=4, group_size=2, max_steps=2, temperature=1.0),
         guidance=GuidanceConfig(max_guidance_tokens=4, max_action_tokens=4, prompt_mode=mode),
         grpo=GRPOConfig(kl_coef=kl, trust_constant=0.0, ppo_epochs=ppo_epochs),
-        update=UpdateConfig(micro_batch_size=micro, skip_zero_advantage=skip, share_prefix=share),
+        update=UpdateConfig(micro_batch_size=micro, skip_zero_advantage=skip, share_prefix=share,
+                            micro_batch_tokens=budget),
         reward_terms=[term or _HalfTheGroupsDegenerate()],
     )
     calls = {"rows": 0}
     grads = _Grads()
     tiny_trainer(tmp_path, steps=steps or ppo_epochs, callbacks=[grads]).fit(_counting(module, calls))
+    module.fed_positions = calls.get("positions", 0)
     return module, grads.grads, calls["rows"]
 
 
@@ -119,6 +122,7 @@ def _counting(module: SelfGuideModule, calls: dict) -> SelfGuideModule:
 
     def counted(ids, *args, **kwargs):
         calls["rows"] += ids.shape[0]
+        calls["positions"] = calls.get("positions", 0) + ids.numel()
         return inner(ids, *args, **kwargs)
 
     module.token_logprobs = counted
@@ -190,6 +194,23 @@ def test_shared_prefix_update_gives_the_same_loss_and_gradients(tmp_path, monkey
     assert scale > 0
     for name in gp:
         assert float((gs[name] - gp[name]).abs().max()) <= 1e-5 * scale, name
+
+
+@pytest.mark.parametrize("mode", ["single_stream", "two_call"])
+def test_a_token_budget_feeds_less_padding_for_the_same_loss_and_gradients(tmp_path, mode):
+    """update.micro_batch_tokens: rows ordered longest first and cut by fed positions: the same loss and gradients
+    (a token-sum over the step, one denominator), fewer positions through the model than fixed row counts."""
+    rows_mod, rows_grads, _ = _fit(tmp_path / "rows", skip=False, micro=4, mode=mode)
+    budget_mod, budget_grads, _ = _fit(tmp_path / "budget", skip=False, micro=4, mode=mode, budget=160)
+    hr, hb = rows_mod.history[0], budget_mod.history[0]
+    for key in ("loss/total", "loss/policy", "policy/entropy", "policy/logprob_gap_sampler_trainer"):
+        assert hb[key] == pytest.approx(hr[key], abs=1e-5, rel=1e-5), key
+    (gr,), (gb,) = rows_grads, budget_grads
+    scale = max(float(g.abs().max()) for g in gr.values())
+    assert gr.keys() == gb.keys() and scale > 0
+    for name in gr:
+        assert float((gb[name] - gr[name]).abs().max()) <= 1e-5 * scale, name
+    assert budget_mod.fed_positions < rows_mod.fed_positions, (budget_mod.fed_positions, rows_mod.fed_positions)
 
 
 def test_shared_prefix_is_refused_where_it_cannot_hold():

@@ -22,7 +22,7 @@ from jsonargparse import set_parsing_settings
 from jsonargparse.typing import PositiveInt
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
-from sglightning import threads
+from sglightning import distributed, threads
 from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
 from sglightning.console import StepProgressBar, quiet, quiet_validate
 from sglightning.errors import ConfigError, EngineError, OutOfMemory
@@ -348,6 +348,12 @@ class SGLightningCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            self._run_and_report(subcommand)
+        finally:
+            distributed.release_process_group()  # every exit path, or gloo's threads can abort a finished run
+
+    def _run_and_report(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)
         except SystemExit:

@@ -46,6 +46,16 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def release_process_group() -> None:
+    """Destroy the default process group, if one is up, while the interpreter is whole.  Left to interpreter
+    teardown, gloo's worker threads are destroyed still joinable and the process aborts (SIGABRT, "terminate called
+    without an active exception") after a run that succeeded; Lightning leaves the group up."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):  # a peer already gone: nothing left to release cleanly
+            dist.destroy_process_group()
+
+
 def all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
     """Sum (or ``op``) over ranks, in place; a no-op outside distributed runs."""
     if is_distributed():
@@ -153,6 +163,20 @@ def barrier() -> None:
     """Every rank waits here for the others (a no-op outside distributed runs)."""
     if is_distributed():
         torch.distributed.barrier()
+
+
+def most_over_ranks(n: int, device) -> int:
+    """The largest ``n`` over ranks (``n`` itself outside distributed runs)."""
+    return int(all_reduce(torch.tensor([n], device=device), op=torch.distributed.ReduceOp.MAX).item())
+
+
+def empty_forwards(n: int, score: Callable, device) -> None:
+    """``n`` no-grad forward passes on a 2-token input: under FSDP every forward is a collective, so a rank with fewer
+    micro-batches runs these while the others score.  ``score(ids, attn, mask)``."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    with torch.no_grad():
+        for _ in range(n):
+            score(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=device))
 
 
 def dummy_microbatches(n: int, score: Callable, backward: Callable, device, with_ref: bool,

@@ -31,3 +31,10 @@ def out_of_memory(phase: str, err: BaseException, step: int) -> OutOfMemory:
     """The one-line error for an out-of-memory ``err`` in ``phase`` (rollout, validation, update) of step ``step``."""
     what = str(err).split("\n")[0].split(". ")[0][:160]
     return OutOfMemory(f"out of accelerator memory in the {phase} of step {step} ({what}): lower {SHRINKS[phase]}")
+
+
+def nonfinite_stop(limit: int, step: int, path) -> str:
+    """Why a run stopped itself after ``limit`` non-finite updates in a row at ``step``, its state saved in ``path``."""
+    return (f"stopped after {limit} consecutive non-finite updates (update.max_consecutive_skips={limit}) at step "
+            f"{step}; last good adapters saved in {path}. Lower the learning rate, set grpo.max_grad_norm, or check "
+            f"the rollouts' log-prob gap.")

@@ -653,16 +653,18 @@ def grpo_loss(
     return loss, stats
 
 
-def rollout_correction_weights(trainer_old: Tensor, engine: Tensor, mask: Tensor, mode: str, cap: float
-                               ) -> tuple[Tensor, Tensor]:
+def rollout_correction_weights(trainer_old: Tensor, engine: Tensor, mask: Tensor, mode: str, cap: float,
+                               segments: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Truncated importance weights between the engine that sampled and the trainer's old policy (TIS)::
 
         token:     w_k = min(exp(log π_old(y_k) − log π_engine(y_k)), C)
-        sequence:  w_s = min(exp(Σ_{k∈s} (log π_old(y_k) − log π_engine(y_k))), C)   for every token of sample s
+        sequence:  w_g = min(exp(Σ_{k∈g} (log π_old(y_k) − log π_engine(y_k))), C)   for every token of segment g
 
     and the engine/trainer mismatch as the k3 estimate of KL(π_engine ‖ π_old) over the sampled tokens,
-    mean_k (e^d − d − 1), d = log π_old − log π_engine.  Shapes ``[S, L]``; returns (weights ``[S, L]``, mismatch
-    scalar)."""
+    mean_k (e^d − d − 1), d = log π_old − log π_engine.  A segment is one (sample, ``segments`` value) pair: with the
+    episode step of each token, one turn (its guidance and action), so a long single-stream episode is not one
+    product over ~1,000 tokens that drifts with its length; None: the whole sample.  Shapes ``[S, L]``; returns
+    (weights ``[S, L]``, mismatch scalar)."""
     check_choice("grpo.rollout_correction", mode, ROLLOUT_CORRECTION_MODES)
     m = mask.bool()
     zero = torch.zeros((), dtype=trainer_old.dtype, device=trainer_old.device)
@@ -671,8 +673,11 @@ def rollout_correction_weights(trainer_old: Tensor, engine: Tensor, mask: Tensor
     if mode == "token":
         w = d.exp().clamp(max=cap)  # [S, L]
     else:
-        w = d.sum(dim=1, keepdim=True).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp().clamp(max=cap)  # [S, 1]
-        w = w.expand_as(d)  # [S, L]
+        seg = torch.zeros_like(d, dtype=torch.long) if segments is None else segments.long()  # [S, L]
+        n = int(seg.max()) + 1 if seg.numel() else 1
+        index = torch.arange(d.shape[0], device=d.device).unsqueeze(1) * n + seg  # [S, L] one id per segment
+        sums = torch.zeros(d.shape[0] * n, dtype=d.dtype, device=d.device).index_add_(0, index.flatten(), d.flatten())
+        w = sums.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP).exp().clamp(max=cap)[index]  # [S, L]
     w = torch.where(m, w, zero)
     mismatch = masked_mean(d.exp() - d - 1.0, m)
     return w, mismatch

@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from sglightning.errors import ConfigError
+
 LABELS = ("positive", "neutral", "negative")
 
 RATE_SYSTEM = (
@@ -497,3 +499,11 @@ def stream_next_user(observation: str, admissible: list[str] | None, action_help
     """A later user turn of the single stream (``action_help`` "" = not repeated)."""
     block = _admissible_block(admissible, action_help)
     return f"Observation: {observation}\n{block}" if block else f"Observation: {observation}"
+
+
+def check_calibration(calibration: float, g: GuidanceConfig) -> None:
+    """``grpo.calibration`` > 0 trains the model's own sampled labels: it needs guidance on, from the model, with
+    constrained decoding (else :class:`~sglightning.errors.ConfigError` naming the key)."""
+    if calibration > 0 and (not g.enabled or g.source == "oracle" or g.decoding != "constrained"):
+        raise ConfigError("grpo.calibration: trains the model's own sampled labels: it needs guidance.enabled, "
+                          "guidance.source model and guidance.decoding constrained")

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from sglightning import data, distributed, memory, report, rewards, scoring
+from sglightning import data, distributed, report, rewards, scoring, strategies
 from sglightning.callbacks import RolloutCallback, default_callbacks
 from sglightning.chat import pad_token_id
 from sglightning.checkpointing import run_dir, use_atomic_io
@@ -39,14 +39,9 @@ from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Episode
-from sglightning.errors import ConfigError, out_of_memory
-from sglightning.grpo import (
-    GRPOConfig,
-    StepCounts,
-    rollout_correction_weights,
-    trust_schedule,
-)
-from sglightning.guidance import GuidanceConfig
+from sglightning.errors import ConfigError, nonfinite_stop, out_of_memory
+from sglightning.grpo import GRPOConfig, StepCounts
+from sglightning.guidance import GuidanceConfig, check_calibration
 from sglightning.memory import PhasePeak
 from sglightning.metrics import SUM_KEYS, EpisodeMetrics, step_logs
 from sglightning.models import (
@@ -57,15 +52,14 @@ from sglightning.models import (
     warn_low_precision_adapters,
 )
 from sglightning.rewards import RewardTerm
-from sglightning.strategies import check_quantization, check_tensor_parallel, sharding_of
 from sglightning.update import (
     StepStats,
     UpdateBatch,
     UpdateConfig,
     microbatch_objective,
     prepare_update,
+    rollout_correction,
     rollout_correction_mode,
-    rollout_correction_stats,
 )
 
 quiet()
@@ -128,13 +122,10 @@ class SelfGuideModule(LightningModule):
         self.stop_reason: str | None = None  # set when the run stopped itself (e.g. repeated non-finite updates)
         self.history: list[dict[str, float]] = []  # per-step summary for the end-of-run report
         self.train_metrics = EpisodeMetrics()
-        self.val_metrics = torch.nn.ModuleDict({"sg": EpisodeMetrics(), "nosg": EpisodeMetrics()})
-        self.val_episodes: dict[str, list] = {"sg": [], "nosg": []}
-        self.val_peak_memory: dict[str, dict[str, float]] = {"sg": {}, "nosg": {}}  # peak memory per mode (GB)
+        self.validation = report.Validation()  # one validation's episodes, by self-guidance mode
         self.val_report: dict[str, Any] | None = None
         self.val_report_before: dict[str, Any] | None = None  # evaluation.before_fit
-        self.trust_meter = rewards.TrustMeter(self.grpo_cfg.trust_window)
-        self._horizon: int | None = None  # the trust schedule's horizon restored from a checkpoint
+        self.trust = rewards.Trust(self.grpo_cfg)  # λ(u): the schedule, its horizon, the labels' reliability
         self._checkpoint_step = 0  # the global step of the checkpoint loaded (validate reports it)
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -142,7 +133,7 @@ class SelfGuideModule(LightningModule):
     @property
     def sharding(self) -> str | None:
         """``"fsdp2"``, ``"fsdp1"`` or ``None`` (one device, DDP)."""
-        return sharding_of(self.trainer.strategy) if self._trainer is not None else None
+        return strategies.sharding_of(self.trainer.strategy) if self._trainer is not None else None
 
     def _sharded(self) -> bool:
         """FSDP1 or FSDP2: every forward/backward is a collective and FSDP reduces the gradients."""
@@ -158,34 +149,22 @@ class SelfGuideModule(LightningModule):
         folder): the environment and its splits, quantization under the trainer's ``strategy``, where the model comes
         from, the optimiser's arguments, no tensor parallelism. ``ConfigError`` naming the key."""
         self._check_env()
-        check_quantization(self.policy_cfg.quantization, strategy)
-        check_tensor_parallel(strategy)
+        strategies.check_quantization(self.policy_cfg.quantization, strategy)
+        strategies.check_tensor_parallel(strategy)
         self.share_prefix(strategy)
         check_model_source(self.policy_cfg)
         check_adapter_folder(self.adapter_path)
-        self._check_engine()
-        self._check_calibration()
+        make_engine(self.engine_cfg).check(self.policy_cfg, self.rollout_cfg, self.grpo_cfg)  # what it cannot do
+        check_calibration(self.grpo_cfg.calibration, self.guidance_cfg)
         try:
             self.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
         except (TypeError, ValueError) as err:
             raise ConfigError(f"model.optimizer: {err}") from None
 
-    def _check_calibration(self) -> None:
-        if self.grpo_cfg.calibration <= 0:
-            return
-        g = self.guidance_cfg
-        if not g.enabled or g.source == "oracle" or g.decoding != "constrained":
-            raise ConfigError("grpo.calibration: trains the model's own sampled labels: it needs guidance.enabled, "
-                              "guidance.source model and guidance.decoding constrained")
-
-    def _check_engine(self) -> None:
-        """Settings the chosen engine cannot work with, before anything starts (one line naming the key)."""
-        make_engine(self.engine_cfg).check(self.policy_cfg, self.rollout_cfg, self.grpo_cfg)
-
     def share_prefix(self, strategy=None) -> bool:
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
         strategy = strategy or (self._trainer.strategy if self._trainer is not None else None)
-        return distributed.prefix_sharing(self.update_cfg.share_prefix, sharding_of(strategy),
+        return distributed.prefix_sharing(self.update_cfg.share_prefix, strategies.sharding_of(strategy),
                                           self.policy_cfg.gradient_checkpointing)
 
     def _check_env(self) -> None:
@@ -198,7 +177,7 @@ class SelfGuideModule(LightningModule):
         if self.policy is not None:
             return
         self._check_env()  # before the (slow) model load: a bad env config fails in a second
-        check_quantization(self.policy_cfg.quantization, self._trainer and self._trainer.strategy)
+        strategies.check_quantization(self.policy_cfg.quantization, self._trainer and self._trainer.strategy)
         self.policy, self.tokenizer = load_policy(self.policy_cfg, self.device, self.adapter_path)
         self.policy.train()  # from_pretrained returns eval mode; the update runs in train mode (LoRA dropout)
         if self.sharding == "fsdp2":
@@ -256,14 +235,10 @@ class SelfGuideModule(LightningModule):
         return max(1, max_steps // self.grpo_cfg.ppo_epochs)
 
     def schedule_horizon(self) -> int:
-        """The steps the trust schedule's fractional breakpoints refer to: this run's :meth:`total_steps`, or — on a
-        resume — the horizon the checkpoint was trained with (so a resume with another ``trainer.max_steps`` does not
-        rescale λ mid-run; ``grpo.total_steps`` set explicitly wins)."""
-        return self._horizon if self._horizon is not None else self.total_steps()
-
-    def _schedule_is_relative(self) -> bool:
-        c = self.grpo_cfg
-        return c.trust_constant is None and max(c.trust_breakpoints) <= 1.0
+        """The trust schedule's horizon: the checkpoint's on a resume (:class:`sglightning.rewards.Trust`), else
+        :meth:`total_steps`."""
+        saved = self.trust.saved_horizon
+        return saved if saved is not None else self.total_steps()
 
     def _world(self) -> tuple[int, int]:
         """(rank, world size): (0, 1) without a trainer or outside distributed runs."""
@@ -283,9 +258,7 @@ class SelfGuideModule(LightningModule):
     # the update
     def trust_lambda(self, step: int | None = None) -> float:
         """λ(u) of the trust schedule at step ``step`` (default: the step being trained)."""
-        u = self.rollouts_done if step is None else step
-        c = self.grpo_cfg
-        return trust_schedule(u, self.schedule_horizon(), c.trust_breakpoints, constant=c.trust_constant)
+        return self.trust.scheduled(self.rollouts_done if step is None else step, self.schedule_horizon())
 
     def informative_groups(self, episodes: list[Episode]) -> set[int]:
         """The groups whose returns, blended with this step's scheduled λ, are not all equal (dynamic sampling)."""
@@ -310,7 +283,7 @@ class SelfGuideModule(LightningModule):
         # λ(u); with grpo.trust_adaptive × the labels' measured reliability (one all-reduce: the same on every rank)
         lam = schedule = self.trust_lambda()
         if self.grpo_cfg.trust_adaptive:
-            lam = schedule * self.trust_meter.update(rb.episodes, lambda t: distributed.all_reduce(t.to(self.device)))
+            lam = schedule * self.trust.meter.add(rb.episodes, lambda t: distributed.all_reduce(t.to(self.device)))
         # returns, advantages, the rows to score (pure, on the CPU)
         prepared = prepare_update(rb, lam, self.grpo_cfg, self.update_cfg, pad_token_id(self.tokenizer),
                                   reward_terms=self.reward_terms, share_prefix=self.share_prefix(),
@@ -327,7 +300,7 @@ class SelfGuideModule(LightningModule):
         logs.update(self.train_metrics.compute())
         self.train_metrics.reset()
         if self.grpo_cfg.trust_adaptive:
-            logs.update({"reward/lambda_schedule": schedule, "guidance/reliability": self.trust_meter.reliability})
+            logs.update({"reward/lambda_schedule": schedule, "guidance/reliability": self.trust.meter.reliability})
         logs.update(update_logs)
         logs["time/update_s"] = time.perf_counter() - t0
         logs.update(peak.read("update"))
@@ -372,36 +345,22 @@ class SelfGuideModule(LightningModule):
         weights have not moved yet this step; eval mode, as the sampler ran: no LoRA dropout) replace the sampler's;
         the truncated importance weight between the two (:func:`sglightning.grpo.rollout_correction_weights`)
         weights each token's policy term.  Returns the data with ``old_logp`` (the trainer's), ``sampler_logp`` (the
-        sampler's) and ``is_weight``, and the statistics: the mismatch KL, the weights' mean, min, max and the share
-        truncated at the cap.  Under FSDP a rank with fewer micro-batches (or no rows: ``step_data`` None) runs
-        empty forwards, since each forward is a collective."""
-        c, mbs, temp = self.grpo_cfg, self.update_cfg.micro_batch_size, self.rollout_cfg.temperature
-        mask = step_data["mask"] if step_data is not None else None
-        starts = [st for st in range(0, mask.shape[0], mbs) if mask[st : st + mbs].any()] if mask is not None else []
+        sampler's) and ``is_weight``, and the statistics (:func:`sglightning.update.rollout_correction`)."""
+        temp = self.rollout_cfg.temperature
+        rows = self._microbatches(step_data)
         was_training = self.policy.training
         self.policy.eval()
         try:
             if self._sharded():  # every forward is a collective: ranks with fewer micro-batches run empty ones
-                most = distributed.all_reduce(torch.tensor([len(starts)], device=self.device),
-                                              op=torch.distributed.ReduceOp.MAX)
-                ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-                for _ in range(int(most.item()) - len(starts)):
-                    self.token_logprobs(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=self.device),
-                                        temp)
+                distributed.empty_forwards(distributed.most_over_ranks(len(rows), self.device) - len(rows),
+                                           lambda i, a, m: self.token_logprobs(i, a, m, temp), self.device)
             if step_data is None:
                 return None, {}
-            trainer_old = torch.zeros_like(step_data["old_logp"])  # [S, L]
-            for start in starts:
-                rows = slice(start, start + mbs)
-                mb = scoring.microbatch(step_data, torch.zeros_like(step_data["old_logp"]), rows)
-                logp, _ = self.token_logprobs(mb["ids"], mb["attn"], mb["mask"], temp, restrict=mb["restrict"])
-                trainer_old[rows, : logp.shape[1]] = logp
+            trainer_old = scoring.recompute_logprobs(step_data, rows, lambda mb: self.token_logprobs(
+                mb["ids"], mb["attn"], mb["mask"], temp, restrict=mb["restrict"])[0])  # [S, L]
         finally:
             self.policy.train(was_training)
-        weights, mismatch = rollout_correction_weights(trainer_old, step_data["old_logp"], mask, mode,
-                                                       c.rollout_correction_cap)
-        out = dict(step_data, old_logp=trainer_old, sampler_logp=step_data["old_logp"], is_weight=weights)
-        return out, rollout_correction_stats(weights, mask, c.rollout_correction_cap, float(mismatch))
+        return rollout_correction(step_data, trainer_old, mode, self.grpo_cfg.rollout_correction_cap)
 
     def _optimiser_step(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None,
                         totals: StepCounts, skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
@@ -410,25 +369,21 @@ class SelfGuideModule(LightningModule):
         sum over ranks; under FSDP every rank runs as many micro-batches); then the gradient's norm and the optimiser.
         ``totals``: the step's counts over ranks; ``skipped``: zero-advantage rows were left out.  Returns the
         step's statistics."""
-        c, mbs = self.grpo_cfg, self.update_cfg.micro_batch_size
-        mask = step_data["mask"] if step_data is not None else None
-        temp = self.rollout_cfg.temperature
+        c, temp = self.grpo_cfg, self.rollout_cfg.temperature
         stats = StepStats()
         finite = True
         opt.zero_grad()
-        starts = ([st for st in range(0, mask.shape[0], mbs) if mask[st : st + mbs].any()]
-                  if mask is not None else [])
+        rows = self._microbatches(step_data)
         sharded = self._sharded()
         if sharded:
             # FSDP all-gathers in every forward and reduce-scatters in every backward: every rank must run the same
             # number of micro-batches, so ranks with fewer run zero-weight dummy ones
-            most = distributed.all_reduce(torch.tensor([len(starts)], device=self.device),
-                                          op=torch.distributed.ReduceOp.MAX)
             distributed.dummy_microbatches(
-                int(most.item()) - len(starts), lambda i, a, m: self.token_logprobs(i, a, m, temp),
+                distributed.most_over_ranks(len(rows), self.device) - len(rows),
+                lambda i, a, m: self.token_logprobs(i, a, m, temp),
                 self.manual_backward, self.device, c.kl_coef > 0, self.policy.disable_adapter)
-        for start in starts:
-            mb = scoring.microbatch(step_data, tok_adv, slice(start, start + mbs))  # [B, W] each
+        for r in rows:
+            mb = scoring.microbatch(step_data, tok_adv, r)  # [B, W] each
             ids, attn, m, restrict = mb["ids"], mb["attn"], mb["mask"], mb["restrict"]
             ref = None
             if c.kl_coef > 0:
@@ -460,6 +415,11 @@ class SelfGuideModule(LightningModule):
         opt.step()
         return {**stats.result(), "train/grad_norm": float(grad_norm), "train/update_skipped": 0.0}
 
+    def _microbatches(self, step_data: dict[str, torch.Tensor] | None) -> list[slice]:
+        """The step's micro-batches (:func:`sglightning.scoring.microbatch_rows`, by ``update`` settings)."""
+        u = self.update_cfg
+        return scoring.microbatch_rows(step_data, u.micro_batch_size, u.micro_batch_tokens)
+
     def _skip_update(self, opt) -> dict[str, float]:
         """A non-finite loss or gradient: no parameter (or optimiser state) moves, the step still counts; after
         ``update.max_consecutive_skips`` in a row the run stops with a checkpoint and says why (the CLI exits 1)."""
@@ -474,11 +434,7 @@ class SelfGuideModule(LightningModule):
             path = run_dir(self.trainer) / "checkpoints" / "nonfinite-stop.ckpt"
             path.parent.mkdir(parents=True, exist_ok=True)
             self.trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
-            self.stop_reason = (
-                f"stopped after {limit} consecutive non-finite updates (update.max_consecutive_skips={limit}) at step "
-                f"{self.rollouts_done + 1}; last good adapters saved in {path}. Lower the learning rate, set "
-                f"grpo.max_grad_norm, or check the rollouts' log-prob gap."
-            )
+            self.stop_reason = nonfinite_stop(limit, self.rollouts_done + 1, path)
             warnings.warn(self.stop_reason, RuntimeWarning, stacklevel=2)
             self.trainer.should_stop = True
         return {"train/update_skipped": 1.0}
@@ -486,28 +442,13 @@ class SelfGuideModule(LightningModule):
     # ------------------------------------------------------------------------------------------------------------------
     # validation (the callback plays the episodes; these hooks aggregate them)
     def on_validation_epoch_start(self) -> None:
-        for k in self.val_metrics:
-            self.val_metrics[k].reset()
-            self.val_episodes[k] = []
-            self.val_peak_memory[k] = {}
+        self.validation.reset()
 
     def validation_step(self, batch: data.EvalBatch, batch_idx):
-        for mode, rb in batch.rollouts.items():
-            self.val_metrics[mode].update(rb)
-            self.val_episodes[mode].extend(rb.episodes)
-            peaks = self.val_peak_memory[mode]
-            for key, gb in rb.peak_memory.items():
-                peaks[key] = max(peaks.get(key, 0.0), gb)
+        self.validation.add(batch.rollouts)
 
     def on_validation_epoch_end(self) -> None:
-        modes = {}
-        for mode in self.eval_cfg.modes:
-            # every rank's episodes (token samples stripped), each exactly once, in seed order; means from torchmetrics
-            light = [e.without_samples() for e in self.val_episodes[mode]]
-            episodes = sorted(distributed.gather_objects(light, self._world()[1]), key=lambda e: (e.seed, e.index))
-            self.val_episodes[mode] = episodes
-            means = {**self.val_metrics[mode].compute(), **self._peak_over_ranks(self.val_peak_memory[mode])}
-            modes[mode] = (means, episodes)
+        modes = self.validation.merged(self.eval_cfg.modes, self._world()[1], self.device)
         # the optimiser steps the evaluated adapters had taken (validate restores no loop state: the checkpoint's)
         step = max(int(self.global_step), self._checkpoint_step)
         built = report.build_report(step, self._world()[1], self.eval_cfg.split,
@@ -525,42 +466,22 @@ class SelfGuideModule(LightningModule):
         self._log_at_global_step(step, on_epoch=True)
 
     def _log_at_global_step(self, step: int | None = None, **kw) -> None:
-        """The loggers' x-axis is the optimiser steps the weights have taken (``step``, default ``global_step``):
-        step k's scalars, its ``rollout/trajectory`` text (written at ``global_step`` after the update) and the
-        validation after it all sit at k, the "before" validation at 0, and a resumed run goes on at k+1.  Lightning's
-        own logging step lags one behind (it counts the batches before this one), and a resumed run logged its first
-        step where the checkpoint's last one already was (TensorBoard drops what is logged again at an earlier step).
-        A logged ``step`` is the one Lightning's logger connector uses."""
+        """The loggers' x-axis: the optimiser steps the weights have taken (``step``, default ``global_step``), logged
+        as ``step``, which Lightning's logger connector uses (why: ``docs/metrics.md``)."""
         self.log("step", float(self.global_step if step is None else step), prog_bar=False, batch_size=1, **kw)
-
-    def _peak_over_ranks(self, peaks: dict[str, float]) -> dict[str, float]:
-        """A validation's peak memory (:mod:`sglightning.memory`), the maximum over ranks (a rank that played only
-        padding batches has none: -1 stands for "absent" in the reduction)."""
-        keys = (memory.rss_key("validation"), memory.LIFETIME_RSS, memory.accelerator_key("validation"))
-        vals = torch.tensor([peaks.get(k, -1.0) for k in keys], dtype=torch.float32, device=self.device)
-        vals = distributed.all_reduce(vals, op=torch.distributed.ReduceOp.MAX).tolist()
-        return {k: v for k, v in zip(keys, vals) if v >= 0}
 
     # ------------------------------------------------------------------------------------------------------------------
     # checkpoints: adapters (trainable parameters) only, plus the counters
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if not self._distributed_checkpoint():  # torch.distributed.checkpoint loads strictly: a sharded checkpoint
-            # keeps the whole sharded model; elsewhere only the trainable (adapter) weights are kept
-            trainable = {distributed.clean_name(n) for n, p in self.named_parameters() if p.requires_grad}
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
-                                        if distributed.clean_name(k) in trainable}
+        if not strategies.writes_distributed_checkpoint(self.trainer.strategy):  # those keep the whole model
+            checkpoint["state_dict"] = strategies.trainable_entries(checkpoint["state_dict"], self)  # adapters only
         checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates,
-                                     "trust_meter": self.trust_meter.state_dict(),
+                                     "trust_meter": self.trust.meter.state_dict(),
                                      "trust_horizon": self.schedule_horizon() if self._trainer is not None else None}
         # the config lives in the run's config.yaml; kept out of the checkpoint so that `validate --ckpt_path` uses the
         # config it is given (LightningCLI would otherwise re-apply the training-time values over it)
         checkpoint.pop("hyper_parameters", None)
         checkpoint.pop("hparams_name", None)
-
-    def _distributed_checkpoint(self) -> bool:
-        """FSDP2 always, FSDP1 with ``state_dict_type: sharded``: one ``torch.distributed.checkpoint`` folder."""
-        return self.sharding == "fsdp2" or (
-            self.sharding == "fsdp1" and getattr(self.trainer.strategy, "_state_dict_type", "") == "sharded")
 
     def adapter_state_dict(self, tree_names: bool = False) -> dict[str, torch.Tensor]:
         """The adapter as full CPU tensors on every rank (:func:`distributed.adapter_state_dict`: a collective under
@@ -572,25 +493,8 @@ class SelfGuideModule(LightningModule):
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
         self.rollouts_done = int(state.get("rollouts_done", 0))
         self.skipped_updates = int(state.get("skipped_updates", 0))
-        self.trust_meter.load_state_dict(state.get("trust_meter", {}))
-        self._restore_horizon(state.get("trust_horizon"))
-
-    def _restore_horizon(self, saved: int | None) -> None:
-        """Keep the checkpoint's trust-schedule horizon when this run's differs (a resume with another
-        ``trainer.max_steps``), unless ``grpo.total_steps`` sets one; say so in one line when it matters (in ``fit``:
-        ``validate`` trains nothing, so the horizon does not matter there)."""
-        if saved is None or self._trainer is None:
-            return
-        saved, current = int(saved), self.total_steps()
-        explicit = self.grpo_cfg.total_steps is not None
-        self._horizon = None if explicit else saved
-        if (saved == current or not self._schedule_is_relative() or self.trainer.global_rank != 0
-                or self.trainer.state.fn != "fit"):
-            return
-        if explicit:
-            msg = (f"the trust schedule's horizon changes from the checkpoint's {saved} steps to grpo.total_steps="
-                   f"{current}: λ(u) is rescaled from here on")
-        else:
-            msg = (f"trainer.max_steps gives {current} steps, the checkpoint was trained for {saved}: the trust "
-                   f"schedule keeps its horizon of {saved} steps (set grpo.total_steps to change it)")
-        print(f"sglightning: {msg}", file=sys.stderr, flush=True)
+        self.trust.meter.load_state_dict(state.get("trust_meter", {}))
+        if state.get("trust_horizon") is not None and self._trainer is not None:  # it matters in fit only
+            line = self.trust.restore(state["trust_horizon"], self.total_steps())
+            if line and self.trainer.global_rank == 0 and self.trainer.state.fn == "fit":
+                print(f"sglightning: {line}", file=sys.stderr, flush=True)

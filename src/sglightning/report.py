@@ -14,11 +14,13 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from sglightning import memory
+import torch
+
+from sglightning import distributed, memory
 from sglightning.calibration import calibration_stats
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS, episode_summary, failure_pattern_rates
-from sglightning.episodes import Episode
-from sglightning.metrics import per_task_type_success
+from sglightning.episodes import Episode, RolloutBatch
+from sglightning.metrics import EpisodeMetrics, per_task_type_success
 
 
 def mode_stats(means: dict[str, float], episodes: list[Episode]) -> dict[str, Any]:
@@ -70,6 +72,51 @@ def paired_outcomes(pairs: list[tuple[dict, dict]]) -> dict[str, Any]:
     only_nosg = sum(bool(b.get("won")) and not a.get("won") for a, b in pairs)
     return {"pairs": len(pairs), "only_sg": only_sg, "only_nosg": only_nosg,
             "sign_test_p": sign_test(only_sg, only_nosg)}
+
+
+class Validation(torch.nn.Module):
+    """One validation's episodes, per self-guidance mode: collected batch by batch on each rank, merged over ranks at
+    the end (every episode once, in seed order; means from torchmetrics; peak memory the maximum over ranks)."""
+
+    def __init__(self, modes: tuple[str, ...] = ("sg", "nosg")) -> None:
+        super().__init__()
+        self.metrics = torch.nn.ModuleDict({m: EpisodeMetrics() for m in modes})
+        self.episodes: dict[str, list[Episode]] = {m: [] for m in modes}
+        self.peaks: dict[str, dict[str, float]] = {m: {} for m in modes}  # peak memory per mode (GB)
+
+    def reset(self) -> None:
+        for m in self.metrics:
+            self.metrics[m].reset()
+            self.episodes[m], self.peaks[m] = [], {}
+
+    def add(self, rollouts: dict[str, RolloutBatch]) -> None:
+        """One validation batch's rollouts, by mode."""
+        for mode, rb in rollouts.items():
+            self.metrics[mode].update(rb)
+            self.episodes[mode].extend(rb.episodes)
+            for key, gb in rb.peak_memory.items():
+                self.peaks[mode][key] = max(self.peaks[mode].get(key, 0.0), gb)
+
+    def merged(self, modes: list[str], world_size: int, device: torch.device
+               ) -> dict[str, tuple[dict[str, float], list[Episode]]]:
+        """Per mode: (the means over every rank's episodes, every rank's episodes without token samples) — what
+        :func:`build_report` takes.  A collective: every rank calls it."""
+        out = {}
+        for mode in modes:
+            light = [e.without_samples() for e in self.episodes[mode]]
+            episodes = sorted(distributed.gather_objects(light, world_size), key=lambda e: (e.seed, e.index))
+            self.episodes[mode] = episodes
+            out[mode] = ({**self.metrics[mode].compute(), **_peak_over_ranks(self.peaks[mode], device)}, episodes)
+        return out
+
+
+def _peak_over_ranks(peaks: dict[str, float], device: torch.device) -> dict[str, float]:
+    """A validation's peak memory (:mod:`sglightning.memory`), the maximum over ranks (a rank that played only padding
+    batches has none: -1 stands for "absent" in the reduction)."""
+    keys = (memory.rss_key("validation"), memory.LIFETIME_RSS, memory.accelerator_key("validation"))
+    vals = torch.tensor([peaks.get(k, -1.0) for k in keys], dtype=torch.float32, device=device)
+    vals = distributed.all_reduce(vals, op=torch.distributed.ReduceOp.MAX).tolist()
+    return {k: v for k, v in zip(keys, vals) if v >= 0}
 
 
 def build_report(step: int, world_size: int, split: str, versions: dict[str, str],

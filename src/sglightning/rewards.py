@@ -115,7 +115,8 @@ class TrustMeter:
         self.steps: list[list[float]] = []  # per step: the moments of its pairs (all ranks)
         self.reliability = 0.0
 
-    def update(self, episodes: Sequence[Episode], reduce=lambda t: t) -> float:
+    def add(self, episodes: Sequence[Episode], reduce=lambda t: t) -> float:
+        """One step's episodes in (their moments reduced over ranks by ``reduce``); returns the reliability."""
         moments = reduce(torch.tensor(label_progress_moments(episodes), dtype=torch.float64))
         self.steps = (self.steps + [[float(v) for v in moments]])[-self.window :]
         self.reliability = grpo.label_reliability([sum(col) for col in zip(*self.steps)])
@@ -126,3 +127,37 @@ class TrustMeter:
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = [list(map(float, row)) for row in state.get("steps", [])][-self.window :]
+
+
+class Trust:
+    """λ(u), the weight of the self-assessment reward, as a run keeps it: the schedule (:func:`grpo.trust_schedule`)
+    over a horizon, times the labels' measured reliability with ``grpo.trust_adaptive`` (:class:`TrustMeter`).
+
+    The horizon is the run's steps, or on a resume the checkpoint's: a resume with another ``trainer.max_steps``
+    does not rescale λ mid-run (``grpo.total_steps`` set explicitly wins)."""
+
+    def __init__(self, cfg: grpo.GRPOConfig):
+        self.cfg = cfg
+        self.meter = TrustMeter(cfg.trust_window)
+        self.saved_horizon: int | None = None  # the checkpoint's, when it is kept
+
+    def scheduled(self, step: int, horizon: int) -> float:
+        """λ(u) of the schedule alone at step ``step`` over ``horizon`` steps (the saved one, else the run's)."""
+        c = self.cfg
+        return grpo.trust_schedule(step, horizon, c.trust_breakpoints, constant=c.trust_constant)
+
+    def restore(self, saved: int | None, current: int) -> str | None:
+        """Keep the checkpoint's horizon ``saved`` unless ``grpo.total_steps`` sets one; returns the line to print
+        when the horizon matters and differs from this run's ``current`` (else None)."""
+        if saved is None:
+            return None
+        saved, explicit = int(saved), self.cfg.total_steps is not None
+        self.saved_horizon = None if explicit else saved
+        relative = self.cfg.trust_constant is None and max(self.cfg.trust_breakpoints) <= 1.0
+        if saved == current or not relative:
+            return None
+        if explicit:
+            return (f"the trust schedule's horizon changes from the checkpoint's {saved} steps to grpo.total_steps="
+                    f"{current}: λ(u) is rescaled from here on")
+        return (f"trainer.max_steps gives {current} steps, the checkpoint was trained for {saved}: the trust "
+                f"schedule keeps its horizon of {saved} steps (set grpo.total_steps to change it)")

@@ -23,7 +23,7 @@ Masking in Policy Gradient Algorithms", 2020).  Unrestricted tokens have A = the
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -52,7 +52,7 @@ def collate(samples: Sequence, pad_id: int, targets: bool = False) -> dict[str, 
     [S, L] (row of the restriction table, −1 = unrestricted), ``restrict_ids`` [U, K] / ``restrict_valid`` [U, K]
     (each distinct restriction's token ids, padded) and ``restrict_exclude`` [U].
     """
-    lengths = [_scored_length(s) for s in samples]
+    lengths = [scored_length(s) for s in samples]
     L = max(lengths)
     S = len(samples)
     ids = torch.full((S, L), pad_id, dtype=torch.long)  # [S, L]
@@ -104,7 +104,7 @@ def collate(samples: Sequence, pad_id: int, targets: bool = False) -> dict[str, 
     }
 
 
-def _scored_length(sample) -> int:
+def scored_length(sample) -> int:
     """Tokens up to and including the sample's last policy token (all of them when it has none)."""
     last = max((k for k, p in enumerate(sample.policy) if p), default=len(sample.ids) - 1)
     return last + 1
@@ -114,6 +114,36 @@ def select_rows(data: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
     """The samples ``rows`` (``[S]`` bool) of a collated batch; the restriction table is shared and kept whole."""
     shared = ("restrict_ids", "restrict_valid", "restrict_exclude")
     return {k: (v if k in shared else v[rows]) for k, v in data.items()}
+
+
+def microbatch_rows(data: dict[str, Tensor] | None, size: int, max_tokens: int | None = None) -> list[slice]:
+    """A step's micro-batches: runs of consecutive rows of ``data`` (collated, [S, L]), at most ``size`` rows each
+    and, with ``max_tokens``, at most that many fed positions (rows × the longest row's length; a longer row goes
+    alone).  Runs without a policy token are left out.  None (no rows): no micro-batches."""
+    if data is None:
+        return []
+    lengths = data["attn"].sum(1).tolist()  # [S] each row's length (right padding)
+    has_policy = data["mask"].any(1).tolist()  # [S]
+    out, start, width = [], 0, 0
+    for row, n in enumerate(lengths):
+        full = row - start >= size or (max_tokens is not None and (row - start + 1) * max(width, n) > max_tokens)
+        if row > start and full:
+            out.append(slice(start, row))
+            start, width = row, 0
+        width = max(width, n)
+    if lengths:
+        out.append(slice(start, len(lengths)))
+    return [rows for rows in out if any(has_policy[rows])]
+
+
+def recompute_logprobs(data: dict[str, Tensor], rows: list[slice], score: Callable[[dict], Tensor]) -> Tensor:
+    """The log-probs of every policy token of ``data`` [S, L] under ``score`` (one :func:`microbatch` in, its
+    log-probs [B, W] out), micro-batch by micro-batch over ``rows``; 0 elsewhere."""
+    out = torch.zeros_like(data["old_logp"])  # [S, L]
+    for r in rows:
+        logp = score(microbatch(data, torch.zeros_like(data["old_logp"]), r))  # [B, W]
+        out[r, : logp.shape[1]] = logp
+    return out
 
 
 def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[str, Tensor]:

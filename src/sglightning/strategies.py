@@ -50,6 +50,19 @@ def sharding_of(strategy: Any) -> str | None:
     return None
 
 
+def writes_distributed_checkpoint(strategy: Any) -> bool:
+    """FSDP2 always, FSDP1 with ``state_dict_type: sharded``: one ``torch.distributed.checkpoint`` folder, which loads
+    strictly (so it keeps the whole sharded model)."""
+    sharding = sharding_of(strategy)
+    return sharding == "fsdp2" or (sharding == "fsdp1" and getattr(strategy, "_state_dict_type", "") == "sharded")
+
+
+def trainable_entries(state_dict: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """The entries of ``state_dict`` that are ``model``'s trainable (adapter) weights, wrapper names aside."""
+    trainable = _trainable_keys(model)
+    return {k: v for k, v in state_dict.items() if clean_name(k) in trainable}
+
+
 def check_quantization(quantization: str | None, strategy: Any) -> None:
     """QLoRA under FSDP is refused (``ConfigError`` naming ``model.policy.quantization``)."""
     if quantization and sharding_of(strategy) is not None:

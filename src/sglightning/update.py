@@ -50,6 +50,9 @@ class UpdateConfig:
     and backward (same loss and gradients up to float rounding; samples are ordered so that shared prefixes sit in one
     micro-batch: use ``micro_batch_size`` ≥ ``rollout.group_size`` to share a whole group's prompt).  null = on where
     it is supported (one device, DDP; not FSDP, not with gradient checkpointing); true there is an error"""
+    micro_batch_tokens: int | None = None
+    """at most this many fed positions per micro-batch (rows × the longest row; a longer row goes alone); null = rows
+    only. Rows are ordered by length unless prefixes are shared"""
     skip_zero_advantage: bool = True
     """with ``grpo.kl_coef: 0``, samples whose policy tokens all have advantage 0 (every sample of a group whose
     returns are all equal) get no forward/backward: their loss and gradient are exactly 0, and they still count in
@@ -61,6 +64,8 @@ class UpdateConfig:
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ValueError(f"update.micro_batch_size: must be >= 1, got {self.micro_batch_size}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"update.micro_batch_tokens: must be >= 1 or null, got {self.micro_batch_tokens}")
         if self.max_consecutive_skips < 0:
             raise ValueError(f"update.max_consecutive_skips: must be >= 0, got {self.max_consecutive_skips}")
 
@@ -115,6 +120,8 @@ def prepare_update(
         stats["rollout/dropped_groups"] = float(len(failed))
     if share_prefix:  # samples with common prefixes side by side: they share within a micro-batch
         samples.sort(key=lambda s: s.ids)
+    elif update.micro_batch_tokens is not None:  # longest first: a micro-batch's rows pad to similar lengths, and
+        samples.sort(key=lambda s: -scoring.scored_length(s))  # the largest runs first (out of memory at once)
     if not samples:  # nothing to score on this rank (it still takes part in the step's collectives)
         stats["tokens/zero_advantage_samples"] = stats["tokens/skipped_zero_advantage_samples"] = 0.0
         return UpdateBatch(lam=lam, returns=returns, internal=internal, terms=terms, groups=groups, data=None,
@@ -243,6 +250,17 @@ def rollout_correction_mode(setting: str | None, *, weights_dtype: torch.dtype, 
     half = (weights_dtype in (torch.bfloat16, torch.float16) or not str(precision).startswith(("32", "64"))
             or (engine_backend == "vllm" and engine_dtype != "float32"))
     return "token" if half else None
+
+
+def rollout_correction(data: dict[str, Tensor], trainer_old: Tensor, mode: str, cap: float
+                       ) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """The collated ``data`` corrected for the sampler's deviation from the trainer: ``old_logp`` becomes the
+    trainer's recomputed log-probs ``trainer_old`` [S, L], ``sampler_logp`` keeps the sampler's, ``is_weight`` holds
+    the truncated weights (:func:`sglightning.grpo.rollout_correction_weights`); with the statistics it logs."""
+    weights, mismatch = grpo.rollout_correction_weights(trainer_old, data["old_logp"], data["mask"], mode, cap,
+                                                        segments=data.get("steps"))  # sequence: per turn
+    out = dict(data, old_logp=trainer_old, sampler_logp=data["old_logp"], is_weight=weights)
+    return out, rollout_correction_stats(weights, data["mask"], cap, float(mismatch))
 
 
 def rollout_correction_stats(weights: Tensor, mask: Tensor, cap: float, mismatch: float) -> dict[str, float]:
