@@ -5,6 +5,7 @@
     python benchmarks/update_throughput.py --micro 2 4 8 --json out.json
     python benchmarks/update_throughput.py --compare calibration   # the hindsight label loss on vs off
     python benchmarks/update_throughput.py --compare token_budget --micro 8 --budget 4096  # micro-batches by tokens
+    python benchmarks/update_throughput.py --compare lm_head       # FSDP's whole-model path: LM head where read
 
 One rollout is played with the quickstart's settings (household env, single-stream self-guidance, constrained label,
 admissible actions, LoRA r16 on every linear layer); its samples get fixed non-zero advantages, and one update
@@ -56,11 +57,14 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
 
 
 def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature: float,
-               calibration: float | None = None, budget: int | None = None) -> tuple[float, int]:
+               calibration: float | None = None, budget: int | None = None, whole: str | None = None
+               ) -> tuple[float, int]:
     """Forward + backward of every micro-batch of ``samples`` (as the trainer orders them); returns (seconds, positions
     fed to the decoder).  ``calibration``: score as the trainer does (entropies too) and, when > 0, add the hindsight
     label loss α·Σ(−log q(y*)) / targets.  ``budget``: micro-batches of at most ``micro`` rows and ``budget`` fed
-    positions, rows longest first (``update.micro_batch_tokens``)."""
+    positions, rows longest first (``update.micro_batch_tokens``).  ``whole``: call the whole model, as FSDP does,
+    with the LM head at the positions some row reads (``"read"``, the trainer) or at every position (``"all"``, the
+    trainer before 2026-12-04)."""
     if share:
         samples = sorted(samples, key=lambda s: s.ids)
     elif budget:
@@ -79,9 +83,12 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
             fed += _fed_positions(mb["ids"], mb["attn"])
         else:
             fed += mb["ids"].numel()
-        logp, ent = scoring.token_logprobs(model, mb["ids"], mb["attn"], mb["mask"], temperature,
-                                           restrict=mb["restrict"], share_prefix=share,
-                                           entropy=calibration is not None)
+        if whole == "all":
+            logp, ent = _every_position(model, mb, temperature), {}
+        else:
+            logp, ent = scoring.token_logprobs(model, mb["ids"], mb["attn"], mb["mask"], temperature,
+                                               restrict=mb["restrict"], share_prefix=share,
+                                               entropy=calibration is not None, whole_model=whole == "read")
         loss, _ = grpo.grpo_loss(logp, mb["old_logp"], mb["adv"], mb["mask"], clip_low=0.2, clip_high=0.28)
         objective = loss * grpo.microbatch_weight(mb["mask"], totals)
         if calibration:
@@ -90,6 +97,16 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
             objective = objective + calibration * term
         objective.backward()
     return time.perf_counter() - t0, fed
+
+
+def _every_position(model, mb: dict, temperature: float) -> torch.Tensor:
+    """The whole-model scoring with full logits [B, L, V], selected afterwards (what FSDP's path computed before
+    ``logits_to_keep``)."""
+    sel = mb["mask"][:, 1:]  # [B, L-1]
+    logits = model(input_ids=mb["ids"], attention_mask=mb["attn"], use_cache=False).logits  # [B, L, V]
+    logp, _ = scoring.logprobs_from_logits(mb["ids"], sel, logits[:, :-1][sel].float() / temperature,
+                                           mb["restrict"], False)
+    return logp
 
 
 def _fed_positions(ids: torch.Tensor, attn: torch.Tensor) -> int:
@@ -114,10 +131,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the two arms, alternated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--json", help="write every measurement and the ratios here")
-    ap.add_argument("--compare", default="share_prefix", choices=["share_prefix", "calibration", "token_budget"],
+    ap.add_argument("--compare", default="share_prefix",
+                    choices=["share_prefix", "calibration", "token_budget", "lm_head"],
                     help="share_prefix: plain vs shared prefixes; calibration: the trainer's update without vs with "
                          "the hindsight label loss (alpha 1); token_budget: plain micro-batches of --micro rows vs "
-                         "longest-first micro-batches of at most --budget positions")
+                         "longest-first micro-batches of at most --budget positions; lm_head: the whole model "
+                         "called (as under FSDP) with the LM head at every position vs where a row reads it")
     ap.add_argument("--budget", type=int, default=4096, help="update.micro_batch_tokens for --compare token_budget")
     args = ap.parse_args()
     quiet()
@@ -155,6 +174,8 @@ def main() -> None:
         n_targets = int(((cal["target"] >= 0) & cal["mask"]).sum())
         report["label_targets"] = n_targets
         print(f"{n_targets} hindsight label targets among the policy tokens")
+    elif args.compare == "lm_head":  # the FSDP path: full logits vs logits_to_keep at the read positions
+        arms = {"all": dict(share=False, whole="all"), "read": dict(share=False, whole="read")}
     elif args.compare == "token_budget":  # same rows, same loss: fixed row counts vs a budget of fed positions
         arms = {"rows": dict(share=False), "budget": dict(share=False, budget=args.budget)}
     else:
@@ -171,7 +192,8 @@ def main() -> None:
                       flush=True)
         per_round = [a / b for a, b in zip(secs[first], secs[second])]
         ratio = statistics.median(per_round)
-        name = {"share_prefix": "shared_speedup", "calibration": "off_over_on", "token_budget": "budget_speedup"}
+        name = {"share_prefix": "shared_speedup", "calibration": "off_over_on", "token_budget": "budget_speedup",
+                "lm_head": "read_speedup"}
         report["ratios"][str(micro)] = {
             name[args.compare]: ratio,
             "range": [min(per_round), max(per_round)],
@@ -179,7 +201,8 @@ def main() -> None:
         }
         what = {"share_prefix": "shared prefix {r:.2f}x faster than plain",
                 "calibration": "the update with the label loss takes {inv:.3f}x the time without it",
-                "token_budget": "the token budget {r:.2f}x faster than fixed rows"}[args.compare]
+                "token_budget": "the token budget {r:.2f}x faster than fixed rows",
+                "lm_head": "the LM head at the read positions {r:.2f}x faster than at every position"}[args.compare]
         print(f"micro {micro}: " + what.format(r=ratio, inv=1 / ratio) + f" (per-round range {min(per_round):.3f}-"
               f"{max(per_round):.3f} of {first}/{second}); "
               + ", ".join(f"{a} {report['ratios'][str(micro)][f'{a}_x_floor']:.2f}x the floor" for a in arms),

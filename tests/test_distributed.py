@@ -115,6 +115,7 @@ def test_cli_fit_under_ddp_writes_one_run_folder(tmp_path):
     only a padding batch)."""
     res = _cli(tmp_path, "--trainer.strategy=ddp", "--trainer.max_steps=2", "--model.evaluation.before_fit=true")
     assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stderr.strip() == "", res.stderr[-4000:]  # no rank's "Initializing distributed", no banner
     run = tmp_path / "tiny" / "version_0"
     assert (run / "checkpoints" / "last.ckpt").is_file() and (run / "adapter" / "adapter_config.json").is_file()
     assert "# package versions of this run" in (run / "config.yaml").read_text()

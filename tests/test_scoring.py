@@ -174,3 +174,30 @@ def test_training_logs_the_unrestricted_logprob_and_the_restricted_mass(tmp_path
     assert h["policy/restricted_log_mass"] < 0.0  # the allowed sets held less than all of the model's mass
     assert h["policy/logprob_unrestricted"] < 0.0
     assert h["tokens/forced_choice"] > 0
+
+
+def test_the_whole_model_path_reads_the_lm_head_only_where_a_row_needs_it(tiny_lm, monkeypatch):
+    """FSDP calls the whole model (its root gathers the weights): ``logits_to_keep`` gives the LM head only the
+    positions some row reads, with the log-probs and entropies of the decoder-then-head path, row by row."""
+    model, _ = tiny_lm
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (3, 12), generator=g)  # [B, L]
+    attn = torch.ones_like(ids)
+    attn[2, 9:] = 0  # a padded row
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[0, [3, 4, 10]] = mask[1, [4, 7]] = mask[2, [8]] = True
+    heads = []
+    real = type(model).forward
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        heads.append(out.logits.shape[1])
+        return out
+
+    plain, plain_ent = scoring.token_logprobs(model, ids, attn, mask, 0.7, entropy=True)
+    monkeypatch.setattr(type(model), "forward", spy)
+    whole, whole_ent = scoring.token_logprobs(model, ids, attn, mask, 0.7, entropy=True, whole_model=True)
+    assert heads == [5]  # positions 2, 3, 6, 7, 9 predict the six policy tokens; not all 12
+    assert torch.allclose(whole, plain, atol=1e-6) and (whole[~mask] == 0).all()
+    for k in plain_ent:
+        assert torch.allclose(whole_ent[k], plain_ent[k], atol=1e-5), k

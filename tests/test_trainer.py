@@ -850,6 +850,24 @@ def test_what_lightning_says_on_a_cuda_box_is_not_printed(tmp_path):
     assert "sglightning fit: 1 GRPO steps" in res.stdout or "sglightning fit: 1 GRPO step" in res.stdout
 
 
+def test_fsdp2_on_one_device_prints_what_a_plain_run_prints(tmp_path):
+    """FSDP2 makes a process group on one device: Lightning's "Initializing distributed" line, its banner, and its
+    advice to sync epoch-level logs would print (the validation's values are the same on every rank; they are now
+    synced wherever a group exists). Nothing on stderr, and the process exits (the group is released)."""
+    import os
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "sglightning.cli", "fit", "--config", TINY, "--trainer.max_steps=1",
+         "--trainer.strategy.class_path=sglightning.strategies.FSDP2Strategy",
+         f"--trainer.logger.init_args.save_dir={tmp_path}"],
+        capture_output=True, text=True, timeout=900, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.strip() == "", res.stderr[-3000:]
+    assert "validation at step 1" in res.stdout
+
+
 def test_a_bpe_tokenizer_loaded_from_a_folder_never_cleans_up_spaces(tmp_path, capsys):
     """A folder's BPE tokenizer saved with ``clean_up_tokenization_spaces: true`` (as converted GGUF tokenizers are):
     loaded with it off, so decoding keeps the text and transformers has nothing to warn about."""

@@ -51,7 +51,10 @@ _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "H
           "Loaded model weights from the checkpoint at",
           # CUDA: the visible devices (the device is in the config); the TF32 tip (fp32 matmuls stay exact on
           # purpose: the sampler's and the trainer's log-probs are compared; bf16 runs do not use them)
-          "CUDA_VISIBLE_DEVICES: [", "that has Tensor Cores. To properly utilize them")
+          "CUDA_VISIBLE_DEVICES: [", "that has Tensor Cores. To properly utilize them",
+          # DDP / FSDP: each rank's "Initializing distributed" line and the banner that all joined (the strategy and
+          # the processes are in the config; FSDP2 prints them on one device too)
+          "Initializing distributed: GLOBAL_RANK", "All distributed processes registered")
 
 #: warnings that say nothing about a ``validate`` run: it saves no checkpoint, so the checkpoint callback's state in
 #: the file it loads (best scores, kept paths of the training run's folder) is of no use to it, wherever it writes
@@ -69,7 +72,8 @@ def quiet() -> None:
     for message, category in _EXPECTED_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
-                 "lightning.fabric.utilities.seed", "lightning.pytorch.accelerators.cuda"):
+                 "lightning.fabric.utilities.seed", "lightning.pytorch.accelerators.cuda",
+                 "lightning.fabric.utilities.distributed"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())

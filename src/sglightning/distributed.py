@@ -41,6 +41,11 @@ def refuse_tensor_parallel(tp: int) -> None:
         )
 
 
+def process_group_up() -> bool:
+    """A process group exists, whatever its size (FSDP2 makes one on a single device)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def is_distributed() -> bool:
     dist = torch.distributed
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

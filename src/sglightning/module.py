@@ -113,8 +113,7 @@ class SelfGuideModule(LightningModule):
         self.reward_terms = list(reward_terms or [])
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the adapters only
-        self.policy = None
-        self.tokenizer = None
+        self.policy = self.tokenizer = None
         self._env_checked = False
         self.rollouts_done = 0
         self.skipped_updates = 0
@@ -461,9 +460,10 @@ class SelfGuideModule(LightningModule):
                 logger.log_metrics(report.scalars(built), step=int(self.global_step))
             return
         self.val_report = built
+        sync = distributed.process_group_up()  # the same values on every rank; unsynced, Lightning warns
         for key, value in report.scalars(self.val_report).items():
-            self.log(key, value, on_epoch=True, batch_size=1, sync_dist=distributed.is_distributed())
-        self._log_at_global_step(step, on_epoch=True)
+            self.log(key, value, on_epoch=True, batch_size=1, sync_dist=sync)
+        self._log_at_global_step(step, on_epoch=True, sync_dist=sync)
 
     def _log_at_global_step(self, step: int | None = None, **kw) -> None:
         """The loggers' x-axis: the optimiser steps the weights have taken (``step``, default ``global_step``), logged

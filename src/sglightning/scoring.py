@@ -315,12 +315,12 @@ def token_logprobs(
     """Log q(ids[:, i] | ids[:, :i]) at the positions of ``mask`` [B, L] (0 elsewhere), at the sampling temperature,
     renormalised over each token's sampling restriction (``restrict``, from :func:`restrictions_of`).
 
-    The LM head runs only on the needed positions (the decoder's hidden states are selected first), except with
-    ``whole_model`` (FSDP: the root's forward is what gathers the weights, so the whole model is called and full logits
-    are computed).  With ``share_prefix`` the decoder runs through :func:`shared_prefix_hidden` (same values, a prefix
-    shared by several rows computed once).  No KV cache is built (nothing decodes after a scoring pass; with gradient
-    checkpointing transformers would drop it with a warning).  Returns (logp [B, L], and with ``entropy`` the entropies
-    of :func:`logprobs_from_logits`, else None)."""
+    The LM head runs only on the needed positions: the decoder's hidden states are selected first, or with
+    ``whole_model`` (FSDP: the root's forward is what gathers the weights, so the whole model is called) the model's
+    ``logits_to_keep`` takes the positions any row reads.  With ``share_prefix`` the decoder runs through
+    :func:`shared_prefix_hidden` (same values, a prefix shared by several rows computed once).  No KV cache is built
+    (nothing decodes after a scoring pass; with gradient checkpointing transformers would drop it with a warning).
+    Returns (logp [B, L], and with ``entropy`` the entropies of :func:`logprobs_from_logits`, else None)."""
     sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
     if share_prefix and not whole_model:
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
@@ -328,8 +328,11 @@ def token_logprobs(
         logits = base.get_output_embeddings()(hidden[:, :-1][sel]).float() / temperature  # [M, V]
         return logprobs_from_logits(ids, sel, logits, restrict, entropy)
     if whole_model:
-        logits_all = policy(input_ids=ids, attention_mask=attn, use_cache=False).logits  # [B, L, V]
-        logits = logits_all[:, :-1][sel].float() / temperature  # [M, V]
+        # the LM head only at the positions some row reads (the policy tokens are a fraction of a long episode; with a
+        # 150 k vocabulary, full logits are most of an FSDP update's time and memory)
+        cols = sel.any(0).nonzero()[:, 0]  # [K] ascending
+        logits_k = policy(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=cols).logits  # [B, K, V]
+        logits = logits_k[sel[:, cols]].float() / temperature  # [M, V] (row-major: the order of [:, :-1][sel])
         return logprobs_from_logits(ids, sel, logits, restrict, entropy)
     base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     hidden = base.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, L, H]
