@@ -9,9 +9,11 @@
 #       probe at 8 x 8 episodes, the Qwen3-1.7B shape at the paper's 16 x 8
 #   part 2 (carry .gpu/wheels .gpu/gguf2): bash benchmarks/gpu_session.sh 2
 #       the quickstart (embedded SmolLM2, bf16), the Qwen3-4B shape at 16 x 8
-#   part 3, only if device time is left: the probe with CUDA graphs but no inductor, with the dynamic cache (what
-#       compiling adds, what the static cache adds), without rollout correction (the ratio spread it corrects), and
-#       the Qwen3-1.7B update with micro-batches by token budget instead of shared prefixes (its MFU against part 1)
+#   part 3, only if device time is left (<= 8 min): the probe with CUDA graphs but no inductor (what compiling
+#       adds), without rollout correction (the ratio spread it corrects), under FSDP2 on one GPU (its step time
+#       against part 1's probe)
+#   part 4, the same (<= 6 min): the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update
+#       with micro-batches by token budget instead of shared prefixes (its MFU against part 1)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
 part=${1:-1}
@@ -62,11 +64,13 @@ elif [ "$part" = 2 ]; then
     --trainer.precision=bf16-mixed --model.policy.dtype=bfloat16 "--trainer.default_root_dir=$OUT/runs" \
     "--trainer.logger.init_args.save_dir=/tmp/sgl-runs"
   check qwen3-4b_16x8 160 --shape qwen3-4b --groups 16 --group-size 8 --val-tasks 4
-else
+elif [ "$part" = 3 ]; then
   check probe_8x8_cudagraphs 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile cudagraphs
-  check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off
   check probe_8x8_no_correction 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
     --set model.grpo.rollout_correction=null
+  check probe_8x8_fsdp2 170 --shape probe --groups 8 --group-size 8 --val-tasks 4 --strategy fsdp2 --devices 1
+else
+  check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off
   check qwen3-1.7b_16x8_token_budget 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --set model.update.share_prefix=false --set model.update.micro_batch_size=16 \
     --set model.update.micro_batch_tokens=32768
