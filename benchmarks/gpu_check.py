@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -73,9 +74,10 @@ def parse(argv=None) -> argparse.Namespace:
 def fit_args(args, gpu: bool, root: str) -> list[str]:
     """The ``sglightning fit`` command line of this check (the YAML-free form of a config)."""
     shape = [f"--model.policy.tiny.{k}={v}" for k, v in SHAPES[args.shape].items()]
-    strategy = {"fsdp2": ["--trainer.strategy=sglightning.strategies.FSDP2Strategy"],
-                "fsdp1": ["--trainer.strategy=sglightning.strategies.FSDP1Strategy",
-                          "--trainer.strategy.state_dict_type=sharded"],
+    # a class path goes under strategy.class_path: given as `--trainer.strategy=<path>` Lightning reads a strategy name
+    strategy = {"fsdp2": ["--trainer.strategy.class_path=sglightning.strategies.FSDP2Strategy"],
+                "fsdp1": ["--trainer.strategy.class_path=sglightning.strategies.FSDP1Strategy",
+                          "--trainer.strategy.init_args.state_dict_type=sharded"],
                 "ddp": ["--trainer.strategy=ddp"]}.get(args.strategy, [])
     val = (["--model.evaluation.before_fit=true", f"--model.evaluation.num_tasks={args.val_tasks}",
             f"--model.evaluation.tasks_per_batch={args.val_tasks}"] if args.val_tasks else
@@ -190,7 +192,11 @@ def main(argv=None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     root = tempfile.mkdtemp(prefix="sgl-gpu-check-")
     t0 = time.perf_counter()
-    cli = cli_main(fit_args(args, gpu, root))
+    argv0, sys.argv = sys.argv, sys.argv[:1]  # the fit's arguments are given: LightningCLI warns if argv has more
+    try:
+        cli = cli_main(fit_args(args, gpu, root))
+    finally:
+        sys.argv = argv0
     module, trainer = cli.model, cli.trainer
     engine = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback)).engine
     out = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "shape": args.shape,

@@ -73,6 +73,6 @@ def test_the_tiny_config_under_fsdp2_on_one_gpu(tmp_path):
     compiled graph could not follow weights gathered anew each rollout), two steps, validation after."""
     cli = cli_main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
                     f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.accelerator=gpu",
-                    "--trainer.devices=1", "--trainer.strategy=sglightning.strategies.FSDP2Strategy",
+                    "--trainer.devices=1", "--trainer.strategy.class_path=sglightning.strategies.FSDP2Strategy",
                     "--trainer.precision=bf16-mixed", "--trainer.enable_progress_bar=false", "--trainer.max_steps=2"])
     assert len(cli.model.history) == 2 and cli.model.val_report

@@ -66,3 +66,12 @@ def test_cpu_smoke_run_goes_through_fit_with_validation(tmp_path, capsys):
     assert out["rows_per_lock_step"] > 0 and out["mean_context_tokens"] > 0  # the engine logged its decode steps
     assert (tmp_path / "n.json").is_file()
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| tiny | 2 | ")
+
+
+def test_cpu_smoke_run_under_fsdp2_on_one_device(capfd):
+    """``--strategy fsdp2`` (the GPU session compares it with the plain probe) reaches the FSDP2 strategy — given as
+    a strategy name Lightning refused it — and the run prints nothing on stderr (no LightningCLI argv warning)."""
+    out = gpu_check.main(["--cpu-smoke", "--steps", "2", "--strategy", "fsdp2", "--devices", "1"])
+    assert out["strategy"] == "fsdp2" and out["steps"] == 2 and out["update_tokens_per_s"] > 0
+    assert out["logprob_gap_sampler_trainer"] < 1e-4
+    assert capfd.readouterr().err.strip() == ""
