@@ -71,7 +71,14 @@ def test_cpu_smoke_run_goes_through_fit_with_validation(tmp_path, capsys):
 def test_cpu_smoke_run_under_fsdp2_on_one_device(capfd):
     """``--strategy fsdp2`` (the GPU session compares it with the plain probe) reaches the FSDP2 strategy — given as
     a strategy name Lightning refused it — and the run prints nothing on stderr (no LightningCLI argv warning)."""
-    out = gpu_check.main(["--cpu-smoke", "--steps", "2", "--strategy", "fsdp2", "--devices", "1"])
+    import os
+
+    saved = dict(os.environ)  # Lightning writes MASTER_ADDR / MASTER_PORT here: later tests' subprocesses would
+    try:  # inherit this run's port
+        out = gpu_check.main(["--cpu-smoke", "--steps", "2", "--strategy", "fsdp2", "--devices", "1"])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     assert out["strategy"] == "fsdp2" and out["steps"] == 2 and out["update_tokens_per_s"] > 0
     assert out["logprob_gap_sampler_trainer"] < 1e-4
     assert capfd.readouterr().err.strip() == ""
