@@ -127,6 +127,14 @@ def finish_gradients(policy: torch.nn.Module, params: list[torch.nn.Parameter], 
     return bool(torch.isfinite(grad_norm)), grad_norm
 
 
+def extreme(key: str) -> Callable[..., float] | None:
+    """How a logged key merges when it is not a mean: ``max`` for maxima (``…_max``, peak memory ``memory/…``),
+    ``min`` for minima (``…_min``), None for the rest."""
+    if key.startswith(memory.PREFIX) or key.endswith("_max"):
+        return max
+    return min if key.endswith("_min") else None
+
+
 def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int) -> dict[str, float]:
     """Merge the ranks' step logs (one ``all_gather_object``): keys in ``sum_keys`` summed, peak memory
     (``memory/…``) and maxima (``…_max``) the maximum over ranks, minima (``…_min``) the minimum, the rest averaged
@@ -140,9 +148,8 @@ def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int
     merged: dict[str, float] = {}
     for key in sorted({k for g in gathered if g for k in g}):
         vals = [float(g[key]) for g in gathered if g and key in g]
-        merged[key] = (sum(vals) if key in sums
-                       else max(vals) if key.startswith(memory.PREFIX) or key.endswith("_max")
-                       else min(vals) if key.endswith("_min") else sum(vals) / len(vals))
+        pick = extreme(key)
+        merged[key] = sum(vals) if key in sums else pick(vals) if pick else sum(vals) / len(vals)
     return merged
 
 
@@ -175,13 +182,21 @@ def most_over_ranks(n: int, device) -> int:
     return int(all_reduce(torch.tensor([n], device=device), op=torch.distributed.ReduceOp.MAX).item())
 
 
+def _dummy_input(device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 2-token row whose second token is scored: (ids, attn, mask), each [1, 2]."""
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    return ids, torch.ones_like(ids), torch.tensor([[False, True]], device=device)
+
+
 def empty_forwards(n: int, score: Callable, device) -> None:
     """``n`` no-grad forward passes on a 2-token input: under FSDP every forward is a collective, so a rank with fewer
     micro-batches runs these while the others score.  ``score(ids, attn, mask)``."""
-    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    if n <= 0:
+        return
+    ids, attn, m = _dummy_input(device)
     with torch.no_grad():
         for _ in range(n):
-            score(ids, torch.ones_like(ids), torch.tensor([[False, True]], device=device))
+            score(ids, attn, m)
 
 
 def dummy_microbatches(n: int, score: Callable, backward: Callable, device, with_ref: bool,
@@ -190,9 +205,7 @@ def dummy_microbatches(n: int, score: Callable, backward: Callable, device, with
     ``score(ids, attn, mask)`` returns (logp, _); ``backward(loss)``; ``disable_adapter()`` is the reference context."""
     if n <= 0:
         return
-    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-    attn = torch.ones_like(ids)
-    m = torch.tensor([[False, True]], device=device)
+    ids, attn, m = _dummy_input(device)
     for _ in range(n):
         if with_ref:
             with torch.no_grad(), disable_adapter():

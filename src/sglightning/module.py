@@ -321,13 +321,18 @@ class SelfGuideModule(LightningModule):
         data = {k: v.to(self.device) for k, v in prepared.data.items()} if prepared.data is not None else None
         adv = prepared.adv.to(self.device) if prepared.adv is not None else None
         opt = self.optimizers()
+        u = self.update_cfg
+        rows = scoring.microbatch_rows(data, u.micro_batch_size, u.micro_batch_tokens)  # the step's micro-batches
+        # FSDP: every forward/backward is a collective, so ranks with fewer micro-batches pad with dummy ones
+        pad = distributed.most_over_ranks(len(rows), self.device) - len(rows) if self._sharded() else 0
         out: dict[str, float] = {}
         mode = self.correction_mode()
         if mode and (data is not None or self._sharded()):  # under FSDP every rank runs the recompute's collectives
-            data, stats = self._rollout_correction(data, mode)
+            data, stats = self._rollout_correction(data, rows, pad, mode)
             out.update(stats)
         for epoch in range(self.grpo_cfg.ppo_epochs):
-            out.update(self._optimiser_step(data, adv, totals, prepared.rows_left_out, opt, first_epoch=epoch == 0))
+            out.update(self._optimiser_step(data, adv, rows, pad, totals, prepared.rows_left_out, opt,
+                                            first_epoch=epoch == 0))
         return out
 
     def correction_mode(self) -> str | None:
@@ -338,21 +343,19 @@ class SelfGuideModule(LightningModule):
                                        engine_backend=self.engine_cfg.backend, engine_dtype=self.engine_cfg.dtype)
 
     @torch.no_grad()
-    def _rollout_correction(self, step_data: dict[str, torch.Tensor] | None, mode: str
+    def _rollout_correction(self, step_data: dict[str, torch.Tensor] | None, rows: list[slice], pad: int, mode: str
                             ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
         """The rollout correction (``grpo.rollout_correction``): the old log-probs recomputed by the trainer (the
         weights have not moved yet this step; eval mode, as the sampler ran: no LoRA dropout) replace the sampler's;
         the truncated importance weight between the two (:func:`sglightning.grpo.rollout_correction_weights`)
         weights each token's policy term.  Returns the data with ``old_logp`` (the trainer's), ``sampler_logp`` (the
-        sampler's) and ``is_weight``, and the statistics (:func:`sglightning.update.rollout_correction`)."""
+        sampler's) and ``is_weight``, and the statistics (:func:`sglightning.update.rollout_correction`).  ``rows``:
+        the micro-batches; ``pad``: the empty forwards this rank adds under FSDP."""
         temp = self.rollout_cfg.temperature
-        rows = self._microbatches(step_data)
         was_training = self.policy.training
         self.policy.eval()
         try:
-            if self._sharded():  # every forward is a collective: ranks with fewer micro-batches run empty ones
-                distributed.empty_forwards(distributed.most_over_ranks(len(rows), self.device) - len(rows),
-                                           lambda i, a, m: self.token_logprobs(i, a, m, temp), self.device)
+            distributed.empty_forwards(pad, lambda i, a, m: self.token_logprobs(i, a, m, temp), self.device)
             if step_data is None:
                 return None, {}
             trainer_old = scoring.recompute_logprobs(step_data, rows, lambda mb: self.token_logprobs(
@@ -362,25 +365,20 @@ class SelfGuideModule(LightningModule):
         return rollout_correction(step_data, trainer_old, mode, self.grpo_cfg.rollout_correction_cap)
 
     def _optimiser_step(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None,
-                        totals: StepCounts, skipped: bool, opt, first_epoch: bool) -> dict[str, float]:
+                        rows: list[slice], pad: int, totals: StepCounts, skipped: bool, opt, first_epoch: bool
+                        ) -> dict[str, float]:
         """One optimiser step on the whole step's batch: per micro-batch the forward passes here, its objective from
         :func:`sglightning.update.microbatch_objective` (pure), its backward here (gradients accumulate; under DDP one
         sum over ranks; under FSDP every rank runs as many micro-batches); then the gradient's norm and the optimiser.
-        ``totals``: the step's counts over ranks; ``skipped``: zero-advantage rows were left out.  Returns the
-        step's statistics."""
+        ``rows``: the micro-batches; ``pad``: the zero-weight dummy ones this rank adds under FSDP; ``totals``: the
+        step's counts over ranks; ``skipped``: zero-advantage rows were left out.  Returns the step's statistics."""
         c, temp = self.grpo_cfg, self.rollout_cfg.temperature
         stats = StepStats()
         finite = True
         opt.zero_grad()
-        rows = self._microbatches(step_data)
         sharded = self._sharded()
-        if sharded:
-            # FSDP all-gathers in every forward and reduce-scatters in every backward: every rank must run the same
-            # number of micro-batches, so ranks with fewer run zero-weight dummy ones
-            distributed.dummy_microbatches(
-                distributed.most_over_ranks(len(rows), self.device) - len(rows),
-                lambda i, a, m: self.token_logprobs(i, a, m, temp),
-                self.manual_backward, self.device, c.kl_coef > 0, self.policy.disable_adapter)
+        distributed.dummy_microbatches(pad, lambda i, a, m: self.token_logprobs(i, a, m, temp),
+                                       self.manual_backward, self.device, c.kl_coef > 0, self.policy.disable_adapter)
         for r in rows:
             mb = scoring.microbatch(step_data, tok_adv, r)  # [B, W] each
             ids, attn, m, restrict = mb["ids"], mb["attn"], mb["mask"], mb["restrict"]
@@ -413,11 +411,6 @@ class SelfGuideModule(LightningModule):
         self.consecutive_skips = 0
         opt.step()
         return {**stats.result(), "train/grad_norm": float(grad_norm), "train/update_skipped": 0.0}
-
-    def _microbatches(self, step_data: dict[str, torch.Tensor] | None) -> list[slice]:
-        """The step's micro-batches (:func:`sglightning.scoring.microbatch_rows`, by ``update`` settings)."""
-        u = self.update_cfg
-        return scoring.microbatch_rows(step_data, u.micro_batch_size, u.micro_batch_tokens)
 
     def _skip_update(self, opt) -> dict[str, float]:
         """A non-finite loss or gradient: no parameter (or optimiser state) moves, the step still counts; after

@@ -140,8 +140,9 @@ def recompute_logprobs(data: dict[str, Tensor], rows: list[slice], score: Callab
     """The log-probs of every policy token of ``data`` [S, L] under ``score`` (one :func:`microbatch` in, its
     log-probs [B, W] out), micro-batch by micro-batch over ``rows``; 0 elsewhere."""
     out = torch.zeros_like(data["old_logp"])  # [S, L]
+    no_adv = torch.zeros_like(out)  # [S, L] (a micro-batch carries advantages; scoring reads none)
     for r in rows:
-        logp = score(microbatch(data, torch.zeros_like(data["old_logp"]), r))  # [B, W]
+        logp = score(microbatch(data, no_adv, r))  # [B, W]
         out[r, : logp.shape[1]] = logp
     return out
 

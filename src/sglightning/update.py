@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from sglightning import grpo, rewards, scoring
+from sglightning import distributed, grpo, rewards, scoring
 from sglightning.episodes import KIND_GUIDANCE, RolloutBatch
 from sglightning.guidance import LABELS
 
@@ -220,8 +220,8 @@ class StepStats:
 
     def add(self, part: MicrobatchObjective) -> None:
         for k, v in part.stats.items():
-            if k.endswith(("_max", "_min")):
-                pick = max if k.endswith("_max") else min
+            pick = distributed.extreme(k)  # maxima and minima merge as such, as over ranks
+            if pick:
                 self._sums[k], self._weights[k] = pick(self._sums.get(k, v), v), 1.0
                 continue
             self._sums[k] = self._sums.get(k, 0.0) + v * part.tokens
