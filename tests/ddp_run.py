@@ -22,7 +22,7 @@ from tiny import tiny_module
 
 from sglightning.callbacks import AdapterExport
 from sglightning.data import RolloutConfig
-from sglightning.distributed import release_process_group
+from sglightning.distributed import exit_process, release_process_group
 from sglightning.models import PolicyConfig
 from sglightning.module import EvalConfig
 from sglightning.update import UpdateConfig
@@ -84,8 +84,9 @@ def main(out: Path, strategy: str, bf16: bool = False) -> None:
                 "rollouts_done": module.rollouts_done, "global_step": trainer.global_step}, out / f"rank{rank}.pt")
     if rank == 0:
         (out / "val_report.json").write_text(json.dumps(module.val_report, default=str))
-    release_process_group()  # as the CLI does: gloo's threads left to interpreter teardown can abort the process
+    release_process_group()
 
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp", bf16="bf16" in sys.argv[3:])
+    exit_process(0)  # as the CLI ends a distributed run: gloo's threads left to teardown can abort the process

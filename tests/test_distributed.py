@@ -135,6 +135,20 @@ SHARDED_CLI = {
 }
 
 
+@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1-lightning"])
+def test_cli_ends_a_distributed_run_before_interpreter_teardown(tmp_path, strategy):
+    """FSDP modules (and DTensor's caches) keep the process group alive after it is destroyed, so gloo's threads met
+    interpreter teardown, where a finished run could abort (exit -6, "terminate called without an active exception";
+    CI, twice). `sglightning` runs the exit hooks, then ends each rank before teardown, output flushed."""
+    cmd, env = _cli_cmd(tmp_path, *SHARDED_CLI[strategy], "--trainer.accelerator=cpu", "--trainer.max_steps=1")
+    cmd[1:3] = [str(HERE / "exit_probe.py")]  # `python -m sglightning.cli` -> the probe around the same entry point
+    res = subprocess.run(cmd, env=dict(env, SGL_EXIT_PROBE=str(tmp_path)), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "validation [self-guidance on] success" in res.stdout  # the last printed line survived the early exit
+    marks = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hooks"))
+    assert marks == ["hooks0", "hooks1"], marks  # both ranks ran their exit hooks (and neither reached teardown)
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1", "fsdp1-lightning"])
 def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     """FSDP from the CLI with the shipped multi-GPU config: a sharded `last.ckpt/` folder, the adapter gathered and

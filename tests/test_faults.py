@@ -152,3 +152,41 @@ def test_the_cli_releases_the_process_group_on_every_ending(monkeypatch, ending)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_ENDING = """
+import atexit, ctypes, sys, threading, time
+from pathlib import Path
+import torch.distributed as dist
+from sglightning import cli, distributed
+
+out, stop = Path(sys.argv[1]), sys.argv[2]
+libc = ctypes.CDLL(None)
+libc.__cxa_atexit(ctypes.cast(libc.abort, ctypes.c_void_p), None, None)  # teardown reached: exit -6
+
+def run():  # a CLI run that made a process group (which the CLI then releases), then ends as `stop` says
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    distributed.release_process_group()
+    atexit.register(lambda: (out / "hook").write_text("ran"))
+    threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("ran"))).start()
+    print("last words", end="")
+    if stop != "returns":
+        sys.exit(int(stop) if stop.isdigit() else stop)
+
+cli.cli_main = run
+sys.exit(cli.main())
+"""
+
+
+@pytest.mark.parametrize(("stop", "code", "err"), [("returns", 0, ""), ("2", 2, ""), ("bad key", 1, "bad key")])
+def test_a_process_that_ran_a_group_exits_like_a_normal_exit(tmp_path, stop, code, err):
+    """`sglightning` ends a process that ran a process group with os._exit (no teardown, where gloo's threads can
+    abort it; a C exit handler aborts here if teardown is reached), after what a normal exit does: the same exit
+    status, non-daemon threads joined, exit hooks run, the output flushed."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _ENDING, str(tmp_path), stop], capture_output=True, text=True,
+                         timeout=120)
+    assert (res.returncode, res.stdout, res.stderr.strip()) == (code, "last words", err), res.stderr[-2000:]
+    assert (tmp_path / "hook").read_text() == "ran" and (tmp_path / "thread").read_text() == "ran"

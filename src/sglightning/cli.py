@@ -351,7 +351,7 @@ class SGLightningCLI(LightningCLI):
         try:
             self._run_and_report(subcommand)
         finally:
-            distributed.release_process_group()  # every exit path, or gloo's threads can abort a finished run
+            distributed.release_process_group()  # every ending; main() then exits without teardown
 
     def _run_and_report(self, subcommand: str) -> None:
         try:
@@ -528,8 +528,18 @@ def cli_main(args: list[str] | None = None) -> SGLightningCLI:
 
 
 def main() -> int:
-    """Console-script entry point (``sglightning``): exit code 0 on success."""
-    cli_main()  # LightningCLI reads sys.argv itself (passing it again triggers a warning)
+    """Console-script entry point (``sglightning``): exit code 0 on success.  A process that ran a process group
+    (DDP, FSDP) ends through :func:`~sglightning.distributed.exit_process`, which skips interpreter teardown."""
+    try:
+        cli_main()  # LightningCLI reads sys.argv itself (passing it again triggers a warning)
+    except SystemExit as stop:
+        if not distributed.group_was_released():
+            raise
+        if isinstance(stop.code, str):  # sys.exit("message"): Python prints it and exits 1
+            print(stop.code, file=sys.stderr)
+        distributed.exit_process(stop.code if isinstance(stop.code, int) else int(stop.code is not None))
+    if distributed.group_was_released():
+        distributed.exit_process(0)
     return 0
 
 

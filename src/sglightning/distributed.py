@@ -16,10 +16,14 @@ Rule: every collective here runs on every rank in the same order.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import os
+import sys
+import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -51,14 +55,45 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+_GROUP_RELEASED = False  # this process destroyed a process group (see exit_process)
+
+
 def release_process_group() -> None:
-    """Destroy the default process group, if one is up, while the interpreter is whole.  Left to interpreter
-    teardown, gloo's worker threads are destroyed still joinable and the process aborts (SIGABRT, "terminate called
-    without an active exception") after a run that succeeded; Lightning leaves the group up."""
+    """Destroy every process group, if one is up, while the interpreter is whole (Lightning leaves them up)."""
+    global _GROUP_RELEASED
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized():
+        _GROUP_RELEASED = True
         with contextlib.suppress(Exception):  # a peer already gone: nothing left to release cleanly
             dist.destroy_process_group()
+
+
+def group_was_released() -> bool:
+    """This process ran a process group, now destroyed (:func:`release_process_group`)."""
+    return _GROUP_RELEASED
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a process that ran a process group: what a normal exit does, then ``os._exit`` instead of teardown.
+
+    Destroying a group frees nothing while something still holds it: FSDP1 modules after a backward, and DTensor's
+    sharding cache under FSDP2, keep theirs alive.  Its gloo threads then meet interpreter teardown, where a run that
+    succeeded can abort (SIGABRT, "terminate called without an active exception"; a race, seen on slow machines).
+    So: non-daemon threads joined and exit hooks run, as ``sys.exit`` would, then logs and streams flushed, then exit
+    before teardown.
+
+    Args:
+        code: the process's exit status.
+    """
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon and thread is not threading.current_thread():
+            thread.join()
+    atexit._run_exitfuncs()  # every hook, last registered first, as at interpreter exit (logging's included)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:
