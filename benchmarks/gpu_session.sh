@@ -12,7 +12,8 @@
 #   part 3, only if device time is left (<= 8 min): the probe with CUDA graphs but no inductor (what compiling
 #       adds), without rollout correction (the ratio spread it corrects), under FSDP2 on one GPU (its step time
 #       against part 1's probe)
-#   part 4, the same (<= 6 min): the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update
+#   part 4, the same (<= 8 min): the engine's host time per lock step on this machine's CPU (the ceiling the host puts
+#       on rollout tokens/s), the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update
 #       with micro-batches by token budget instead of shared prefixes (its MFU against part 1)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
@@ -70,6 +71,7 @@ elif [ "$part" = 3 ]; then
     --set model.grpo.rollout_correction=null
   check probe_8x8_fsdp2 170 --shape probe --groups 8 --group-size 8 --val-tasks 4 --strategy fsdp2 --devices 1
 else
+  stage engine_host 90 "$PY" benchmarks/engine_host.py --repeats 3 --json "$OUT/engine_host.json"
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off
   check qwen3-1.7b_16x8_token_budget 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --set model.update.share_prefix=false --set model.update.micro_batch_size=16 \

@@ -260,3 +260,24 @@ def test_the_recompute_runs_without_dropout_and_its_weights_are_logged(tmp_path)
         assert h["policy/is_weight_truncated"] == 0.0 and h["policy/engine_mismatch_kl"] < 1e-8
         assert h["policy/sampler_ratio_max"] > 1.01  # dropout in the training pass: the logged ratio shows it
         assert 0.0 <= h["policy/sampler_ratio_outside_0.9_1.1"] <= 1.0 and h["policy/sampler_ratio_mean"] > 0
+
+
+def test_the_host_time_benchmark_never_runs_the_model(monkeypatch):
+    """benchmarks/engine_host.py times the engine's host work around its decode steps: the rollout plays on the
+    static path with stored logits, so the model's own forward never runs, and every step is counted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import engine_host
+
+    calls = []
+    real_load = engine_host.load_policy
+
+    def load(cfg):
+        model, tok = real_load(cfg)
+        monkeypatch.setattr(model, "forward", lambda *a, **kw: calls.append(1))
+        return model, tok
+
+    monkeypatch.setattr(engine_host, "load_policy", load)
+    report = engine_host.main(["--rows", "8", "--repeats", "1", "--decoding", "constrained"])
+    (med,) = report["medians"]
+    assert calls == [] and med["lock_steps"] > 10 and med["tokens"] > med["lock_steps"]  # forced tokens ride along
+    assert med["host_ms_per_lock_step"] > 0 and 0 < med["draw_share"] < 1

@@ -1,0 +1,135 @@
+"""The in-process engine's host time per lock step: what the CPU spends around each decode step, model aside.
+
+    python benchmarks/engine_host.py                         # 64 and 128 rows, free and constrained decoding
+    python benchmarks/engine_host.py --rows 128 --decoding constrained --repeats 5 --json out.json
+
+On a GPU a lock step costs the host's work plus the device's: the step ends in one copy to the host (the sampled
+tokens), so the two do not overlap.  This measures the host's part on the static slot-cache path (the GPU's), with the
+model's forward replaced by stored random logits of the vocabulary's width: what remains is the program interpreter,
+the block and mask building, the draw (its kernels run on this CPU, so this counts them too) and the rollout's
+per-turn work (prompts, tokenising, the environment, timed apart).  ``rows / host time per lock step`` is then a
+ceiling on generated tokens/s that no device speed lifts.  As in training, one engine serves every rollout of a batch
+size (its slot cache allocated once) and the garbage collector skips the objects loaded before the first rollout.
+
+Prints per configuration: lock steps, generated tokens, host ms per lock step (the environment's time left out), the
+draw's share of it, and the ceiling in generated tokens/s; medians over ``--repeats`` rounds (new tasks each round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout_throughput import batched  # noqa: E402
+
+from sglightning.console import quiet  # noqa: E402
+from sglightning.engines import EngineConfig, builtin  # noqa: E402
+from sglightning.envs.household import HouseholdEnv  # noqa: E402
+from sglightning.models import EMBEDDED_TINY, PolicyConfig, load_policy  # noqa: E402
+
+
+class Timer:
+    """Seconds spent inside the wrapped callables, and their calls."""
+
+    def __init__(self):
+        self.seconds, self.calls = 0.0, 0
+
+    def wrap(self, fn):
+        @functools.wraps(fn)
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        return timed
+
+
+class NullForwardEngine(builtin.BuiltinEngine):
+    """The built-in engine on the static slot cache, its forwards replaced by stored logits ``[rows, V]``."""
+
+    def __init__(self, vocab: int, rows: int):
+        super().__init__(EngineConfig(compile="static"))
+        self.bank = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))  # [P, V]
+        self.forward = Timer()
+
+    def session(self, *args, **kwargs):
+        s = super().session(*args, **kwargs)
+        eager = self.forward.wrap(lambda ids, pos, attn, slots, cache, rows: self.bank[:rows].clone())  # [n, V]
+        decode = self.forward.wrap(lambda ids, pos, attn, slots, cache: self.bank[: ids.shape[0]].clone())  # [P, V]
+        s.static = builtin.StaticSession(s.static.pool, eager, decode)
+        return s
+
+
+def measure(model, tok, engine: NullForwardEngine, rows: int, group: int, decoding: str, round_: int) -> dict:
+    """One rollout of ``rows`` episodes (``rows / group`` tasks × ``group``) on ``engine``, its host time split."""
+    tasks = rows // group
+    env_timer, draw_timer = Timer(), Timer()
+    engine.forward = Timer()
+    real_step, real_draw = HouseholdEnv.step, builtin.draw
+    HouseholdEnv.step, builtin.draw = env_timer.wrap(real_step), draw_timer.wrap(real_draw)
+    try:
+        env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
+        seeds = [round_ * tasks + s for s in range(tasks)]  # new tasks every round
+        tokens, episodes, seconds, _ = batched(model, tok, env, seeds, group, 3, 32,
+                                               constrained=decoding == "constrained", engine=engine)
+    finally:
+        HouseholdEnv.step, builtin.draw = real_step, real_draw
+    host = seconds - env_timer.seconds
+    steps = engine.forward.calls
+    return {"rows": rows, "decoding": decoding, "round": round_, "tokens": tokens, "episodes": episodes,
+            "lock_steps": steps, "seconds": seconds, "env_s": env_timer.seconds, "draw_s": draw_timer.seconds,
+            "host_ms_per_lock_step": 1e3 * host / steps, "draw_share": draw_timer.seconds / host,
+            "ceiling_tokens_per_s": tokens / host}
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[64, 128], help="episodes per rollout")
+    ap.add_argument("--group", type=int, default=8, help="episodes per task")
+    ap.add_argument("--decoding", nargs="+", default=["free", "constrained"], choices=["free", "constrained"])
+    ap.add_argument("--repeats", type=int, default=3, help="rounds (the first is preceded by an untimed warm-up)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--json", help="write every measurement and the medians here")
+    args = ap.parse_args(argv)
+    quiet()
+    torch.set_num_threads(args.threads)
+    model, tok = load_policy(PolicyConfig(name_or_path=EMBEDDED_TINY))  # its tokenizer and vocabulary only
+    model.eval()
+    gc.freeze()  # as the trainer does at its first rollout: collections skip the model's and libraries' objects
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; the forward replaced by stored logits")
+    print(f"{'rows':>5} {'decoding':12} {'lock steps':>10} {'tokens':>7} {'host ms/step':>12} {'draw share':>10} "
+          f"{'ceiling tok/s':>13}")
+    report: dict = {"args": vars(args), "torch": torch.__version__, "runs": [], "medians": []}
+    vocab = model.get_output_embeddings().weight.shape[0]
+    with torch.no_grad():
+        for rows in args.rows:
+            engine = NullForwardEngine(vocab, rows)  # one per batch size, kept across rollouts as in training
+            for decoding in args.decoding:
+                measure(model, tok, engine, rows, args.group, decoding, 10_000)  # warm-up: the slot cache grows
+                runs = [measure(model, tok, engine, rows, args.group, decoding, r) for r in range(args.repeats)]
+                report["runs"] += runs
+                med = {k: statistics.median(r[k] for r in runs)
+                       for k in ("lock_steps", "tokens", "host_ms_per_lock_step", "draw_share", "ceiling_tokens_per_s")}
+                spread = [min(r["host_ms_per_lock_step"] for r in runs), max(r["host_ms_per_lock_step"] for r in runs)]
+                report["medians"].append({"rows": rows, "decoding": decoding, **med, "host_ms_range": spread})
+                print(f"{rows:5d} {decoding:12} {med['lock_steps']:10.0f} {med['tokens']:7.0f} "
+                      f"{med['host_ms_per_lock_step']:8.2f} ({spread[0]:.2f}-{spread[1]:.2f}) "
+                      f"{100 * med['draw_share']:9.0f}% {med['ceiling_tokens_per_s']:13,.0f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
