@@ -71,7 +71,8 @@ class NullForwardEngine(builtin.BuiltinEngine):
         return s
 
 
-def measure(model, tok, engine: NullForwardEngine, rows: int, group: int, decoding: str, round_: int) -> dict:
+def measure(model, tok, engine: NullForwardEngine, rows: int, group: int, decoding: str, round_: int,
+            max_new: int = 32) -> dict:
     """One rollout of ``rows`` episodes (``rows / group`` tasks × ``group``) on ``engine``, its host time split."""
     tasks = rows // group
     env_timer, draw_timer = Timer(), Timer()
@@ -81,7 +82,7 @@ def measure(model, tok, engine: NullForwardEngine, rows: int, group: int, decodi
     try:
         env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
         seeds = [round_ * tasks + s for s in range(tasks)]  # new tasks every round
-        tokens, episodes, seconds, _ = batched(model, tok, env, seeds, group, 3, 32,
+        tokens, episodes, seconds, _ = batched(model, tok, env, seeds, group, 3, max_new,
                                                constrained=decoding == "constrained", engine=engine)
     finally:
         HouseholdEnv.step, builtin.draw = real_step, real_draw
@@ -98,6 +99,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, nargs="+", default=[64, 128], help="episodes per rollout")
     ap.add_argument("--group", type=int, default=8, help="episodes per task")
     ap.add_argument("--decoding", nargs="+", default=["free", "constrained"], choices=["free", "constrained"])
+    ap.add_argument("--max-new", type=int, default=32, help="new tokens per turn (guidance and action)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds (the first is preceded by an untimed warm-up)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--json", help="write every measurement and the medians here")
@@ -116,8 +118,10 @@ def main(argv=None) -> dict:
         for rows in args.rows:
             engine = NullForwardEngine(vocab, rows)  # one per batch size, kept across rollouts as in training
             for decoding in args.decoding:
-                measure(model, tok, engine, rows, args.group, decoding, 10_000)  # warm-up: the slot cache grows
-                runs = [measure(model, tok, engine, rows, args.group, decoding, r) for r in range(args.repeats)]
+                # warm-up: the slot cache grows
+                measure(model, tok, engine, rows, args.group, decoding, 10_000, args.max_new)
+                runs = [measure(model, tok, engine, rows, args.group, decoding, r, args.max_new)
+                        for r in range(args.repeats)]
                 report["runs"] += runs
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("lock_steps", "tokens", "host_ms_per_lock_step", "draw_share", "ceiling_tokens_per_s")}
