@@ -8,8 +8,9 @@ tokens), so the two do not overlap.  This measures the host's part on the static
 model's forward replaced by stored random logits of the vocabulary's width: what remains is the program interpreter,
 the block and mask building, the draw (its kernels run on this CPU, so this counts them too) and the rollout's
 per-turn work (prompts, tokenising, the environment, timed apart).  ``rows / host time per lock step`` is then a
-ceiling on generated tokens/s that no device speed lifts.  As in training, one engine serves every rollout of a batch
-size (its slot cache allocated once) and the garbage collector skips the objects loaded before the first rollout.
+ceiling on generated tokens/s that no device speed lifts.  As in training, one engine and one rollout serve every
+round of a configuration (the slot cache allocated once, the environment workers kept), and the garbage collector skips
+the objects loaded before the first rollout.
 
 Prints per configuration: lock steps, generated tokens, host ms per lock step (the environment's time left out), the
 draw's share of it, and the ceiling in generated tokens/s; medians over ``--repeats`` rounds (new tasks each round).
@@ -22,19 +23,18 @@ import functools
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rollout_throughput import batched  # noqa: E402
-
-from sglightning.console import quiet  # noqa: E402
-from sglightning.engines import EngineConfig, builtin  # noqa: E402
-from sglightning.envs.household import HouseholdEnv  # noqa: E402
-from sglightning.models import EMBEDDED_TINY, PolicyConfig, load_policy  # noqa: E402
+from sglightning.console import quiet
+from sglightning.data import RolloutConfig
+from sglightning.engines import EngineConfig, builtin
+from sglightning.envs.household import HouseholdEnv
+from sglightning.guidance import GuidanceConfig
+from sglightning.models import EMBEDDED_TINY, PolicyConfig, load_policy
+from sglightning.rollout import Rollout
 
 
 class Timer:
@@ -71,24 +71,33 @@ class NullForwardEngine(builtin.BuiltinEngine):
         return s
 
 
-def measure(model, tok, engine: NullForwardEngine, rows: int, group: int, decoding: str, round_: int,
-            max_new: int = 32) -> dict:
-    """One rollout of ``rows`` episodes (``rows / group`` tasks × ``group``) on ``engine``, its host time split."""
-    tasks = rows // group
+def rollout(model, tok, engine: NullForwardEngine, group: int, decoding: str, max_new: int) -> Rollout:
+    """The rollout ``rollout_throughput.py`` plays (household, ≤ 3 steps), kept across rounds as the trainer keeps its
+    own: the environment workers live on."""
+    constrained = decoding == "constrained"
+    guidance = GuidanceConfig(decoding=decoding, action_decoding="admissible" if constrained else "free",
+                              max_guidance_tokens=max_new // 2, max_action_tokens=max_new - max_new // 2)
+    env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
+    return Rollout(model, tok, env, guidance, RolloutConfig(group_size=group, max_steps=3), engine=engine)
+
+
+def measure(r: Rollout, engine: NullForwardEngine, rows: int, decoding: str, round_: int) -> dict:
+    """One rollout of ``rows`` episodes (``rows / group`` tasks × ``group``), its host time split."""
+    tasks = rows // r.cfg.group_size
     env_timer, draw_timer = Timer(), Timer()
     engine.forward = Timer()
     real_step, real_draw = HouseholdEnv.step, builtin.draw
     HouseholdEnv.step, builtin.draw = env_timer.wrap(real_step), draw_timer.wrap(real_draw)
     try:
-        env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
         seeds = [round_ * tasks + s for s in range(tasks)]  # new tasks every round
-        tokens, episodes, seconds, _ = batched(model, tok, env, seeds, group, 3, max_new,
-                                               constrained=decoding == "constrained", engine=engine)
+        t0 = time.perf_counter()
+        batch = r.run(seeds, generator=torch.Generator().manual_seed(round_))
+        seconds = time.perf_counter() - t0
     finally:
         HouseholdEnv.step, builtin.draw = real_step, real_draw
     host = seconds - env_timer.seconds
-    steps = engine.forward.calls
-    return {"rows": rows, "decoding": decoding, "round": round_, "tokens": tokens, "episodes": episodes,
+    steps, tokens = engine.forward.calls, batch.generated_tokens
+    return {"rows": rows, "decoding": decoding, "round": round_, "tokens": tokens, "episodes": len(batch.episodes),
             "lock_steps": steps, "seconds": seconds, "env_s": env_timer.seconds, "draw_s": draw_timer.seconds,
             "host_ms_per_lock_step": 1e3 * host / steps, "draw_share": draw_timer.seconds / host,
             "ceiling_tokens_per_s": tokens / host}
@@ -118,10 +127,12 @@ def main(argv=None) -> dict:
         for rows in args.rows:
             engine = NullForwardEngine(vocab, rows)  # one per batch size, kept across rollouts as in training
             for decoding in args.decoding:
-                # warm-up: the slot cache grows
-                measure(model, tok, engine, rows, args.group, decoding, 10_000, args.max_new)
-                runs = [measure(model, tok, engine, rows, args.group, decoding, r, args.max_new)
-                        for r in range(args.repeats)]
+                r = rollout(model, tok, engine, args.group, decoding, args.max_new)
+                try:
+                    measure(r, engine, rows, decoding, 10_000)  # warm-up: the slot cache grows, the workers start
+                    runs = [measure(r, engine, rows, decoding, k) for k in range(args.repeats)]
+                finally:
+                    r.close()
                 report["runs"] += runs
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("lock_steps", "tokens", "host_ms_per_lock_step", "draw_share", "ceiling_tokens_per_s")}
