@@ -10,6 +10,8 @@
   of the token-weighted gradients, since ranks run different numbers of micro-batches), :func:`dummy_microbatches`
   (FSDP: every rank runs as many forward/backward passes), :func:`reduce_logs` (counts summed, the rest averaged).
 * **The adapter as full tensors** — :func:`adapter_state_dict` (gathered under FSDP: a collective).
+* **The end of a distributed process** — :func:`release_process_group`, then :func:`exit_process`: a normal exit's
+  work, but no interpreter teardown (where gloo's threads can abort a run that succeeded).
 
 Rule: every collective here runs on every rank in the same order.
 """
