@@ -170,6 +170,8 @@ def run():  # a CLI run that made a process group (which the CLI then releases),
     atexit.register(lambda: (out / "hook").write_text("ran"))
     threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("ran"))).start()
     print("last words", end="")
+    if stop == "crash":
+        raise RuntimeError("boom")
     if stop != "returns":
         sys.exit(int(stop) if stop.isdigit() else stop)
 
@@ -178,15 +180,17 @@ sys.exit(cli.main())
 """
 
 
-@pytest.mark.parametrize(("stop", "code", "err"), [("returns", 0, ""), ("2", 2, ""), ("bad key", 1, "bad key")])
+@pytest.mark.parametrize(("stop", "code", "err"), [("returns", 0, ""), ("2", 2, ""), ("bad key", 1, "bad key"),
+                                                 ("crash", 1, "RuntimeError: boom")])
 def test_a_process_that_ran_a_group_exits_like_a_normal_exit(tmp_path, stop, code, err):
     """`sglightning` ends a process that ran a process group with os._exit (no teardown, where gloo's threads can
     abort it; a C exit handler aborts here if teardown is reached), after what a normal exit does: the same exit
-    status, non-daemon threads joined, exit hooks run, the output flushed."""
+    status (a crash: its traceback, then 1), non-daemon threads joined, exit hooks run, the output flushed."""
     import subprocess
     import sys
 
     res = subprocess.run([sys.executable, "-c", _ENDING, str(tmp_path), stop], capture_output=True, text=True,
                          timeout=120)
-    assert (res.returncode, res.stdout, res.stderr.strip()) == (code, "last words", err), res.stderr[-2000:]
+    assert (res.returncode, res.stdout) == (code, "last words"), res.stderr[-2000:]
+    assert res.stderr.strip().endswith(err) and ("Traceback" in res.stderr) == (stop == "crash"), res.stderr[-2000:]
     assert (tmp_path / "hook").read_text() == "ran" and (tmp_path / "thread").read_text() == "ran"

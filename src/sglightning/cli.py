@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Literal
 
@@ -538,6 +539,11 @@ def main() -> int:
         if isinstance(stop.code, str):  # sys.exit("message"): Python prints it and exits 1
             print(stop.code, file=sys.stderr)
         distributed.exit_process(stop.code if isinstance(stop.code, int) else int(stop.code is not None))
+    except BaseException as err:  # a crash: the traceback Python would print, then its exit status
+        if not distributed.group_was_released():
+            raise
+        traceback.print_exception(err)
+        distributed.exit_process(130 if isinstance(err, KeyboardInterrupt) else 1)
     if distributed.group_was_released():
         distributed.exit_process(0)
     return 0
