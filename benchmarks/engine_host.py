@@ -23,18 +23,20 @@ import functools
 import gc
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from sglightning.console import quiet
-from sglightning.data import RolloutConfig
-from sglightning.engines import EngineConfig, builtin
-from sglightning.envs.household import HouseholdEnv
-from sglightning.guidance import GuidanceConfig
-from sglightning.models import EMBEDDED_TINY, PolicyConfig, load_policy
-from sglightning.rollout import Rollout
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout_throughput import make_rollout  # noqa: E402
+
+from sglightning.console import quiet  # noqa: E402
+from sglightning.engines import EngineConfig, builtin  # noqa: E402
+from sglightning.envs.household import HouseholdEnv  # noqa: E402
+from sglightning.models import EMBEDDED_TINY, PolicyConfig, load_policy  # noqa: E402
+from sglightning.rollout import Rollout  # noqa: E402
 
 
 class Timer:
@@ -74,11 +76,8 @@ class NullForwardEngine(builtin.BuiltinEngine):
 def rollout(model, tok, engine: NullForwardEngine, group: int, decoding: str, max_new: int) -> Rollout:
     """The rollout ``rollout_throughput.py`` plays (household, ≤ 3 steps), kept across rounds as the trainer keeps its
     own: the environment workers live on."""
-    constrained = decoding == "constrained"
-    guidance = GuidanceConfig(decoding=decoding, action_decoding="admissible" if constrained else "free",
-                              max_guidance_tokens=max_new // 2, max_action_tokens=max_new - max_new // 2)
     env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True)
-    return Rollout(model, tok, env, guidance, RolloutConfig(group_size=group, max_steps=3), engine=engine)
+    return make_rollout(model, tok, env, group, 3, max_new, engine, constrained=decoding == "constrained")
 
 
 def measure(r: Rollout, engine: NullForwardEngine, rows: int, decoding: str, round_: int) -> dict:

@@ -86,14 +86,20 @@ def naive(model, tok, env_factory, seeds, group, steps, max_new) -> tuple[int, i
     return tokens, episodes, time.perf_counter() - t0, prefill
 
 
-def batched(model, tok, env_factory, seeds, group, steps, max_new, share=True,
-            help_every_turn=True, staged=True, constrained=False, engine=None) -> tuple[int, int, float, int]:
+def make_rollout(model, tok, env_factory, group, steps, max_new, engine, help_every_turn=True,
+                 constrained=False) -> Rollout:
+    """The rollout every arm but ``naive`` plays: guidance and action share ``max_new`` new tokens per turn."""
     decoding = "constrained" if constrained else "free"
     gc = GuidanceConfig(decoding=decoding, action_decoding="admissible" if constrained else "free",
                         max_guidance_tokens=max_new // 2, max_action_tokens=max_new - max_new // 2,
                         action_help_every_turn=help_every_turn)
-    r = Rollout(model, tok, env_factory, gc, RolloutConfig(group_size=group, max_steps=steps),
-                engine=engine or BuiltinEngine(share_prefix=share, staged_prefill=staged))
+    return Rollout(model, tok, env_factory, gc, RolloutConfig(group_size=group, max_steps=steps), engine=engine)
+
+
+def batched(model, tok, env_factory, seeds, group, steps, max_new, share=True,
+            help_every_turn=True, staged=True, constrained=False, engine=None) -> tuple[int, int, float, int]:
+    r = make_rollout(model, tok, env_factory, group, steps, max_new,
+                     engine or BuiltinEngine(share_prefix=share, staged_prefill=staged), help_every_turn, constrained)
     t0 = time.perf_counter()
     try:
         b = r.run(seeds, generator=torch.Generator().manual_seed(0))
