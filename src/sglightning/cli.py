@@ -533,20 +533,24 @@ def main() -> int:
     (DDP, FSDP) ends through :func:`~sglightning.distributed.exit_process`, which skips interpreter teardown."""
     try:
         cli_main()  # LightningCLI reads sys.argv itself (passing it again triggers a warning)
-    except SystemExit as stop:
-        if not distributed.group_was_released():
-            raise
-        if isinstance(stop.code, str):  # sys.exit("message"): Python prints it and exits 1
-            print(stop.code, file=sys.stderr)
-        distributed.exit_process(stop.code if isinstance(stop.code, int) else int(stop.code is not None))
-    except BaseException as err:  # a crash: the traceback Python would print, then its exit status
-        if not distributed.group_was_released():
-            raise
-        traceback.print_exception(err)
-        distributed.exit_process(130 if isinstance(err, KeyboardInterrupt) else 1)
+    except BaseException as err:
+        if distributed.group_was_released():
+            distributed.exit_process(_report_exit(err))
+        raise
     if distributed.group_was_released():
         distributed.exit_process(0)
     return 0
+
+
+def _report_exit(err: BaseException) -> int:
+    """What Python prints for ``err`` reaching the top (a ``sys.exit`` message, a crash's traceback), and the exit
+    status it would give."""
+    if isinstance(err, SystemExit):
+        if isinstance(err.code, str):  # sys.exit("message"): Python prints it and exits 1
+            print(err.code, file=sys.stderr)
+        return err.code if isinstance(err.code, int) else int(err.code is not None)
+    traceback.print_exception(err)
+    return 130 if isinstance(err, KeyboardInterrupt) else 1
 
 
 if __name__ == "__main__":  # pragma: no cover
