@@ -18,7 +18,7 @@ from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Restriction
 from sglightning.errors import ConfigError
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import PolicyConfig, load_policy
+from sglightning.models import PolicyConfig, TinyModelConfig, load_policy
 from sglightning.rollout import Rollout
 
 
@@ -161,6 +161,21 @@ def test_slot_cache_rollouts_equal_dynamic_cache_rollouts(tiny, mode, decoding, 
     assert len({len(e.steps) for e in b.episodes}) > 1  # some rows ended while others went on
     caches = list(static.slots._caches.values())
     assert caches and all(c.capacity > 512 or mode == "two_call" for c in caches)  # single stream grew past 512
+
+
+@pytest.mark.parametrize("arch,kv,head_dim", [("qwen2", 2, None), ("qwen3", 2, 32)])
+def test_slot_cache_rollouts_equal_dynamic_cache_rollouts_with_grouped_query_attention(arch, kv, head_dim):
+    """The GPU check's layer designs, small: Qwen2's (biases) and Qwen3's (q/k norms, a head size that is not
+    hidden / heads) with fewer key/value heads than query heads.  The slot cache holds the key/value heads only
+    and plays the dynamic cache's episodes (same tokens, log-probs within 1e-5)."""
+    shape = TinyModelConfig(hidden_size=64, num_heads=4, num_kv_heads=kv, head_dim=head_dim, arch=arch)
+    model, tok = load_policy(PolicyConfig(name_or_path="embedded:tiny", tiny=shape))
+    static = BuiltinEngine(EngineConfig(compile="static"))
+    a = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained", "admissible")
+    b = _play(model, tok, static, "single_stream", "constrained", "admissible")
+    _same(a, b)
+    cache = next(iter(static.slots._caches.values()))
+    assert cache.keys[0].shape[1] == kv and cache.keys[0].shape[3] == (head_dim or 64 // 4)
 
 
 @pytest.mark.slow
