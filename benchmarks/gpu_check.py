@@ -8,7 +8,9 @@ random-init model of a real shape (nothing to download), measured against the ch
 
 Prints, for the steps after the first (the first compiles): rollout generated tokens/s, the decode roofline for the
 shape at the measured batch and mean context and the share of it reached; update tokens/s and MFU; peak memory; the
-sampler/trainer log-prob gap; validation success before and after; one table row last.
+sampler/trainer log-prob gap; validation success before and after; how often the decode step was compiled and how
+often CUDA graphs were skipped (on a GPU the reasons go to the log: torch's recompile and performance-hint messages are
+switched on); one table row last.
 
 The decode roofline: a decode step reads the weights once and every row's KV cache, so
 ``tokens/s ≤ B / ((2·N + B·L·kv) / bandwidth)`` with B the rows a lock step advances, L their mean context (both as
@@ -186,6 +188,9 @@ def main(argv=None) -> dict:
     from sglightning.cli import cli_main
 
     gpu = torch.cuda.is_available() and not args.cpu_smoke
+    if gpu:  # why a step was compiled again, or ran without CUDA graphs: in the log, not guessed afterwards
+        torch._logging.set_logs(recompiles=True, perf_hints=True)
+    from torch._dynamo.utils import counters
     bandwidth = copy_bandwidth("cuda") if gpu else None
     flops = matmul_flops("cuda") if gpu else None
     if gpu:
@@ -202,6 +207,7 @@ def main(argv=None) -> dict:
     out = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "shape": args.shape,
            "strategy": args.strategy, "devices": args.devices, "compile": args.compile,
            "decode_step": engine.mode(module.peft_model) if hasattr(engine, "mode") else None,
+           "compiles": counters["frames"]["ok"], "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
            "steps": len(module.history),
            "episodes_per_step": module.history[-1]["rollout/episodes"],
            **summarise(module.history, SHAPES[args.shape], bandwidth, flops),

@@ -179,14 +179,23 @@ def test_slot_cache_rollouts_equal_dynamic_cache_rollouts_with_grouped_query_att
 
 
 @pytest.mark.slow
-def test_a_compiled_decode_step_plays_the_same_episodes(tiny):
+def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny):
     """``model.engine.compile: default`` (inductor, on CPU here; on CUDA ``reduce-overhead`` adds graphs to the same
-    traced step): the same tokens as the eager dynamic cache, over two rollouts (the second reuses the compiled step
-    and the pooled cache)."""
+    traced step): the same tokens as the eager dynamic cache, over rollouts of 9 and then 30 rows (16 and 32
+    physical rows), the contexts crossing several attention views and the cache growing.  The step is compiled once,
+    with dynamic shapes: compiled for fixed shapes it was recompiled for each new row count, view and cache size
+    (torch stops compiling a function after eight, and on a GPU each compile of a billion-parameter step takes tens
+    of seconds)."""
+    from torch._dynamo.utils import counters
+
     model, tok = tiny
-    plain = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained",
-                  "admissible")
     engine = BuiltinEngine(EngineConfig(compile="default"))
-    for _ in range(2):
-        _same(plain, _play(model, tok, engine, "single_stream", "constrained", "admissible"))
+    compiled_before = counters["frames"]["ok"]
+    for seeds in [(1, 2, 3), tuple(range(4, 14)), (1, 2, 3)]:
+        plain = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained",
+                      "admissible", seeds=seeds)
+        _same(plain, _play(model, tok, engine, "single_stream", "constrained", "admissible", seeds=seeds))
     assert engine.mode(model) == "default" and len(engine._steps) == 2
+    assert {c.batch for c in engine.slots._caches.values()} == {16, 32}
+    assert max(c.capacity for c in engine.slots._caches.values()) > 512
+    assert counters["frames"]["ok"] - compiled_before == 1

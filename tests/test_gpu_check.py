@@ -82,3 +82,18 @@ def test_cpu_smoke_run_under_fsdp2_on_one_device(capfd):
     assert out["strategy"] == "fsdp2" and out["steps"] == 2 and out["update_tokens_per_s"] > 0
     assert out["logprob_gap_sampler_trainer"] < 1e-4
     assert capfd.readouterr().err.strip() == ""
+
+
+@pytest.mark.slow
+def test_cpu_smoke_run_with_a_compiled_decode_step_compiles_it_once():
+    """``--compile default`` (inductor; on a GPU ``reduce-overhead`` traces the same step): training rollouts of 10
+    rows and validation rollouts of 2 (16 and 8 physical rows) share one compile of the decode step, and the check
+    reports it (before, each row count compiled the step again)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["frames"]["ok"]
+    out = gpu_check.main(["--cpu-smoke", "--steps", "2", "--compile", "default",
+                          "--set", "model.rollout.groups_per_step=5"])
+    assert out["decode_step"] == "default" and out["episodes_per_step"] == 10
+    assert out["validation_before"] is not None and out["validation_after"] is not None
+    assert out["compiles"] - before == 1 and out["cudagraph_skips"] == 0

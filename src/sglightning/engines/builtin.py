@@ -363,10 +363,10 @@ class DecodeSession(Session):
         fed[[p for p, b in zip(self.phys, blocks) if b]] = True
         ids, mask, pos, fed = (self._to_device(t) for t in (ids, mask, pos, fed))
         start = self.width
-        self._reserve(start + width)
+        view = -(-(start + width) // VIEW_STEP) * VIEW_STEP  # slots attention reads
+        self._reserve(view + 1)  # always fewer than the cache holds: a compiled step meets one case, not two
         self._mask_columns(width)[:rows] = mask.bool()
         slots = torch.arange(start, start + width, device=self.device)  # [W]
-        view = min(self.cache.capacity, -(-(start + width) // VIEW_STEP) * VIEW_STEP)  # slots attention reads
         attn = block_mask(self._mask[:rows, :view], start, width, self._additive)  # [n, 1, W, view]
         self.fed_positions += rows * width
         if width == 1:

@@ -12,7 +12,9 @@ physical rows and C slots, written in place at the step's slots; the attention m
 (a slot is seen if it holds a real token of the row and is not after the query's slot) and handed to the model as a
 4-D mask, which transformers passes to attention as it is.  Positions are counted per row, as in the dynamic path.
 Rows that end are not dropped: their physical row stays, unread.  P is the rows rounded up to a bucket and C grows by
-doubling, so a run sees few distinct shapes (each one compiled once).
+doubling.  The step is traced once with dynamic shapes (rows, slots read and capacity are symbols; heads and head
+size are fixed), so a new row count or a longer context costs no new compile; a CUDA graph is still recorded per
+distinct shape.
 
 transformers' own ``StaticCache`` assumes one position counter for the whole batch and its update signature has
 changed between releases; this cache needs only ``update(keys, values, layer_idx, ...)``, stable across them.
@@ -55,6 +57,14 @@ def resolve_mode(setting: str, device: str, sharding: str | None, attention: str
     return setting
 
 
+def _mark(t: torch.Tensor) -> None:
+    """A cache tensor for a compiled step: a fixed address (a CUDA graph reads it in place) and sizes that may vary
+    in rows and slots (one compile serves every row count and capacity)."""
+    torch._dynamo.mark_static_address(t)
+    torch._dynamo.mark_static(t, 1)
+    torch._dynamo.mark_static(t, 3)
+
+
 def bucket(n: int, smallest: int = 8) -> int:
     """``n`` rounded up to a power of two (at least ``smallest``): the physical rows or slots for ``n``."""
     b = smallest
@@ -94,7 +104,7 @@ class SlotCache(_CacheBase):
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         for t in keys + values:
-            torch._dynamo.mark_static_address(t)
+            _mark(t)
         return cls(keys, values)
 
     @property
@@ -146,7 +156,7 @@ class SlotCache(_CacheBase):
                 for t in other.keys]
         values = [torch.zeros_like(k) for k in keys]
         for t in keys + values:
-            torch._dynamo.mark_static_address(t)
+            _mark(t)
         return cls(keys, values)
 
 
@@ -178,9 +188,11 @@ def decode_step(model: torch.nn.Module, cache_arg: str) -> Callable:
 
 def compiled(step: Callable, mode: str) -> Callable:
     """``step`` compiled for ``model.engine.compile`` = ``mode``: ``static`` eager (no compile); ``default`` inductor;
-    ``cudagraphs`` graphs of the traced step without code generation; ``reduce-overhead`` inductor + CUDA graphs."""
+    ``cudagraphs`` graphs of the traced step without code generation; ``reduce-overhead`` inductor + CUDA graphs.
+    Traced with dynamic shapes (``dynamic=True``; the cache's heads and head size are marked static where it is
+    allocated, so that a row count equal to one of them is not fused with it): one trace for the whole run."""
     if mode == "static":
         return step
     if mode == "cudagraphs":
-        return torch.compile(step, backend="cudagraphs")
-    return torch.compile(step, mode=None if mode == "default" else mode)
+        return torch.compile(step, backend="cudagraphs", dynamic=True)
+    return torch.compile(step, mode=None if mode == "default" else mode, dynamic=True)
