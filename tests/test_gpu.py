@@ -44,12 +44,18 @@ def _play(model, tok, compile_mode: str, mode: str):
 @pytest.mark.parametrize("compile_mode,mode", [("static", "two_call"), ("cudagraphs", "single_stream"),
                                                ("reduce-overhead", "single_stream"), ("reduce-overhead", "two_call")])
 def test_every_decode_step_plays_the_dynamic_caches_episodes_on_cuda(tiny_cuda, compile_mode, mode):
+    """The same tokens as the dynamic cache; a graph mode ran as CUDA graphs (torch skips them silently when a step
+    cannot be captured: its count of skips must not move)."""
+    from torch._dynamo.utils import counters
+
     model, tok = tiny_cuda
+    skips = counters["inductor"]["cudagraph_skips"]
     a, b = _play(model, tok, "off", mode), _play(model, tok, compile_mode, mode)
     assert len(a.samples) == len(b.samples) > 0
     for x, y in zip(a.samples, b.samples):
         assert x.ids == y.ids
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
+    assert counters["inductor"]["cudagraph_skips"] == skips
 
 
 def test_the_tiny_config_fits_resumes_and_validates_on_cuda(tmp_path):
