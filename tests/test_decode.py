@@ -77,13 +77,17 @@ def test_a_batched_draw_is_row_by_row_sampling(top_k):
     logp = torch.log_softmax(torch.randn(9, 300, generator=g) * 3, dim=-1)  # [R, V]
     choice, ban = Restriction((3, 17, 250)), Restriction(tuple(range(0, 300, 2)), exclude=True)
     rs = [None, choice, ban, None, Restriction((42,)), ban, choice, None, Restriction(tuple(range(10)), True)]
-    for seed in range(5):
-        got = draw(logp, rs, top_k, False, torch.Generator().manual_seed(seed), RestrictionTable())
-        gen = torch.Generator().manual_seed(seed)
-        want = [_row_by_row(logp[i], r, top_k, gen) for i, r in enumerate(rs)]
-        for (t, q, f, r), (t2, q2, f2, r2) in zip(got, want):
-            assert t == t2 and r == r2
-            assert q == pytest.approx(q2, abs=1e-6) and f == pytest.approx(f2, abs=1e-6)
+    every = [choice, ban, Restriction((42,)), ban, choice, ban, choice, choice, Restriction(tuple(range(10)), True)]
+    table = RestrictionTable()  # kept across draws, as the engine keeps it (its tables are reused)
+    for rows in (rs, every, [ban] * 9, [choice] * 9):  # some rows free; every row restricted; one set for all
+        for seed in range(5):
+            got = draw(logp, rows, top_k, False, torch.Generator().manual_seed(seed), table)
+            gen = torch.Generator().manual_seed(seed)
+            want = [_row_by_row(logp[i], r, top_k, gen) for i, r in enumerate(rows)]
+            for (t, q, f, r), (t2, q2, f2, r2) in zip(got, want):
+                assert t == t2 and r == r2
+                assert q == pytest.approx(q2, abs=1e-6) and f == pytest.approx(f2, abs=1e-6)
+    assert len(table._tables) == 3  # one per sequence of distinct sets (the first two meet the same four, in order)
     greedy = draw(logp, rs, top_k, True, None)
     assert [t for t, *_ in greedy][:2] == [int(logp[0].argmax()), max((3, 17, 250), key=lambda i: float(logp[1, i]))]
 

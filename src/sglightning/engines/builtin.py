@@ -293,9 +293,13 @@ class DecodeSession(Session):
             self._forward(rows, [blocks[i][lo:hi] for i in rows])
 
     def _block(self, rows, n: int, width: int):
-        """Host tensors of one block: ids, mask and positions ``[n, W]``, left-padded within the block, from
-        ``rows``: (line, row, block) triples; advances each row's next position.  Built as lists and converted
-        once (per-row tensor writes cost more than a GPU's decode step at a hundred rows)."""
+        """Host tensors of one block: ids, mask and positions ``[n, W]`` (see :meth:`_block_lists`)."""
+        return tuple(torch.tensor(x, dtype=torch.long).view(n, width) for x in self._block_lists(rows, n, width))
+
+    def _block_lists(self, rows, n: int, width: int) -> tuple[list[int], list[int], list[int]]:
+        """One block's ids, mask and positions as flat row-major lists ``[n · W]``, left-padded within the block,
+        from ``rows``: (line, row, block) triples; advances each row's next position.  Lists, converted once: per-row
+        tensor writes cost more than a GPU's decode step at a hundred rows."""
         ids = [self.pad_id] * (n * width)  # [n * W], row-major
         mask = [0] * (n * width)  # [n * W]
         pos = [0] * (n * width)  # [n * W]
@@ -308,7 +312,7 @@ class DecodeSession(Session):
                 mask[mid:hi] = [1] * k
                 pos[mid:hi] = range(start, start + k)
             self.next_pos[r] = start + k
-        return tuple(torch.tensor(x, dtype=torch.long).view(n, width) for x in (ids, mask, pos))
+        return ids, mask, pos
 
     def _forward(self, rows: list[int] | None, blocks: Sequence[Sequence[int]]) -> None:
         """One forward pass appending ``blocks[k]`` to row ``rows[k]`` (``rows`` None: every row, in order).  A row
@@ -354,18 +358,25 @@ class DecodeSession(Session):
         without a block there (and physical rows no row uses) see their own pads, so no query is fully masked."""
         width = max(len(b) for b in blocks)
         rows = self._mask.shape[0] if width == 1 else max(self.phys) + 1
+        n = rows * width
+        ids, mask, pos = self._block_lists(((p, r, b) for r, (p, b) in enumerate(zip(self.phys, blocks))), rows,
+                                           width)
         live = set(self.phys)
-        ids, mask, pos = self._block(((p, r, b) for r, (p, b) in enumerate(zip(self.phys, blocks))), rows, width)
-        dead = [p for p in range(rows) if p not in live]
-        if dead:
-            mask[dead] = 1
-        fed = torch.zeros(rows, dtype=torch.bool)  # [n]
-        fed[[p for p, b in zip(self.phys, blocks) if b]] = True
-        ids, mask, pos, fed = (self._to_device(t) for t in (ids, mask, pos, fed))
+        for p in range(rows):
+            if p not in live:
+                mask[p * width : (p + 1) * width] = [1] * width
+        fed = [0] * rows  # [n]
+        for p, b in zip(self.phys, blocks):
+            if b:
+                fed[p] = 1
+        # one host-to-device copy of the step's inputs: ids, mask, positions [n · W] each, then fed [n]
+        packed = self._to_device(torch.tensor(ids + mask + pos + fed, dtype=torch.long))
+        ids, mask, pos = (packed[k * n : (k + 1) * n].view(rows, width) for k in range(3))
+        fed = packed[3 * n :] > 0  # [n]
         start = self.width
         view = -(-(start + width) // VIEW_STEP) * VIEW_STEP  # slots attention reads
         self._reserve(view + 1)  # always fewer than the cache holds: a compiled step meets one case, not two
-        self._mask_columns(width)[:rows] = mask.bool()
+        self._mask_columns(width)[:rows] = mask  # copied as bool
         slots = torch.arange(start, start + width, device=self.device)  # [W]
         attn = block_mask(self._mask[:rows, :view], start, width, self._additive)  # [n, 1, W, view]
         self.fed_positions += rows * width

@@ -20,11 +20,16 @@ from sglightning.scoring import restricted_log_mass
 
 class RestrictionTable:
     """Restrictions as tensors on a device, kept across lock steps and sessions (a ``Free`` segment's banned set is
-    the same thousands of ids at every step; a trie node's continuations recur in every group)."""
+    the same thousands of ids at every step; a trie node's continuations recur in every group).  A step's whole
+    table (its distinct sets in order) is kept too, within ``table_bytes``: writing freely, every step has the same
+    one set, and rebuilding its masks cost a score of small device operations per step."""
 
-    def __init__(self, limit: int = 4096):
+    def __init__(self, limit: int = 4096, table_bytes: int = 64 << 20):
         self.limit = limit
+        self.table_bytes = table_bytes
         self._ids: dict[tuple[Restriction, torch.device], torch.Tensor] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, ...]] = {}
+        self._bytes = 0
 
     def ids(self, r: Restriction, device: torch.device) -> torch.Tensor:
         key = (r, device)
@@ -44,6 +49,33 @@ class RestrictionTable:
         lens = (lens.pin_memory() if device.type == "cuda" else lens).to(device, non_blocking=True)
         return ids, k[None, :] < lens[:, None]
 
+    def masks(self, rs: tuple[Restriction, ...], vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``rs`` as ``ids`` [U, K], ``valid`` [U, K], ``exclude`` [U] and ``allowed`` [U, V] (the tokens each set
+        lets through), kept for the next step that meets the same sets."""
+        key = (rs, vocab, device)
+        out = self._tables.get(key)
+        if out is not None:
+            return out
+        ids, valid = self.stack(rs, device)  # [U, K]
+        exclude = _h2d([r.exclude for r in rs], torch.bool, device)  # [U]
+        listed = torch.zeros(len(rs), vocab + 1, dtype=torch.bool, device=device)  # [U, V+1] (column V: padding)
+        listed.scatter_(1, torch.where(valid, ids, vocab), True)
+        listed = listed[:, :vocab]  # [U, V]
+        out = ids, valid, exclude, torch.where(exclude[:, None], ~listed, listed)
+        size = sum(t.numel() * t.element_size() for t in out)
+        if self._bytes + size > self.table_bytes:
+            self._tables, self._bytes = {}, 0
+        if size <= self.table_bytes:
+            self._tables[key] = out
+            self._bytes += size
+        return out
+
+
+def _h2d(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without a stream sync (pinned, asynchronous on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
 
 def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: int = 0, greedy: bool = False,
          generator: torch.Generator | None = None, table: RestrictionTable | None = None
@@ -58,9 +90,8 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
     dev = logp.device
     table = table or RestrictionTable()
 
-    def h2d(values, dtype) -> torch.Tensor:  # small host lists to the device without a stream sync (pinned)
-        t = torch.tensor(values, dtype=dtype)
-        return (t.pin_memory() if dev.type == "cuda" else t).to(dev, non_blocking=True)
+    def h2d(values, dtype) -> torch.Tensor:
+        return _h2d(values, dtype, dev)
 
     neg_inf = torch.full((), float("-inf"), dtype=logp.dtype, device=dev)
     # the step's distinct restrictions as a table (as the trainer's collate builds it): ids [U, K], valid [U, K]
@@ -69,17 +100,15 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
     allowed = None  # [R, V] bool, None = every row unrestricted
     mass_rows: list[int] = []  # rows whose log q needs log Z(A)
     if uniq:
-        rs = list(uniq)
-        ids, valid = table.stack(rs, dev)  # [U, K]
-        exclude = h2d([r.exclude for r in rs], torch.bool)  # [U]
-        listed = torch.zeros(len(rs), V + 1, dtype=torch.bool, device=dev)  # [U, V+1] (column V: padding)
-        listed.scatter_(1, torch.where(valid, ids, V), True)
-        listed = listed[:, :V]  # [U, V]
-        allowed_u = torch.where(exclude[:, None], ~listed, listed)  # [U, V]
-        rows_u = h2d([max(u, 0) for u in u_of], torch.long)  # [R]
-        restricted = h2d([u >= 0 for u in u_of], torch.bool)  # [R]
-        allowed = allowed_u[rows_u] | ~restricted[:, None]  # [R, V]
+        ids, valid, exclude, allowed_u = table.masks(tuple(uniq), V, dev)  # [U, K], [U, K], [U], [U, V]
         mass_rows = [i for i, u in enumerate(u_of) if u >= 0]
+        every = len(mass_rows) == R  # every row restricted (the usual case: fewer operations)
+        index = h2d(u_of if every else u_of + mass_rows, torch.long)  # one copy: [R] each row's set, [M] its rows
+        rows_u = index[:R].clamp(min=0)  # [R]
+        if every:
+            allowed = allowed_u[0] if len(uniq) == 1 else allowed_u[rows_u]  # [V] (broadcast) or [R, V]
+        else:
+            allowed = allowed_u[rows_u] | (index[:R] < 0)[:, None]  # [R, V]
     scores = logp if allowed is None else torch.where(allowed, logp, neg_inf)  # [R, V]
     topk_rows = [i for i, r in enumerate(restrictions) if r is None or r.exclude] if top_k else []
     top_idx = None
@@ -99,9 +128,13 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
     logq = full
     if mass_rows or topk_rows:
         # log Z(A) of each row's set: listed ids (a Choice, top-k) or the complement of the listed ids (banned)
-        log_z = torch.zeros(R, dtype=logp.dtype, device=dev)  # [R]
-        if mass_rows:
-            m = h2d(mass_rows, torch.long)  # [M]
+        if mass_rows and every:
+            sel = logp.gather(1, ids[rows_u])  # [R, K] log π of the listed ids
+            log_z = restricted_log_mass(sel, valid[rows_u], exclude[rows_u])  # [R]
+        else:
+            log_z = torch.zeros(R, dtype=logp.dtype, device=dev)  # [R]
+        if mass_rows and not every:
+            m = index[R:]  # [M]
             u = rows_u[m]  # [M]
             sel = logp[m[:, None], ids[u]]  # [M, K] log π of the listed ids
             log_z = log_z.index_copy(0, m, restricted_log_mass(sel, valid[u], exclude[u]))

@@ -164,7 +164,12 @@ def block_mask(seen: torch.Tensor, start: int, width: int, additive: torch.dtype
     """The 4-D attention mask of a block fed at slots ``start … start+width-1``: query q of row p sees slot c when
     ``seen[p, c]`` (a real token of the row, this block's included) and c ≤ start + q.  ``seen`` [P, C] bool.
     Returns bool [P, 1, W, C] (True = attend), or with ``additive`` a float mask of that dtype (0 / its minimum),
-    for attention implementations that add the mask."""
+    for attention implementations that add the mask.
+
+    A decode step (W = 1) takes ``seen`` as it is, a view: the session marks no slot after the block's as seen, so
+    the causal condition holds already, and a step builds nothing."""
+    if width == 1 and additive is None:
+        return seen[:, None, None, :]  # [P, 1, 1, C]
     cols = torch.arange(seen.shape[1], device=seen.device)  # [C]
     rows = torch.arange(start, start + width, device=seen.device)  # [W]
     mask = seen[:, None, None, :] & (cols[None, :] <= rows[:, None])[None, None]  # [P, 1, W, C]
