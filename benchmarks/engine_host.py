@@ -14,6 +14,10 @@ the objects loaded before the first rollout.
 
 Prints per configuration: lock steps, generated tokens, host ms per lock step (the environment's time left out), the
 draw's share of it, and the ceiling in generated tokens/s; medians over ``--repeats`` rounds (new tasks each round).
+Then, from one more round, untimed, the torch operations dispatched per lock step outside the model (the stored
+logits' copy, standing in for the forward, counts as one): on a GPU each one that launches a kernel or copies to the
+device costs the host several microseconds, which a CPU run does not show.  Counts are exact: compare them across
+commits.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import make_rollout  # noqa: E402
@@ -80,6 +85,26 @@ def rollout(model, tok, engine: NullForwardEngine, group: int, decoding: str, ma
     return make_rollout(model, tok, env, group, 3, max_new, engine, constrained=decoding == "constrained")
 
 
+class OpCounter(TorchDispatchMode):
+    """Counts the aten operations dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_lock_step(r: Rollout, engine: NullForwardEngine, rows: int, decoding: str) -> float:
+    """Torch operations per lock step in one more rollout (untimed: the counting slows it)."""
+    counter = OpCounter()
+    with counter:
+        run = measure(r, engine, rows, decoding, 20_000)
+    return counter.ops / run["lock_steps"]
+
+
 def measure(r: Rollout, engine: NullForwardEngine, rows: int, decoding: str, round_: int) -> dict:
     """One rollout of ``rows`` episodes (``rows / group`` tasks × ``group``), its host time split."""
     tasks = rows // r.cfg.group_size
@@ -119,7 +144,7 @@ def main(argv=None) -> dict:
     gc.freeze()  # as the trainer does at its first rollout: collections skip the model's and libraries' objects
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; the forward replaced by stored logits")
     print(f"{'rows':>5} {'decoding':12} {'lock steps':>10} {'tokens':>7} {'host ms/step':>12} {'draw share':>10} "
-          f"{'ceiling tok/s':>13}")
+          f"{'ceiling tok/s':>13} {'ops/step':>8}")
     report: dict = {"args": vars(args), "torch": torch.__version__, "runs": [], "medians": []}
     vocab = model.get_output_embeddings().weight.shape[0]
     with torch.no_grad():
@@ -130,16 +155,18 @@ def main(argv=None) -> dict:
                 try:
                     measure(r, engine, rows, decoding, 10_000)  # warm-up: the slot cache grows, the workers start
                     runs = [measure(r, engine, rows, decoding, k) for k in range(args.repeats)]
+                    ops = ops_per_lock_step(r, engine, rows, decoding)
                 finally:
                     r.close()
                 report["runs"] += runs
                 med = {k: statistics.median(r[k] for r in runs)
                        for k in ("lock_steps", "tokens", "host_ms_per_lock_step", "draw_share", "ceiling_tokens_per_s")}
                 spread = [min(r["host_ms_per_lock_step"] for r in runs), max(r["host_ms_per_lock_step"] for r in runs)]
-                report["medians"].append({"rows": rows, "decoding": decoding, **med, "host_ms_range": spread})
+                report["medians"].append({"rows": rows, "decoding": decoding, **med, "host_ms_range": spread,
+                                          "ops_per_lock_step": ops})
                 print(f"{rows:5d} {decoding:12} {med['lock_steps']:10.0f} {med['tokens']:7.0f} "
                       f"{med['host_ms_per_lock_step']:8.2f} ({spread[0]:.2f}-{spread[1]:.2f}) "
-                      f"{100 * med['draw_share']:9.0f}% {med['ceiling_tokens_per_s']:13,.0f}", flush=True)
+                      f"{100 * med['draw_share']:9.0f}% {med['ceiling_tokens_per_s']:13,.0f} {ops:8.1f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return report

@@ -281,3 +281,5 @@ def test_the_host_time_benchmark_never_runs_the_model(monkeypatch):
     (med,) = report["medians"]
     assert calls == [] and med["lock_steps"] > 10 and med["tokens"] > med["lock_steps"]  # forced tokens ride along
     assert med["host_ms_per_lock_step"] > 0 and 0 < med["draw_share"] < 1
+    # operations outside the model: the stored logits' copy and the draw at least, far fewer than a forward's
+    assert 5 < med["ops_per_lock_step"] < 200
