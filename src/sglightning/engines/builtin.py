@@ -223,8 +223,9 @@ class DecodeSession(Session):
             return t
         return (t.pin_memory() if self.device.type == "cuda" else t).to(self.device, non_blocking=True)
 
-    def _mask_columns(self, n: int) -> torch.Tensor:
-        """The next ``n`` columns of the mask buffer (grown by doubling), zeroed; ``width`` advances by ``n``."""
+    def _mask_columns(self, n: int, zero: bool = True) -> torch.Tensor:
+        """The next ``n`` columns of the mask buffer (grown by doubling), zeroed unless ``zero`` is False (the caller
+        writes every row); ``width`` advances by ``n``."""
         need = self.width + n
         if need > self._mask.shape[1]:
             grown = torch.zeros(self._mask.shape[0], max(need, 2 * self._mask.shape[1], 64), dtype=self._mask.dtype,
@@ -232,7 +233,8 @@ class DecodeSession(Session):
             grown[:, : self.width] = self._mask[:, : self.width]
             self._mask = grown
         cols = self._mask[:, self.width : need]
-        cols.zero_()
+        if zero:
+            cols.zero_()
         self.width = need
         return cols
 
@@ -376,7 +378,8 @@ class DecodeSession(Session):
         start = self.width
         view = -(-(start + width) // VIEW_STEP) * VIEW_STEP  # slots attention reads
         self._reserve(view + 1)  # always fewer than the cache holds: a compiled step meets one case, not two
-        self._mask_columns(width)[:rows] = mask  # copied as bool
+        full = rows == self._mask.shape[0]
+        self._mask_columns(width, zero=not full)[:rows] = mask  # copied as bool
         slots = torch.arange(start, start + width, device=self.device)  # [W]
         attn = block_mask(self._mask[:rows, :view], start, width, self._additive)  # [n, 1, W, view]
         self.fed_positions += rows * width
@@ -389,7 +392,10 @@ class DecodeSession(Session):
         self.forward_calls += 1
         if self.last_logits is None:
             self.last_logits = torch.zeros(self._mask.shape[0], logits.shape[1], device=self.device)  # [P, V]
-        self.last_logits[:rows] = torch.where(fed[:, None], logits, self.last_logits[:rows])
+        if rows == self.last_logits.shape[0]:  # a decode step: every physical row (a new tensor, no copy back)
+            self.last_logits = torch.where(fed[:, None], logits, self.last_logits)  # [P, V]
+        else:
+            self.last_logits[:rows] = torch.where(fed[:, None], logits, self.last_logits[:rows])
 
     def _reserve(self, slots: int) -> None:
         """A slot cache with room for ``slots`` slots (from the pool, or this one grown by doubling)."""

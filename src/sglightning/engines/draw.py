@@ -143,8 +143,7 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
             no = torch.zeros(len(topk_rows), dtype=torch.bool, device=dev)
             log_z = log_z.index_copy(0, rows, restricted_log_mass(sel, top_ok, no))
         logq = full - log_z  # [R] log q(y) = log π(y) − log Z(A)
-    cols = [tok.double()[:, None], logq.double()[:, None], full.double()[:, None]]
-    packed = torch.cat(cols, dim=1)  # [R, 3]
+    packed = torch.stack([tok.double(), logq, full], dim=1)  # [R, 3] float64 (ids exact; stacking promotes)
     host_top: dict[int, list[int]] = {}
     if topk_rows:
         top_host = top_idx.double()  # [T, k]
