@@ -89,8 +89,10 @@ def test_cpu_smoke_run_with_a_compiled_decode_step_compiles_it_once():
     """``--compile default`` (inductor; on a GPU ``reduce-overhead`` traces the same step): training rollouts of 10
     rows and validation rollouts of 2 (16 and 8 physical rows) share one compile of the decode step, and the check
     reports it (before, each row count compiled the step again)."""
+    import torch
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # an earlier test's trace of the same step would serve this one: count from nothing
     before = counters["frames"]["ok"]
     out = gpu_check.main(["--cpu-smoke", "--steps", "2", "--compile", "default",
                           "--set", "model.rollout.groups_per_step=5"])
