@@ -204,3 +204,25 @@ def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny):
     assert {c.batch for c in engine.slots._caches.values()} == {16, 32}
     assert max(c.capacity for c in engine.slots._caches.values()) > 512
     assert counters["frames"]["ok"] - compiled_before == 1
+
+
+def test_a_step_torch_cannot_compile_runs_uncompiled_and_says_so_once(tiny, monkeypatch):
+    """A compiler failure (here simulated: every compiled call raises torch's compiler error) costs speed, not the
+    rollout: the same episodes as the uncompiled step, and one warning naming the key."""
+    import warnings
+
+    def broken(fn, **kwargs):
+        def call(*args, **kw):
+            raise torch._dynamo.exc.InternalTorchDynamoError("simulated compiler failure\nsecond line")
+        return call
+
+    model, tok = tiny
+    plain = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained", "admissible")
+    monkeypatch.setattr(torch, "compile", broken)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _same(plain, _play(model, tok, BuiltinEngine(EngineConfig(compile="default")), "single_stream", "constrained",
+                           "admissible"))
+    said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == 1 and said[0].startswith("model.engine.compile: default could not compile the decode step "
+                                                 "(InternalTorchDynamoError: simulated compiler failure)")

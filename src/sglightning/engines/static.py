@@ -22,6 +22,7 @@ changed between releases; this cache needs only ``update(keys, values, layer_idx
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -195,9 +196,29 @@ def compiled(step: Callable, mode: str) -> Callable:
     """``step`` compiled for ``model.engine.compile`` = ``mode``: ``static`` eager (no compile); ``default`` inductor;
     ``cudagraphs`` graphs of the traced step without code generation; ``reduce-overhead`` inductor + CUDA graphs.
     Traced with dynamic shapes (``dynamic=True``; the cache's heads and head size are marked static where it is
-    allocated, so that a row count equal to one of them is not fused with it): one trace for the whole run."""
+    allocated, so that a row count equal to one of them is not fused with it): one trace for the whole run.
+
+    If torch fails to compile the step (an error of its compiler, not of the step), the run goes on with the step
+    uncompiled (the same tokens, slower) and says so once, naming the key: a rollout is not lost to a compiler bug."""
     if mode == "static":
         return step
     if mode == "cudagraphs":
-        return torch.compile(step, backend="cudagraphs", dynamic=True)
-    return torch.compile(step, mode=None if mode == "default" else mode, dynamic=True)
+        fn = torch.compile(step, backend="cudagraphs", dynamic=True)
+    else:
+        fn = torch.compile(step, mode=None if mode == "default" else mode, dynamic=True)
+    current = [fn]
+
+    def run(*args, **kwargs):
+        try:
+            return current[0](*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            if current[0] is step:
+                raise
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"model.engine.compile: {mode} could not compile the decode step ({type(err).__name__}: "
+                          f"{first}); it runs uncompiled from here (set model.engine.compile to static to skip the "
+                          "attempt)", RuntimeWarning, stacklevel=2)
+            current[0] = step  # the cache writes of a failed call are the same ones again: safe to repeat
+            return step(*args, **kwargs)
+
+    return run
