@@ -378,8 +378,8 @@ class DecodeSession(Session):
         start = self.width
         view = -(-(start + width) // VIEW_STEP) * VIEW_STEP  # slots attention reads
         self._reserve(view + 1)  # always fewer than the cache holds: a compiled step meets one case, not two
-        full = rows == self._mask.shape[0]
-        self._mask_columns(width, zero=not full)[:rows] = mask  # copied as bool
+        every_row = rows == self._mask.shape[0]  # a decode step: every physical row is written
+        self._mask_columns(width, zero=not every_row)[:rows] = mask  # copied as bool
         slots = torch.arange(start, start + width, device=self.device)  # [W]
         attn = block_mask(self._mask[:rows, :view], start, width, self._additive)  # [n, 1, W, view]
         self.fed_positions += rows * width
@@ -392,7 +392,7 @@ class DecodeSession(Session):
         self.forward_calls += 1
         if self.last_logits is None:
             self.last_logits = torch.zeros(self._mask.shape[0], logits.shape[1], device=self.device)  # [P, V]
-        if rows == self.last_logits.shape[0]:  # a decode step: every physical row (a new tensor, no copy back)
+        if every_row:  # a new tensor, no copy back
             self.last_logits = torch.where(fed[:, None], logits, self.last_logits)  # [P, V]
         else:
             self.last_logits[:rows] = torch.where(fed[:, None], logits, self.last_logits[:rows])

@@ -45,8 +45,7 @@ class RestrictionTable:
         rows = [self.ids(r, device) for r in rs]
         ids = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)  # [U, K]
         k = torch.arange(ids.shape[1], device=device)  # [K]
-        lens = torch.tensor([len(r.ids) for r in rs], dtype=torch.long)  # [U]
-        lens = (lens.pin_memory() if device.type == "cuda" else lens).to(device, non_blocking=True)
+        lens = _h2d([len(r.ids) for r in rs], torch.long, device)  # [U]
         return ids, k[None, :] < lens[:, None]
 
     def masks(self, rs: tuple[Restriction, ...], vocab: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -128,16 +127,17 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
     logq = full
     if mass_rows or topk_rows:
         # log Z(A) of each row's set: listed ids (a Choice, top-k) or the complement of the listed ids (banned)
-        if mass_rows and every:
+        if not mass_rows:
+            log_z = torch.zeros(R, dtype=logp.dtype, device=dev)  # [R]
+        elif every:
             sel = logp.gather(1, ids[rows_u])  # [R, K] log π of the listed ids
             log_z = restricted_log_mass(sel, valid[rows_u], exclude[rows_u])  # [R]
         else:
-            log_z = torch.zeros(R, dtype=logp.dtype, device=dev)  # [R]
-        if mass_rows and not every:
             m = index[R:]  # [M]
             u = rows_u[m]  # [M]
             sel = logp[m[:, None], ids[u]]  # [M, K] log π of the listed ids
-            log_z = log_z.index_copy(0, m, restricted_log_mass(sel, valid[u], exclude[u]))
+            log_z = torch.zeros(R, dtype=logp.dtype, device=dev).index_copy(
+                0, m, restricted_log_mass(sel, valid[u], exclude[u]))  # [R]
         if topk_rows:
             sel = logp[rows[:, None], top_idx.clamp(min=0)]  # [T, k]
             no = torch.zeros(len(topk_rows), dtype=torch.bool, device=dev)

@@ -206,19 +206,19 @@ def compiled(step: Callable, mode: str) -> Callable:
         fn = torch.compile(step, backend="cudagraphs", dynamic=True)
     else:
         fn = torch.compile(step, mode=None if mode == "default" else mode, dynamic=True)
-    current = [fn]
 
     def run(*args, **kwargs):
+        nonlocal fn
         try:
-            return current[0](*args, **kwargs)
+            return fn(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
-            if current[0] is step:
+            if fn is step:
                 raise
             first = (str(err).strip().splitlines() or [""])[0][:200]
             warnings.warn(f"model.engine.compile: {mode} could not compile the decode step ({type(err).__name__}: "
                           f"{first}); it runs uncompiled from here (set model.engine.compile to static to skip the "
                           "attempt)", RuntimeWarning, stacklevel=2)
-            current[0] = step  # the cache writes of a failed call are the same ones again: safe to repeat
+            fn = step  # the cache writes of a failed call are the same ones again: safe to repeat
             return step(*args, **kwargs)
 
     return run
