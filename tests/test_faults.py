@@ -194,3 +194,14 @@ def test_a_process_that_ran_a_group_exits_like_a_normal_exit(tmp_path, stop, cod
     assert (res.returncode, res.stdout) == (code, "last words"), res.stderr[-2000:]
     assert res.stderr.strip().endswith(err) and ("Traceback" in res.stderr) == (stop == "crash"), res.stderr[-2000:]
     assert (tmp_path / "hook").read_text() == "ran" and (tmp_path / "thread").read_text() == "ran"
+
+
+def test_the_exit_status_of_a_distributed_run_follows_pythons_rule(capsys):
+    """What `_report_exit` returns and prints for each `sys.exit` argument: None and ints as they are (nothing
+    printed), any other object printed on stderr with status 1, as Python's own exit does."""
+    from sglightning.cli import _report_exit
+
+    assert [_report_exit(SystemExit(c)) for c in (None, 0, 3, True)] == [0, 0, 3, 1]
+    assert capsys.readouterr().err == ""
+    assert _report_exit(SystemExit("bad key")) == 1 and _report_exit(SystemExit(2.5)) == 1
+    assert capsys.readouterr().err == "bad key\n2.5\n"

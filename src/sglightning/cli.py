@@ -546,9 +546,10 @@ def _report_exit(err: BaseException) -> int:
     """What Python prints for ``err`` reaching the top (a ``sys.exit`` message, a crash's traceback), and the exit
     status it would give."""
     if isinstance(err, SystemExit):
-        if isinstance(err.code, str):  # sys.exit("message"): Python prints it and exits 1
-            print(err.code, file=sys.stderr)
-        return err.code if isinstance(err.code, int) else int(err.code is not None)
+        if err.code is None or isinstance(err.code, int):
+            return err.code or 0
+        print(err.code, file=sys.stderr)  # sys.exit("message") or any other object: Python prints it, exits 1
+        return 1
     traceback.print_exception(err)
     return 130 if isinstance(err, KeyboardInterrupt) else 1
 
