@@ -10,7 +10,8 @@ Prints, for the steps after the first (the first compiles): rollout generated to
 shape at the measured batch and mean context and the share of it reached; update tokens/s and MFU; peak memory; the
 sampler/trainer log-prob gap; validation success before and after; how often the decode step was compiled and how
 often CUDA graphs were skipped (on a GPU the reasons go to the log: torch's recompile and performance-hint messages are
-switched on); one table row last.
+switched on); one table row last.  ``--profile PATH`` profiles the last step (``StepProfile``: each phase's wall and
+device time, so how busy the GPU was in the rollout and the update) and leaves it out of the numbers above.
 
 The decode roofline: a decode step reads the weights once and every row's KV cache, so
 ``tokens/s ≤ B / ((2·N + B·L·kv) / bandwidth)`` with B the rows a lock step advances, L their mean context (both as
@@ -63,7 +64,12 @@ def parse(argv=None) -> argparse.Namespace:
                     help="any other sglightning fit key, e.g. --set model.grpo.rollout_correction=null (repeatable)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks the script end to end")
     ap.add_argument("--json", default=None, help="also write the numbers to this file")
+    ap.add_argument("--profile", default=None, metavar="PATH",
+                    help="profile the last step (sglightning.callbacks.StepProfile), write its phases to PATH "
+                         "(Markdown) and the JSON; that step is left out of the throughput numbers (needs --steps 3+)")
     args = ap.parse_args(argv)
+    if args.profile and args.steps < 3:
+        ap.error("--profile needs --steps 3 or more: step 1 warms up and compiles, the profiled step is not timed")
     if args.strategy == "fsdp1" and args.devices < 2:
         ap.error("--strategy fsdp1 needs --devices 2 or more: on one process torch's FSDP1 does not shard (NO_SHARD), "
                  "which fails on this model's tied embeddings")
@@ -99,6 +105,8 @@ def fit_args(args, gpu: bool, root: str) -> list[str]:
         "--model.guidance.max_action_tokens=24", "--model.grpo.kl_coef=0.01", "--model.update.micro_batch_size=8",
         f"--model.engine.compile={args.compile}", *val,
         "--model.optimizer=torch.optim.AdamW", "--model.optimizer.lr=1e-5",
+        *([f"--trainer.callbacks+={{class_path: sglightning.callbacks.StepProfile, init_args: {{step: {args.steps}}}}}"]
+          if args.profile else []),
         *(f"--{kv}" for kv in args.set),
     ]
 
@@ -150,8 +158,11 @@ def shape_numbers(shape: dict) -> dict[str, float]:
     return {"params": float(params), "kv_bytes_per_token": float(2 * cfg.num_layers * kv_heads * cfg.heads_dim * 2)}
 
 
-def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: float | None) -> dict:
-    rows = hist[1:] or hist  # the first step includes warm-up and compilation
+def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: float | None, profiled: bool = False
+              ) -> dict:
+    """The run's numbers from its per-step logs ``hist``; with ``profiled`` the last step (run under the profiler) is
+    left out of the times."""
+    rows = (hist[:-1] if profiled else hist)[1:] or hist  # the first step includes warm-up and compilation
     gen = sum(r["tokens/generated"] for r in rows)
     rollout_s = sum(r["time/rollout_s"] for r in rows)
     out = {"rollout_tokens_per_s": gen / rollout_s,
@@ -184,7 +195,7 @@ def main(argv=None) -> dict:
     args = parse(argv)
     import torch
 
-    from sglightning.callbacks import RolloutCallback
+    from sglightning.callbacks import RolloutCallback, StepProfile
     from sglightning.cli import cli_main
 
     gpu = torch.cuda.is_available() and not args.cpu_smoke
@@ -204,23 +215,32 @@ def main(argv=None) -> dict:
         sys.argv = argv0
     module, trainer = cli.model, cli.trainer
     engine = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback)).engine
+    profile = next((c.summary for c in trainer.callbacks if isinstance(c, StepProfile)), None)
     out = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "shape": args.shape,
            "strategy": args.strategy, "devices": args.devices, "compile": args.compile,
            "decode_step": engine.mode(module.peft_model) if hasattr(engine, "mode") else None,
            "compiles": counters["frames"]["ok"], "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
            "steps": len(module.history),
            "episodes_per_step": module.history[-1]["rollout/episodes"],
-           **summarise(module.history, SHAPES[args.shape], bandwidth, flops),
+           **summarise(module.history, SHAPES[args.shape], bandwidth, flops, profiled=profile is not None),
            "copy_bandwidth_TBps": bandwidth / 1e12 if bandwidth else None,
            "matmul_TFLOPs": flops / 1e12 if flops else None,
            "peak_memory_GB": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
            "validation_before": _success(module.val_report_before), "validation_after": _success(module.val_report),
            "wall_s": time.perf_counter() - t0}
+    if profile is not None:  # the phases' shares and device busy, in the JSON; the whole table in --profile's file
+        out["profile"] = {"step": args.steps, "wall_s": profile["wall_s"], "device_busy": profile["device_busy"],
+                          "phases": {p["phase"]: {"wall_s": p["wall_s"], "device_s": p["device_s"], "calls": p["calls"]}
+                                     for p in profile["phases"]}}
     if trainer.is_global_zero:
         print(json.dumps(out, indent=2))
         print(row(out))
         if args.json:
             Path(args.json).write_text(json.dumps(out, indent=2))
+        if args.profile and profile is not None:
+            from sglightning.profiling import markdown
+            Path(args.profile).write_text(markdown(profile, f"{args.shape}, {out['episodes_per_step']:.0f} episodes, "
+                                                            f"step {args.steps} of `gpu_check.py` on {out['device']}"))
     return out
 
 

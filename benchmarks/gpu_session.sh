@@ -6,7 +6,8 @@
 # then, through the device tool, on one warm machine:
 #   part 1 (carry .gpu/wheels .gpu/gguf1): bash benchmarks/gpu_session.sh 1
 #       CUDA tests (every decode step vs the dynamic cache; the tiny config's fit, resume and validate), the 0.39 B
-#       probe at 8 x 8 episodes, the Qwen3-1.7B shape at the paper's 16 x 8
+#       probe at 8 x 8 episodes, the Qwen3-1.7B shape at the paper's 16 x 8; each profiles its last step (where the
+#       time goes, how busy the GPU is: $OUT/<run>.profile.md; that step is left out of the throughput)
 #   part 2 (carry .gpu/wheels .gpu/gguf2): bash benchmarks/gpu_session.sh 2
 #       the quickstart (embedded SmolLM2, bf16), the Qwen3-4B shape at 16 x 8
 #   part 3, only if device time is left (<= 8 min): the probe with CUDA graphs but no inductor (what compiling
@@ -58,8 +59,10 @@ echo "|---|---|---|" >> "$OUT/stages.md"
 
 if [ "$part" = 1 ]; then
   stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py  # no -x: every failure is news
-  check probe_8x8 170 --shape probe --groups 8 --group-size 8 --val-tasks 4
-  check qwen3-1.7b_16x8 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4
+  check probe_8x8 200 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 \
+    --profile "$OUT/probe_8x8.profile.md"
+  check qwen3-1.7b_16x8 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
+    --profile "$OUT/qwen3-1.7b_16x8.profile.md"
 elif [ "$part" = 2 ]; then
   stage quickstart 220 "$PY" -m sglightning fit --config configs/quickstart.yaml --trainer.accelerator=gpu \
     --trainer.precision=bf16-mixed --model.policy.dtype=bfloat16 "--trainer.default_root_dir=$OUT/runs" \
@@ -81,10 +84,13 @@ rm -rf "$OUT/runs"
 
 {
   echo
-  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB | validation before -> after | sampler ratio outside [0.9, 1.1] / max | compiles / graph skips |"
-  echo "|---|---|---|---|---|---|---|---|---|---|---|"
+  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB | validation before -> after | sampler ratio outside [0.9, 1.1] / max | compiles / graph skips | GPU busy: rollout / update |"
+  echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
   [ -f "$OUT/results.jsonl" ] && "$PY" - "$OUT/results.jsonl" <<'PY'
 import json, sys
+def busy(o, name):
+    p = (o.get("profile") or {}).get("phases", {}).get(name)
+    return f"{100 * p['device_s'] / p['wall_s']:.0f} %" if p and p["wall_s"] > 0 else "-"
 for line in open(sys.argv[1]):
     o = json.loads(line)
     share = f" ({100 * o['roofline_share']:.1f} % of {o['decode_roofline_tokens_per_s']:,.0f})" if o.get("roofline_share") else ""
@@ -93,7 +99,7 @@ for line in open(sys.argv[1]):
           f"{o['rollout_tokens_per_s']:,.0f}{share} | {o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | "
           f"{o.get('peak_memory_GB') or 0:.1f} | {o['validation_before']} -> {o['validation_after']} | "
           f"{o.get('sampler_ratio_outside_0.9_1.1', float('nan')):.4f} / {o.get('sampler_ratio_max', float('nan')):.3f} | "
-          f"{o.get('compiles')} / {o.get('cudagraph_skips')} |")
+          f"{o.get('compiles')} / {o.get('cudagraph_skips')} | {busy(o, 'rollout')} / {busy(o, 'update')} |")
 PY
   echo
   cat "$OUT/stages.md"

@@ -68,6 +68,24 @@ def test_cpu_smoke_run_goes_through_fit_with_validation(tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| tiny | 2 | ")
 
 
+def test_cpu_smoke_run_profiles_its_last_step_and_leaves_it_out_of_the_times(tmp_path):
+    out = gpu_check.main(["--cpu-smoke", "--steps", "3", "--profile", str(tmp_path / "p.md")])
+    assert out["steps"] == 3 and out["profile"]["step"] == 3
+    phases = out["profile"]["phases"]
+    assert {"rollout", "rollout/decode", "rollout/draw", "update", "update/backward"} <= set(phases)
+    assert phases["rollout"]["wall_s"] < out["profile"]["wall_s"]
+    assert "| rollout/decode |" in (tmp_path / "p.md").read_text()
+    with pytest.raises(SystemExit):  # step 1 warms up, the profiled step is not timed: nothing would be left
+        gpu_check.parse(["--profile", "x.md", "--steps", "2"])
+
+
+def test_summary_leaves_the_profiled_step_out():
+    hist = [{"tokens/generated": 100.0, "time/rollout_s": t, "time/update_s": 1.0, "tokens/total": 10.0}
+            for t in (9.0, 1.0, 7.0)]
+    assert gpu_check.summarise(hist, {}, None, None)["rollout_s_per_step"] == 4.0  # steps 2 and 3
+    assert gpu_check.summarise(hist, {}, None, None, profiled=True)["rollout_s_per_step"] == 1.0  # step 2 only
+
+
 def test_cpu_smoke_run_under_fsdp2_on_one_device(capfd):
     """``--strategy fsdp2`` (the GPU session compares it with the plain probe) reaches the FSDP2 strategy — given as
     a strategy name Lightning refused it — and the run prints nothing on stderr (no LightningCLI argv warning)."""

@@ -38,6 +38,7 @@ from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
 from sglightning.models import PolicyConfig, base_signature
 from sglightning.preemption import PreemptionCheckpoint, agree_on_sigterm, sigterm_check
+from sglightning.profiling import markdown, phase, prepare_for_cuda_graphs, recording, summarise
 from sglightning.report import fit_summary, trajectory_markdown
 from sglightning.rollout import Rollout, RolloutAborted
 
@@ -151,7 +152,8 @@ class RolloutCallback(Callback):
         if agree_on_sigterm(trainer, pl_module.device):
             raise SIGTERMException()  # every rank, here, before this step's rollout
         try:
-            batch.rollout = self.collect(pl_module, trainer)
+            with phase("rollout"):
+                batch.rollout = self.collect(pl_module, trainer)
         except RolloutAborted:
             # SIGTERM during the rollout: abandon this step (nothing was updated yet); PreemptionCheckpoint saves
             raise SIGTERMException() from None
@@ -266,6 +268,85 @@ class FitSummary(Callback):
         export = next((c for c in trainer.callbacks if isinstance(c, AdapterExport)), None)
         print(fit_summary(pl_module.history, pl_module.skipped_updates, pl_module.val_report_before,
                           pl_module.val_report, run_dir(trainer), export.last_export if export else None))
+
+
+class StepProfile(Callback):
+    """Profiles one training step, its rollout and its update, and says where the time went: per phase, the calls,
+    the wall time and the device time (:mod:`sglightning.profiling`).  Add it to a run with
+    ``--trainer.callbacks+=sglightning.callbacks.StepProfile``.  Rank 0 prints the phase table when fit ends; each rank
+    writes ``profile-step<N>.md`` and ``.json`` to the run directory (``-rank<r>`` added when there are several).
+
+    Args:
+        step: the training step to profile, counted from 1 as the progress line counts (step 1 compiles and warms up).
+        trace: also write torch's Chrome trace, ``profile-step<N>.trace.json`` (tens of MB for a long rollout).
+        top: how many kernels and host operations the written profile lists.
+    """
+
+    def __init__(self, step: int = 2, trace: bool = False, top: int = 10):
+        if step < 1:
+            raise ConfigError(f"StepProfile.step: {step} is not a training step (they count from 1)")
+        self.step, self.trace, self.top = step, trace, top
+        self.summary: dict | None = None  # the profiled step's numbers (sglightning.profiling.summarise)
+        self.path: Path | None = None  # the written Markdown
+        self._recording = None
+        self._prof = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # the profile must start before the rollout does, in the same hook: run before the rollout callback (moving
+        # self to an earlier index keeps Lightning's loop over the list from skipping or repeating a callback)
+        cbs = trainer.callbacks
+        rollout = next((i for i, c in enumerate(cbs) if isinstance(c, RolloutCallback)), None)
+        if rollout is not None and rollout < cbs.index(self):
+            cbs.remove(self)
+            cbs.insert(rollout, self)
+        if trainer.strategy.root_device.type == "cuda":
+            prepare_for_cuda_graphs()  # before the decode step's graphs are captured
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._recording is None and self.summary is None and _steps_done(trainer, pl_module) + 1 == self.step:
+            self._recording = recording(cuda=pl_module.device.type == "cuda")
+            self._prof = self._recording.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self._recording is None:
+            return
+        self._stop()
+        self.summary = summarise(self._prof, self.top)
+        name = f"profile-step{self.step}" + (f"-rank{trainer.global_rank}" if trainer.world_size > 1 else "")
+        folder = run_dir(trainer)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"{name}.md"
+        self.path.write_text(markdown(self.summary, self._title(pl_module)))
+        (folder / f"{name}.json").write_text(json.dumps(self.summary, indent=1))
+        if self.trace:
+            self._prof.export_chrome_trace(str(folder / f"{name}.trace.json"))
+        self._prof = None
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if self._recording is not None:
+            self._stop()  # the profiler must not outlive the step (nothing is written: the step did not end)
+
+    @rank_zero_only
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.summary is None:
+            print(f"StepProfile: step {self.step} did not run (this fit ended after step "
+                  f"{_steps_done(trainer, pl_module)}); nothing was profiled")
+            return
+        print(markdown(self.summary, self._title(pl_module), details=False) + f"(the whole profile: {self.path})")
+
+    def _stop(self) -> None:
+        recording_, self._recording = self._recording, None
+        recording_.__exit__(None, None, None)
+
+    def _title(self, pl_module: LightningModule) -> str:
+        dev = pl_module.device
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+        return f"Profile of training step {self.step} ({dev.type}: {name})"
+
+
+def _steps_done(trainer: Trainer, pl_module: LightningModule) -> int:
+    """Training steps done (rollouts, not optimiser steps: ``grpo.ppo_epochs`` may take several per rollout)."""
+    return int(getattr(pl_module, "rollouts_done", trainer.global_step))
 
 
 def _none_started(rb: RolloutBatch, key: str, split: str) -> None:

@@ -51,6 +51,7 @@ from sglightning.models import (
     load_policy,
     warn_low_precision_adapters,
 )
+from sglightning.profiling import phase
 from sglightning.rewards import RewardTerm
 from sglightning.update import (
     StepStats,
@@ -289,7 +290,8 @@ class SelfGuideModule(LightningModule):
                                   drop_failed_groups=self.rollout_cfg.failed_episodes == "drop_group")
         # grpo.ppo_epochs optimiser steps on it (every rank, with or without rows: the same collectives)
         try:
-            update_logs = self.update(prepared)
+            with phase("update"):
+                update_logs = self.update(prepared)
         except torch.cuda.OutOfMemoryError as err:
             raise out_of_memory("update", err, self.rollouts_done + 1) from None
         # the step's numbers, merged over ranks
@@ -328,7 +330,8 @@ class SelfGuideModule(LightningModule):
         out: dict[str, float] = {}
         mode = self.correction_mode()
         if mode and (data is not None or self._sharded()):  # under FSDP every rank runs the recompute's collectives
-            data, stats = self._rollout_correction(data, rows, pad, mode)
+            with phase("update/correction"):
+                data, stats = self._rollout_correction(data, rows, pad, mode)
             out.update(stats)
         for epoch in range(self.grpo_cfg.ppo_epochs):
             out.update(self._optimiser_step(data, adv, rows, pad, totals, prepared.rows_left_out, opt,
@@ -383,10 +386,11 @@ class SelfGuideModule(LightningModule):
             mb = scoring.microbatch(step_data, tok_adv, r)  # [B, W] each
             ids, attn, m, restrict = mb["ids"], mb["attn"], mb["mask"], mb["restrict"]
             ref = None
-            if c.kl_coef > 0:
-                with torch.no_grad(), self.policy.disable_adapter():
-                    ref, _ = self.token_logprobs(ids, attn, m, temp, restrict=restrict)
-            logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True, restrict=restrict)
+            with phase("update/forward"):
+                if c.kl_coef > 0:
+                    with torch.no_grad(), self.policy.disable_adapter():
+                        ref, _ = self.token_logprobs(ids, attn, m, temp, restrict=restrict)
+                logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True, restrict=restrict)
             part = microbatch_objective(mb, logp, ent, ref, totals, c, first_epoch)
             objective = part.objective
             if not torch.isfinite(objective):
@@ -396,7 +400,8 @@ class SelfGuideModule(LightningModule):
                 objective = objective.nan_to_num(0.0, 0.0, 0.0) * 0.0  # keep the backward collective; no update
             if sharded:  # FSDP averages gradients over ranks; the weights already are global shares
                 objective = objective * self._world()[1]
-            with distributed.no_sync(self.trainer.strategy.model if self._trainer is not None else None):
+            with distributed.no_sync(self.trainer.strategy.model if self._trainer is not None else None), \
+                    phase("update/backward"):
                 self.manual_backward(objective)
             stats.add(part)
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -405,11 +410,12 @@ class SelfGuideModule(LightningModule):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
-        finite, grad_norm = distributed.finish_gradients(self.policy, params, self.sharding, finite, max_norm)
-        if not finite:
-            return self._skip_update(opt)
-        self.consecutive_skips = 0
-        opt.step()
+        with phase("update/optimiser"):
+            finite, grad_norm = distributed.finish_gradients(self.policy, params, self.sharding, finite, max_norm)
+            if not finite:
+                return self._skip_update(opt)
+            self.consecutive_skips = 0
+            opt.step()
         return {**stats.result(), "train/grad_norm": float(grad_norm), "train/update_skipped": 0.0}
 
     def _skip_update(self, opt) -> dict[str, float]:

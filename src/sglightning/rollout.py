@@ -70,6 +70,7 @@ from sglightning.guidance import (
     stream_first_messages,
     stream_next_user,
 )
+from sglightning.profiling import phase
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +165,8 @@ class Rollout:
                     for k, s in enumerate(seeds) for j in range(g)]
         self._env_seconds = 0.0
         te = time.perf_counter()
-        outcomes = self.pool.reset_many([(ep.index, ep.seed, split) for ep in episodes])
+        with phase("rollout/env"):
+            outcomes = self.pool.reset_many([(ep.index, ep.seed, split) for ep in episodes])
         self._env_seconds += time.perf_counter() - te
         for ep, out in zip(episodes, outcomes):
             if not out.ok:  # a broken env fails its episode only
@@ -274,7 +276,8 @@ class Rollout:
             s.extend_context(self.chat.prompt_ids(msgs))
             ep.samples.append(s)
             blocks.append(s.ids)
-        session.feed(blocks)
+        with phase("rollout/prefill"):
+            session.feed(blocks)
         for t in range(self.cfg.max_steps):
             self._check_stop()
             programs = []
@@ -324,7 +327,8 @@ class Rollout:
             if not live:
                 break
             session.select(keep)
-            session.feed(blocks)
+            with phase("rollout/prefill"):
+                session.feed(blocks)
         for ep in live:
             ep.truncated = True
             ep.done = True
@@ -410,7 +414,8 @@ class Rollout:
 
     def _call(self, prompts, programs, temperature, generator, greedy, stats) -> list[list[Piece]]:
         session = self.engine.session(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
-        session.feed(prompts)
+        with phase("rollout/prefill"):
+            session.feed(prompts)
         out = session.run(programs)
         stats["forward"] += session.forward_calls
         stats["prefill"] += getattr(session, "fed_positions", 0)
@@ -439,7 +444,8 @@ class Rollout:
         """Parse every live episode's turn, step all their environments concurrently, record the steps."""
         actions = [self._decide(ep, pieces, guided) for ep, pieces in zip(live, results)]
         te = time.perf_counter()
-        outcomes = self.pool.step_many([(ep.index, a or "") for ep, a in zip(live, actions)])
+        with phase("rollout/env"):
+            outcomes = self.pool.step_many([(ep.index, a or "") for ep, a in zip(live, actions)])
         self._env_seconds += time.perf_counter() - te
         for ep, action, out in zip(live, actions, outcomes):
             if not out.ok:  # a broken env fails its episode only

@@ -48,6 +48,7 @@ from sglightning.engines.static import (
 from sglightning.episodes import Piece
 from sglightning.models import cache_argument_name
 from sglightning.prefixes import cluster_heads, shared_prefixes
+from sglightning.profiling import phase
 
 
 class BuiltinEngine(Engine):
@@ -462,9 +463,10 @@ class DecodeSession(Session):
             want = [i for i, st in enumerate(rows) if not st.done and not blocks[i]]  # rows that sample now
             if want:
                 logits = self.last_logits[self._rows(want)]  # [R, V]
-                logp = torch.log_softmax(logits / self.temperature, dim=-1)  # [R, V]
-                drawn = draw(logp, [rows[i].restriction() for i in want], self.top_k, self.greedy, self.generator,
-                             self._table)
+                with phase("rollout/draw"):
+                    logp = torch.log_softmax(logits / self.temperature, dim=-1)  # [R, V]
+                    drawn = draw(logp, [rows[i].restriction() for i in want], self.top_k, self.greedy,
+                                 self.generator, self._table)
                 for i, (tok, logq, full, used) in zip(want, drawn):
                     rows[i].take(tok, logq, full, used)
                     blocks[i] = [tok] + rows[i].written()
@@ -474,7 +476,8 @@ class DecodeSession(Session):
             self.lock_steps += 1
             self.row_steps += len(moving)
             self.context_tokens += sum(self.next_pos[i] for i in moving)
-            self.feed(blocks)
+            with phase("rollout/decode"):
+                self.feed(blocks)
             blocks = [[] for _ in rows]
         return [st.pieces for st in rows]
 

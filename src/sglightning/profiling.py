@@ -1,0 +1,159 @@
+"""Where one training step's time goes: the phases of a step, and how busy the device was in each.
+
+Why: on a GPU the question is whether the rollout and the update keep the chip busy or wait on the host.
+``torch.profiler`` records every operation and kernel; its tables list operations, not phases, and a whole fit's
+trace is huge.  The code marks its phases with :func:`phase` (a no-op unless a profiler is recording), and
+:func:`summarise` reduces one recorded step to those phases: calls, wall time, and device time (the kernels and
+copies each phase launched).  :class:`sglightning.callbacks.StepProfile` records one step of a fit.
+
+Reading a profile (docs/performance.md has more): a phase's wall time is host time plus any wait for the device.
+On a GPU the rollout's forward is queued without waiting, and the draw that follows waits for it (one copy to the host
+per lock step), so ``rollout/decode`` shows the host's launch cost and ``rollout/draw`` absorbs the device's.  A
+device busy share well under 100 % in a phase means the host, not the chip, bounds that phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch.autograd import DeviceType
+
+#: the prefix of every range this package records; the phases a step is split into, in the order a report shows them
+PREFIX = "sglightning/"
+PHASES = ("step", "rollout", "rollout/prefill", "rollout/decode", "rollout/draw", "rollout/env", "update",
+          "update/correction", "update/forward", "update/backward", "update/optimiser")
+
+_OFF = contextlib.nullcontext()
+
+
+def phase(name: str) -> contextlib.AbstractContextManager:
+    """A profiler range ``sglightning/<name>`` while a profiler records, else a no-op (0.1 µs; a range costs ~6 µs).
+
+    Args:
+        name: one of :data:`PHASES`.
+    """
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(PREFIX + name)
+    return _OFF
+
+
+def _quiet_kineto() -> None:
+    # torch's profiler library (kineto) writes two lines to stderr per recording, unasked: level 6 keeps it quiet
+    # (read when it first starts; a user's own KINETO_LOG_LEVEL wins)
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
+def prepare_for_cuda_graphs() -> None:
+    """Start the profiler once, empty, before any CUDA graph is captured: a graph captured before the profiler's
+    first start and replayed under it can fail or hang (pytorch/pytorch#75504; torch's own workaround)."""
+    _quiet_kineto()
+    torch.profiler._utils._init_for_cuda_graphs()
+
+
+@contextlib.contextmanager
+def recording(cuda: bool) -> Iterator[torch.profiler.profile]:
+    """``torch.profiler`` over the block (host operations; with ``cuda`` also kernels and copies), with the block
+    marked as phase ``step``.  The device is synchronised before the block ends, so every kernel is in.
+
+    Args:
+        cuda: record CUDA activity too (the model is on a CUDA device).
+    """
+    _quiet_kineto()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        with phase("step"):
+            yield prof
+            if cuda:
+                torch.cuda.synchronize()
+
+
+def summarise(prof: torch.profiler.profile, top: int = 10) -> dict:
+    """One recorded step as numbers (seconds): the step's wall time and device time, then per phase of :data:`PHASES`
+    that ran: calls, wall (inclusive) and device time; the ``top`` kernels by device time and host operations by
+    self time.
+
+    Device time is the sum of the kernels' and copies' durations (overlapping streams count twice; this package uses
+    one stream).  ``device_busy`` = device / wall.  A CPU run has no device time: its device fields are 0.
+
+    Args:
+        prof: a finished :func:`recording`.
+        top: how many kernels and host operations to list.
+    """
+    events = prof.key_averages()
+    # a range is a host event; on CUDA the profiler also lists its span on the device (a user annotation), skipped
+    stats = {e.key: e for e in events if e.key.startswith(PREFIX) and e.device_type == DeviceType.CPU}
+    if PREFIX + "step" not in stats:
+        raise ValueError("the profile holds no sglightning/step range: record it with sglightning.profiling.recording")
+    step = stats[PREFIX + "step"]
+    wall = step.cpu_time_total / 1e6
+    own = [e for e in events if not e.key.startswith(PREFIX)]
+    device = sum(e.self_device_time_total for e in own) / 1e6
+    phases = []
+    for name in PHASES:
+        e = stats.get(PREFIX + name)
+        if e is None:
+            continue
+        phases.append({"phase": name, "calls": int(e.count), "wall_s": e.cpu_time_total / 1e6,
+                       "device_s": e.device_time_total / 1e6})
+    kernels = sorted((e for e in own if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    host = sorted(own, key=lambda e: -e.self_cpu_time_total)
+    return {
+        "wall_s": wall, "device_s": device, "device_busy": device / wall if wall > 0 else 0.0,
+        "phases": phases,
+        "top_kernels": [{"name": e.key, "calls": int(e.count), "device_s": e.self_device_time_total / 1e6}
+                        for e in kernels[:top]],
+        "top_host_ops": [{"name": e.key, "calls": int(e.count), "self_s": e.self_cpu_time_total / 1e6}
+                         for e in host[:top]],
+    }
+
+
+def markdown(summary: dict, title: str, details: bool = True) -> str:
+    """:func:`summarise`'s numbers as Markdown: the phase table, then the top kernels and host operations.
+
+    Args:
+        summary: from :func:`summarise`.
+        title: the heading (which step, which device).
+        details: list the top kernels and host operations after the phase table.
+    """
+    wall = summary["wall_s"] or 1e-12
+    dev = summary["device_s"]
+
+    def busy(d: float, w: float) -> str:
+        return f"{100 * d / w:.0f} %" if dev > 0 and w > 0 else "-"
+
+    lines = [f"# {title}", "",
+             f"Step: {summary['wall_s']:.3f} s wall, {dev:.3f} s device time (busy {busy(dev, wall)}).", "",
+             "| phase | calls | wall s | share of the step | device s | device busy |", "|---|---|---|---|---|---|"]
+    for p in _with_rest(summary["phases"]):
+        lines.append(f"| {p['phase']} | {p['calls']} | {p['wall_s']:.3f} | {100 * p['wall_s'] / wall:.1f} % | "
+                     f"{p['device_s']:.3f} | {busy(p['device_s'], p['wall_s'])} |")
+    if not details:
+        return "\n".join(lines) + "\n"
+    if summary["top_kernels"]:
+        lines += ["", "| kernel or copy | calls | device s | share of device time |", "|---|---|---|---|"]
+        lines += [f"| `{k['name'][:90]}` | {k['calls']} | {k['device_s']:.3f} | {100 * k['device_s'] / dev:.1f} % |"
+                  for k in summary["top_kernels"]]
+    lines += ["", "| host operation | calls | self s | share of the step |", "|---|---|---|---|"]
+    lines += [f"| `{h['name'][:90]}` | {h['calls']} | {h['self_s']:.3f} | {100 * h['self_s'] / wall:.1f} % |"
+              for h in summary["top_host_ops"]]
+    return "\n".join(lines) + "\n"
+
+
+def _with_rest(phases: list[dict]) -> list[dict]:
+    """The phases, each parent's sub-phases followed by ``<parent>/rest``: its time outside them (e.g. the rollout's
+    prompts, parsing and episode records)."""
+    out = []
+    for i, p in enumerate(phases):
+        out.append(p)
+        name = p["phase"].split("/")[0]
+        nxt = phases[i + 1]["phase"] if i + 1 < len(phases) else ""
+        children = [c for c in phases if c["phase"].startswith(name + "/")]
+        if "/" in p["phase"] and children and not nxt.startswith(name + "/"):
+            parent = next(q for q in phases if q["phase"] == name)
+            out.append({"phase": f"{name}/rest", "calls": "-",
+                        "wall_s": max(parent["wall_s"] - sum(c["wall_s"] for c in children), 0.0),
+                        "device_s": max(parent["device_s"] - sum(c["device_s"] for c in children), 0.0)})
+    return out

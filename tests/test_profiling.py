@@ -1,0 +1,105 @@
+"""One step's profile (``sglightning.profiling``, ``StepProfile``): the phase ranges cost nothing unless a profiler
+records; a recorded step is reduced to its phases; a fit with the callback profiles the step asked for, from before
+its rollout, and prints nothing on stderr."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglightning.callbacks import RolloutCallback, StepProfile
+from sglightning.errors import ConfigError
+from sglightning.profiling import PHASES, markdown, phase, recording, summarise
+from tests.tiny import tiny_module, tiny_trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_phase_is_a_no_op_unless_a_profiler_records():
+    assert phase("rollout") is phase("update")  # the one shared null context: no range, no allocation
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with phase("rollout"):
+            torch.ones(3).sum()
+    assert "sglightning/rollout" in {e.key for e in prof.key_averages()}
+
+
+def test_a_recorded_step_is_reduced_to_its_phases():
+    a = torch.randn(256, 256)
+    with recording(cuda=False) as prof:
+        with phase("rollout"):
+            for _ in range(3):
+                with phase("rollout/decode"):
+                    a @ a
+        with phase("update"):
+            with phase("update/forward"):
+                (a @ a).sum()
+    s = summarise(prof, top=3)
+    by = {p["phase"]: p for p in s["phases"]}
+    assert list(by) == ["step", "rollout", "rollout/decode", "update", "update/forward"]  # PHASES' order
+    assert by["rollout/decode"]["calls"] == 3 and by["update"]["calls"] == 1
+    assert by["rollout"]["wall_s"] >= by["rollout/decode"]["wall_s"] > 0
+    assert s["wall_s"] >= by["rollout"]["wall_s"] + by["update"]["wall_s"]
+    assert s["device_s"] == 0 and s["top_kernels"] == []  # a CPU run launches no kernels
+    assert len(s["top_host_ops"]) == 3 and "aten::mm" in {h["name"] for h in s["top_host_ops"]}
+    assert not any(h["name"].startswith("sglightning/") for h in s["top_host_ops"])  # phases are not operations
+    text = markdown(s, "t")
+    assert "| rollout/rest | - |" in text and "| update/rest | - |" in text  # each parent's time outside its phases
+    assert "| host operation |" in text and "| host operation |" not in markdown(s, "t", details=False)
+
+
+def test_a_profile_without_the_step_range_is_refused():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(2).sum()
+    with pytest.raises(ValueError, match="sglightning/step"):
+        summarise(prof)
+
+
+def test_step_profile_profiles_the_asked_step_from_before_its_rollout(tmp_path, capsys):
+    """Given after the rollout callback in the Trainer's list, the callback moves itself before it (or the rollout
+    would run before the profiler starts, and its phases would be missing)."""
+    module = tiny_module()
+    prof = StepProfile(step=2)
+    trainer = tiny_trainer(tmp_path, steps=3, callbacks=[module.rollout_callback(), prof])
+    trainer.fit(module)
+    cbs = trainer.callbacks
+    assert cbs.index(prof) < next(i for i, c in enumerate(cbs) if isinstance(c, RolloutCallback))
+    by = {p["phase"]: p for p in prof.summary["phases"]}
+    for name in ("rollout", "rollout/prefill", "rollout/decode", "rollout/draw", "rollout/env", "update",
+                 "update/forward", "update/backward", "update/optimiser"):
+        assert name in by, name
+    assert set(by) <= set(PHASES)
+    assert by["rollout/decode"]["calls"] >= by["rollout/draw"]["calls"] >= 1
+    assert by["rollout"]["wall_s"] + by["update"]["wall_s"] <= prof.summary["wall_s"]
+    assert prof.path.name == "profile-step2.md"
+    assert "| rollout/decode |" in prof.path.read_text()
+    assert json.loads(prof.path.with_suffix(".json").read_text())["phases"] == prof.summary["phases"]
+    assert "Profile of training step 2 (cpu: CPU)" in capsys.readouterr().out
+
+
+def test_step_profile_says_when_its_step_did_not_run(tmp_path, capsys):
+    module = tiny_module()
+    prof = StepProfile(step=5)
+    tiny_trainer(tmp_path, steps=2, callbacks=[prof]).fit(module)
+    assert prof.summary is None and prof.path is None
+    assert "StepProfile: step 5 did not run (this fit ended after step 2)" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="StepProfile.step: 0"):
+        StepProfile(step=0)
+
+
+@pytest.mark.slow
+def test_a_profiled_cli_run_prints_its_table_and_nothing_on_stderr(tmp_path):
+    """The profiler library (kineto) writes two lines to stderr per recording unless told not to."""
+    run = subprocess.run(
+        [sys.executable, "-m", "sglightning", "fit", "--config", str(ROOT / "configs" / "tiny.yaml"),
+         f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+         "--trainer.callbacks+={class_path: sglightning.callbacks.StepProfile, init_args: {step: 2}}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    assert "# Profile of training step 2" in run.stdout and "| rollout/draw |" in run.stdout
+    assert list(tmp_path.glob("**/profile-step2.md"))
