@@ -91,6 +91,22 @@ def test_step_profile_says_when_its_step_did_not_run(tmp_path, capsys):
         StepProfile(step=0)
 
 
+def test_a_profile_that_fails_costs_the_profile_not_the_run(tmp_path, capsys, monkeypatch):
+    import sglightning.callbacks as cb
+
+    def broken(prof, top=10):
+        raise RuntimeError("simulated: no events")
+
+    monkeypatch.setattr(cb, "summarise", broken)
+    module = tiny_module()
+    prof = StepProfile(step=1)
+    tiny_trainer(tmp_path, steps=2, callbacks=[prof]).fit(module)
+    assert module.rollouts_done == 2 and prof.summary is None  # both steps trained
+    assert not torch._C._autograd._profiler_enabled()  # the profiler was stopped
+    out = capsys.readouterr().out
+    assert "StepProfile: step 1 could not be profiled (RuntimeError: simulated: no events)" in out
+
+
 @pytest.mark.slow
 def test_a_profiled_cli_run_prints_its_table_and_nothing_on_stderr(tmp_path):
     """The profiler library (kineto) writes two lines to stderr per recording unless told not to."""

@@ -288,6 +288,7 @@ class StepProfile(Callback):
         self.step, self.trace, self.top = step, trace, top
         self.summary: dict | None = None  # the profiled step's numbers (sglightning.profiling.summarise)
         self.path: Path | None = None  # the written Markdown
+        self.error: str | None = None  # why the step could not be profiled
         self._recording = None
         self._prof = None
 
@@ -303,24 +304,35 @@ class StepProfile(Callback):
             prepare_for_cuda_graphs()  # before the decode step's graphs are captured
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self._recording is None and self.summary is None and _steps_done(trainer, pl_module) + 1 == self.step:
-            self._recording = recording(cuda=pl_module.device.type == "cuda")
-            self._prof = self._recording.__enter__()
+        if self._recording is None and self.summary is None and self.error is None \
+                and _steps_done(trainer, pl_module) + 1 == self.step:
+            try:  # a profiler that cannot start (e.g. no access to the GPU's counters) costs the profile, not the run
+                self._recording = recording(cuda=pl_module.device.type == "cuda")
+                self._prof = self._recording.__enter__()
+            except Exception as err:  # noqa: BLE001 - any failure of the profiler is reported, once, at fit end
+                self._recording, self.error = None, f"{type(err).__name__}: {err}"
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._recording is None:
             return
-        self._stop()
-        self.summary = summarise(self._prof, self.top)
+        try:
+            self._stop()
+            self._write(trainer, pl_module, summarise(self._prof, self.top))
+        except Exception as err:  # noqa: BLE001 - as above: the run goes on without its profile
+            self.error = f"{type(err).__name__}: {err}"
+        finally:
+            self._prof = None
+
+    def _write(self, trainer: Trainer, pl_module: LightningModule, summary: dict) -> None:
         name = f"profile-step{self.step}" + (f"-rank{trainer.global_rank}" if trainer.world_size > 1 else "")
         folder = run_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
-        self.path = folder / f"{name}.md"
-        self.path.write_text(markdown(self.summary, self._title(pl_module)))
-        (folder / f"{name}.json").write_text(json.dumps(self.summary, indent=1))
+        path = folder / f"{name}.md"
+        path.write_text(markdown(summary, self._title(pl_module)))
+        (folder / f"{name}.json").write_text(json.dumps(summary, indent=1))
         if self.trace:
             self._prof.export_chrome_trace(str(folder / f"{name}.trace.json"))
-        self._prof = None
+        self.summary, self.path = summary, path
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._recording is not None:
@@ -328,6 +340,9 @@ class StepProfile(Callback):
 
     @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.error is not None:
+            print(f"StepProfile: step {self.step} could not be profiled ({self.error}); the run was not affected")
+            return
         if self.summary is None:
             print(f"StepProfile: step {self.step} did not run (this fit ended after step "
                   f"{_steps_done(trainer, pl_module)}); nothing was profiled")
@@ -336,7 +351,7 @@ class StepProfile(Callback):
 
     def _stop(self) -> None:
         recording_, self._recording = self._recording, None
-        recording_.__exit__(None, None, None)
+        recording_.__exit__(None, None, None)  # the profiler stops even if this raises: _recording is already None
 
     def _title(self, pl_module: LightningModule) -> str:
         dev = pl_module.device
