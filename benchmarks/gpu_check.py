@@ -179,6 +179,9 @@ def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: flo
         vals = [r[key] for r in hist if key in r]
         if vals:
             out[key.split("/", 1)[1]] = max(vals) if reduce == "max" else sum(vals) / len(vals)
+    # each phase's wall time per step (on a GPU the draw waits for the decode step: device time shows there)
+    out["phase_s"] = {k[len("time/"):-len("_s")]: sum(r.get(k, 0.0) for r in rows) / len(rows)
+                      for k in sorted({k for r in rows for k in r}) if k.startswith(("time/rollout_", "time/update_"))}
     b = sum(r.get("engine/rows_per_lock_step", 0.0) for r in rows) / len(rows)
     ctx = sum(r.get("engine/mean_context_tokens", 0.0) for r in rows) / len(rows)
     out.update(rows_per_lock_step=b, mean_context_tokens=ctx, **shape_numbers(shape))

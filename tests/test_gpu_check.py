@@ -84,6 +84,9 @@ def test_summary_leaves_the_profiled_step_out():
             for t in (9.0, 1.0, 7.0)]
     assert gpu_check.summarise(hist, {}, None, None)["rollout_s_per_step"] == 4.0  # steps 2 and 3
     assert gpu_check.summarise(hist, {}, None, None, profiled=True)["rollout_s_per_step"] == 1.0  # step 2 only
+    hist[1]["time/rollout_draw_s"] = 0.5
+    phases = gpu_check.summarise(hist, {}, None, None, profiled=True)["phase_s"]  # each phase's seconds per step
+    assert phases == {"rollout": 1.0, "rollout_draw": 0.5, "update": 1.0}
 
 
 def test_cpu_smoke_run_under_fsdp2_on_one_device(capfd):

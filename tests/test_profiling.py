@@ -119,3 +119,33 @@ def test_a_profiled_cli_run_prints_its_table_and_nothing_on_stderr(tmp_path):
     assert run.stderr == ""
     assert "# Profile of training step 2" in run.stdout and "| rollout/draw |" in run.stdout
     assert list(tmp_path.glob("**/profile-step2.md"))
+
+
+def test_every_step_logs_each_phase_wall_time_within_its_parent(tmp_path):
+    """No profiler: the rollout and the update time their own phases (time/<parent>_<phase>_s)."""
+    module = tiny_module()
+    tiny_trainer(tmp_path, steps=2).fit(module)
+    for h in module.history:
+        rollout = [h[f"time/rollout_{p}_s"] for p in ("prefill", "decode", "draw", "env")]
+        update = [h[f"time/update_{p}_s"] for p in ("forward", "backward", "optimiser")]
+        assert all(t > 0 for t in rollout + update), h
+        assert sum(rollout) <= h["time/rollout_s"] and sum(update) <= h["time/update_s"]
+    assert not torch._C._autograd._profiler_enabled()
+
+
+def test_timing_sums_phases_and_restores_the_outer_timing():
+    from sglightning.profiling import phase_logs, timing
+
+    with timing() as outer:
+        with phase("rollout/draw"):
+            pass
+        with timing() as inner:
+            for _ in range(3):
+                with phase("rollout/decode"):
+                    torch.ones(10).sum()
+        with phase("update/forward"):
+            pass
+    assert inner.calls == {"rollout/decode": 3} and inner.seconds["rollout/decode"] > 0
+    assert outer.calls == {"rollout/draw": 1, "update/forward": 1}  # the inner block's phases went to the inner one
+    assert set(phase_logs(outer.seconds, "update")) == {"time/update_forward_s"}
+    assert phase("rollout/decode") is phase("update/forward")  # outside any timing: the shared no-op again

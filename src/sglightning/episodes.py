@@ -201,7 +201,9 @@ class Episode:
 class RolloutBatch:
     episodes: list[Episode]
     seconds: float = 0.0
-    env_seconds: float = 0.0  # wall time spent waiting for environment resets/steps
+    #: wall seconds per marked phase of the rollout (``rollout/prefill``, ``/decode``, ``/draw``, ``/env``:
+    #: sglightning.profiling); logged as ``time/rollout_<phase>_s``
+    phase_seconds: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0
     forward_calls: int = 0
     #: row × position slots the engine's context passes computed, padding included (a prompt shared by a group is
@@ -234,7 +236,8 @@ class RolloutBatch:
                 self.episodes.append(ep)
         self.extra_groups += len(renumber)
         self.seconds += other.seconds
-        self.env_seconds += other.env_seconds
+        for key, s in other.phase_seconds.items():
+            self.phase_seconds[key] = self.phase_seconds.get(key, 0.0) + s
         self.generated_tokens += other.generated_tokens
         self.forward_calls += other.forward_calls
         self.prefill_positions += other.prefill_positions

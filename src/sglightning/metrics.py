@@ -17,6 +17,7 @@ from sglightning.calibration import calibration_stats
 from sglightning.episodes import Episode, RolloutBatch
 from sglightning.grpo import degenerate_groups
 from sglightning.guidance import LABELS
+from sglightning.profiling import phase_logs
 from sglightning.update import UpdateBatch
 
 #: statistics averaged per episode
@@ -121,6 +122,7 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
         "rollout/policy_lag": float(global_step - batch.policy_version),
         "rollout/groups": float(groups[:n].unique().numel()),
         "time/rollout_s": batch.seconds,
+        **phase_logs(batch.phase_seconds, "rollout"),  # time/rollout_{prefill,decode,draw,env}_s
         "tokens/generated": float(batch.generated_tokens),
         "tokens/generated_per_s": batch.generated_tokens / max(batch.seconds, 1e-9),
         "tokens/prefill_positions": float(batch.prefill_positions),

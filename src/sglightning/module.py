@@ -51,7 +51,7 @@ from sglightning.models import (
     load_policy,
     warn_low_precision_adapters,
 )
-from sglightning.profiling import phase
+from sglightning.profiling import phase, phase_logs, timing
 from sglightning.rewards import RewardTerm
 from sglightning.update import (
     StepStats,
@@ -290,7 +290,7 @@ class SelfGuideModule(LightningModule):
                                   drop_failed_groups=self.rollout_cfg.failed_episodes == "drop_group")
         # grpo.ppo_epochs optimiser steps on it (every rank, with or without rows: the same collectives)
         try:
-            with phase("update"):
+            with timing() as times, phase("update"):  # and each phase's wall time: time/update_<phase>_s
                 update_logs = self.update(prepared)
         except torch.cuda.OutOfMemoryError as err:
             raise out_of_memory("update", err, self.rollouts_done + 1) from None
@@ -302,7 +302,7 @@ class SelfGuideModule(LightningModule):
         self.train_metrics.reset()
         if self.grpo_cfg.trust_adaptive:
             logs.update({"reward/lambda_schedule": schedule, "guidance/reliability": self.trust.meter.reliability})
-        logs.update(update_logs)
+        logs.update(update_logs | phase_logs(times.seconds, "update"))
         logs["time/update_s"] = time.perf_counter() - t0
         logs.update(peak.read("update"))
         logs["train/skipped_updates"] = float(self.skipped_updates)

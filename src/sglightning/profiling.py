@@ -2,9 +2,14 @@
 
 Why: on a GPU the question is whether the rollout and the update keep the chip busy or wait on the host.
 ``torch.profiler`` records every operation and kernel; its tables list operations, not phases, and a whole fit's
-trace is huge.  The code marks its phases with :func:`phase` (a no-op unless a profiler is recording), and
-:func:`summarise` reduces one recorded step to those phases: calls, wall time, and device time (the kernels and
-copies each phase launched).  :class:`sglightning.callbacks.StepProfile` records one step of a fit.
+trace is huge.  The code marks its phases with :func:`phase`.  Two things listen, each only when asked:
+
+* :func:`timing` — every training step: each phase's wall seconds, logged as ``time/<phase>_s`` (a few µs per step);
+* :func:`recording` — one step under ``torch.profiler`` (:class:`sglightning.callbacks.StepProfile`);
+  :func:`summarise` reduces it to the phases: calls, wall time, and device time (the kernels and copies each phase
+  launched).
+
+With neither, a mark is a no-op (0.1 µs).
 
 Reading a profile (docs/performance.md has more): a phase's wall time is host time plus any wait for the device.
 On a GPU the rollout's forward is queued without waiting, and the draw that follows waits for it (one copy to the host
@@ -16,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch.autograd import DeviceType
@@ -29,15 +36,70 @@ PHASES = ("step", "rollout", "rollout/prefill", "rollout/decode", "rollout/draw"
 _OFF = contextlib.nullcontext()
 
 
+class PhaseTimes:
+    """Wall seconds and calls per phase, summed while :func:`timing` is active."""
+
+    def __init__(self) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+
+
+_times: PhaseTimes | None = None  # the active timing (phases are marked on the main thread only)
+
+
+class _Timed:
+    """One phase's time added to a :class:`PhaseTimes`, inside a profiler range when one records."""
+
+    __slots__ = ("name", "times", "range", "t0")
+
+    def __init__(self, name: str, times: PhaseTimes, range_: contextlib.AbstractContextManager | None):
+        self.name, self.times, self.range, self.t0 = name, times, range_, 0.0
+
+    def __enter__(self) -> None:
+        if self.range is not None:
+            self.range.__enter__()
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.times.seconds[self.name] += time.perf_counter() - self.t0
+        self.times.calls[self.name] += 1
+        if self.range is not None:
+            self.range.__exit__(*exc)
+
+
 def phase(name: str) -> contextlib.AbstractContextManager:
-    """A profiler range ``sglightning/<name>`` while a profiler records, else a no-op (0.1 µs; a range costs ~6 µs).
+    """Mark a phase: its wall time is added to the active :func:`timing`, and a profiler range
+    ``sglightning/<name>`` opens while a profiler records.  With neither, a no-op (0.1 µs; a range costs ~6 µs).
 
     Args:
         name: one of :data:`PHASES`.
     """
-    if torch._C._autograd._profiler_enabled():
-        return torch.profiler.record_function(PREFIX + name)
-    return _OFF
+    recorded = torch._C._autograd._profiler_enabled()
+    if _times is None:
+        return torch.profiler.record_function(PREFIX + name) if recorded else _OFF
+    return _Timed(name, _times, torch.profiler.record_function(PREFIX + name) if recorded else None)
+
+
+@contextlib.contextmanager
+def timing() -> Iterator[PhaseTimes]:
+    """Sum the wall time of every phase marked inside the block (nested timings: the inner one only)."""
+    global _times
+    outer, _times = _times, PhaseTimes()
+    try:
+        yield _times
+    finally:
+        _times = outer
+
+
+def phase_logs(seconds: Mapping[str, float], parent: str) -> dict[str, float]:
+    """``time/<parent>_<sub>_s`` for each sub-phase of ``parent`` in ``seconds`` (e.g. ``time/rollout_decode_s``).
+
+    Args:
+        seconds: wall seconds by phase name (:attr:`PhaseTimes.seconds`).
+        parent: ``rollout`` or ``update``.
+    """
+    return {f"time/{parent}_{name.split('/', 1)[1]}_s": s for name, s in seconds.items()
+            if name.startswith(parent + "/")}
 
 
 def _quiet_kineto() -> None:

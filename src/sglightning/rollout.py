@@ -70,7 +70,7 @@ from sglightning.guidance import (
     stream_first_messages,
     stream_next_user,
 )
-from sglightning.profiling import phase
+from sglightning.profiling import phase, timing
 
 log = logging.getLogger(__name__)
 
@@ -159,15 +159,33 @@ class Rollout:
         temperature = temperature or self.cfg.temperature
         guided = self.guidance.enabled if guided is None else guided
         t0 = time.perf_counter()
-        was_training = self.model.training
-        self.model.eval()
         episodes = [Episode(index=k * g + j, group=k, seed=int(s), guided=guided)
                     for k, s in enumerate(seeds) for j in range(g)]
-        self._env_seconds = 0.0
-        te = time.perf_counter()
+        stats: dict = {}
+        with timing() as times:  # each phase's wall time (profiling.phase): the batch carries them
+            self._play(episodes, split, temperature, guided, generator, greedy, stats)
+        for ep in episodes:
+            for s in ep.samples:
+                s.check()
+        return RolloutBatch(
+            episodes=episodes,
+            seconds=time.perf_counter() - t0,
+            phase_seconds=dict(times.seconds),
+            generated_tokens=stats["tokens"],
+            forward_calls=stats["forward"],
+            prefill_positions=stats["prefill"],
+            policy_version=policy_version,
+            guided=guided,
+            engine=dict(stats.get("engine", {})),
+        )
+
+    def _play(self, episodes: list[Episode], split: str, temperature: float, guided: bool,
+              generator: torch.Generator | None, greedy: bool, stats: dict) -> None:
+        """Reset every episode's environment, then play the episodes to their end (``stats``: the engine's counts)."""
+        was_training = self.model.training
+        self.model.eval()
         with phase("rollout/env"):
             outcomes = self.pool.reset_many([(ep.index, ep.seed, split) for ep in episodes])
-        self._env_seconds += time.perf_counter() - te
         for ep, out in zip(episodes, outcomes):
             if not out.ok:  # a broken env fails its episode only
                 self._fail(ep, out.error or "reset failed")
@@ -181,7 +199,7 @@ class Rollout:
             ep.info = dict(res.info) if isinstance(res.info, dict) else {}
             score = getattr(res, "score", None)
             ep.score = ep.initial_score = float(score) if score is not None else None
-        stats = {"tokens": 0, "forward": 0, "prefill": 0}
+        stats.update(tokens=0, forward=0, prefill=0)
         try:
             if self.guidance.prompt_mode == "single_stream":
                 self._run_stream(episodes, temperature, guided, generator, greedy, stats)
@@ -189,20 +207,6 @@ class Rollout:
                 self._run_two_call(episodes, temperature, guided, generator, greedy, stats)
         finally:
             self.model.train(was_training)
-        for ep in episodes:
-            for s in ep.samples:
-                s.check()
-        return RolloutBatch(
-            episodes=episodes,
-            seconds=time.perf_counter() - t0,
-            env_seconds=self._env_seconds,
-            generated_tokens=stats["tokens"],
-            forward_calls=stats["forward"],
-            prefill_positions=stats["prefill"],
-            policy_version=policy_version,
-            guided=guided,
-            engine=dict(stats.get("engine", {})),
-        )
 
     # ------------------------------------------------------------------------------------------------------------------
     # programs
@@ -443,10 +447,8 @@ class Rollout:
     def _apply_turns(self, live: list[Episode], results: list[list[Piece]], guided: bool) -> None:
         """Parse every live episode's turn, step all their environments concurrently, record the steps."""
         actions = [self._decide(ep, pieces, guided) for ep, pieces in zip(live, results)]
-        te = time.perf_counter()
         with phase("rollout/env"):
             outcomes = self.pool.step_many([(ep.index, a or "") for ep, a in zip(live, actions)])
-        self._env_seconds += time.perf_counter() - te
         for ep, action, out in zip(live, actions, outcomes):
             if not out.ok:  # a broken env fails its episode only
                 self._fail(ep, out.error or "step failed")
