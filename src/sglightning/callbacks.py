@@ -9,6 +9,7 @@ The rollout callback is given the configs it plays by; from the LightningModule 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -335,8 +336,9 @@ class StepProfile(Callback):
         self.summary, self.path = summary, path
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        if self._recording is not None:
-            self._stop()  # the profiler must not outlive the step (nothing is written: the step did not end)
+        if self._recording is not None:  # the profiler must not outlive the step (nothing is written: it did not end)
+            with contextlib.suppress(Exception):  # and must not hide the run's own exception
+                self._stop()
 
     @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
