@@ -681,6 +681,10 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
     assert all(r["memory/rollout_peak_rss_gb"] > 0.05 and r["memory/update_peak_rss_gb"] > 0.05 for r in hist)
     top = max(r["memory/update_peak_rss_gb"] for r in hist)
     assert f"update {top:.1f} GB" in summary and "peak memory" in summary
+    # and where each step's time went, by phase (the tiny config: no rollout correction, so no correction phase)
+    decode = sum(r["time/rollout_decode_s"] for r in hist) / len(hist)
+    assert "by phase (s)      rollout: prefill " in summary and f"decode {decode:.1f}" in summary
+    assert "update: forward " in summary and "correction" not in summary
 
 
 def test_summary_splits_labels_and_episode_length_by_trust_phase():

@@ -283,6 +283,18 @@ def _guidance_lines(hist: list[dict], mean) -> list[str]:
     ]
 
 
+def _phase_time_lines(hist: list[dict[str, float]], mean) -> list[str]:
+    """Where a step's time went, by phase (``time/<parent>_<phase>_s``; sglightning.profiling), in seconds."""
+    parts = []
+    for parent, names in (("rollout", ("prefill", "decode", "draw", "env")),
+                          ("update", ("correction", "forward", "backward", "optimiser"))):
+        keys = [(n, f"time/{parent}_{n}_s") for n in names]
+        got = [f"{n} {mean(k):.1f}" for n, k in keys if any(k in r for r in hist)]
+        if got:
+            parts.append(f"{parent}: " + "  ".join(got))
+    return [f"  by phase (s)      {' | '.join(parts)}"] if parts else []
+
+
 def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict | None, after: dict | None,
                 run_dir: Path, adapter_dir: Path | None) -> str:
     """The end-of-fit summary: the per-step logs ``hist`` averaged (all steps, first and last third), the validation
@@ -307,6 +319,7 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
         *(_guidance_lines(hist, mean) if guided else []),
         f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {skipped_updates}",
         f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
+        *_phase_time_lines(hist, mean),
         *_memory_lines(hist),
     ]
     lines += _validation_lines(before, after)
