@@ -36,7 +36,7 @@ def test_a_recorded_step_is_reduced_to_its_phases():
                 with phase("rollout/decode"):
                     a @ a
         with phase("update"):
-            with phase("update/forward"):
+            with phase("update/forward"), torch.profiler.record_function("a user's range"):
                 (a @ a).sum()
     s = summarise(prof, top=3)
     by = {p["phase"]: p for p in s["phases"]}
@@ -47,6 +47,7 @@ def test_a_recorded_step_is_reduced_to_its_phases():
     assert s["device_s"] == 0 and s["top_kernels"] == []  # a CPU run launches no kernels
     assert len(s["top_host_ops"]) == 3 and "aten::mm" in {h["name"] for h in s["top_host_ops"]}
     assert not any(h["name"].startswith("sglightning/") for h in s["top_host_ops"])  # phases are not operations
+    assert "a user's range" not in {h["name"] for h in summarise(prof, top=50)["top_host_ops"]}  # nor other ranges
     text = markdown(s, "t")
     assert "| rollout/rest | - |" in text and "| update/rest | - |" in text  # each parent's time outside its phases
     assert "| host operation |" in text and "| host operation |" not in markdown(s, "t", details=False)

@@ -4,7 +4,8 @@ Why: on a GPU the question is whether the rollout and the update keep the chip b
 ``torch.profiler`` records every operation and kernel; its tables list operations, not phases, and a whole fit's
 trace is huge.  The code marks its phases with :func:`phase`.  Two things listen, each only when asked:
 
-* :func:`timing` — every training step: each phase's wall seconds, logged as ``time/<phase>_s`` (a few µs per step);
+* :func:`timing` — every training step: each phase's wall seconds, logged as ``time/<parent>_<phase>_s`` (a few
+  µs per step);
 * :func:`recording` — one step under ``torch.profiler`` (:class:`sglightning.callbacks.StepProfile`);
   :func:`summarise` reduces it to the phases: calls, wall time, and device time (the kernels and copies each phase
   launched).
@@ -151,7 +152,9 @@ def summarise(prof: torch.profiler.profile, top: int = 10) -> dict:
         raise ValueError("the profile holds no sglightning/step range: record it with sglightning.profiling.recording")
     step = stats[PREFIX + "step"]
     wall = step.cpu_time_total / 1e6
-    own = [e for e in events if not e.key.startswith(PREFIX)]
+    # operations, kernels and copies only: ranges (ours, torch.compile's, a user's) are spans; on CUDA each also has
+    # a span on the device, whose duration would count the kernels inside it twice
+    own = [e for e in events if not e.key.startswith(PREFIX) and not getattr(e, "is_user_annotation", False)]
     device = sum(e.self_device_time_total for e in own) / 1e6
     phases = []
     for name in PHASES:
@@ -214,7 +217,9 @@ def _with_rest(phases: list[dict]) -> list[dict]:
         nxt = phases[i + 1]["phase"] if i + 1 < len(phases) else ""
         children = [c for c in phases if c["phase"].startswith(name + "/")]
         if "/" in p["phase"] and children and not nxt.startswith(name + "/"):
-            parent = next(q for q in phases if q["phase"] == name)
+            parent = next((q for q in phases if q["phase"] == name), None)
+            if parent is None:  # sub-phases marked outside their parent's range: nothing to subtract from
+                continue
             out.append({"phase": f"{name}/rest", "calls": "-",
                         "wall_s": max(parent["wall_s"] - sum(c["wall_s"] for c in children), 0.0),
                         "device_s": max(parent["device_s"] - sum(c["device_s"] for c in children), 0.0)})
