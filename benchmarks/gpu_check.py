@@ -233,6 +233,7 @@ def main(argv=None) -> dict:
            "wall_s": time.perf_counter() - t0}
     if profile is not None:  # the phases' shares and device busy, in the JSON; the whole table in --profile's file
         out["profile"] = {"step": args.steps, "wall_s": profile["wall_s"], "device_busy": profile["device_busy"],
+                          "device_events": profile["device_events"],
                           "phases": {p["phase"]: {"wall_s": p["wall_s"], "device_s": p["device_s"], "calls": p["calls"]}
                                      for p in profile["phases"]}}
     if trainer.is_global_zero:

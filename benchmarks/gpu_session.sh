@@ -89,7 +89,10 @@ rm -rf "$OUT/runs"
   [ -f "$OUT/results.jsonl" ] && "$PY" - "$OUT/results.jsonl" <<'PY'
 import json, sys
 def busy(o, name):
-    p = (o.get("profile") or {}).get("phases", {}).get(name)
+    prof = o.get("profile") or {}
+    p = prof.get("phases", {}).get(name)
+    if not prof.get("device_events"):  # no kernel recorded (no profile, or no CUPTI): unknown, not idle
+        return "-"
     return f"{100 * p['device_s'] / p['wall_s']:.0f} %" if p and p["wall_s"] > 0 else "-"
 for line in open(sys.argv[1]):
     o = json.loads(line)

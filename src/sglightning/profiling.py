@@ -167,6 +167,9 @@ def summarise(prof: torch.profiler.profile, top: int = 10) -> dict:
     host = sorted(own, key=lambda e: -e.self_cpu_time_total)
     return {
         "wall_s": wall, "device_s": device, "device_busy": device / wall if wall > 0 else 0.0,
+        # kernels and copies recorded: 0 on CUDA means the profiler saw no device activity (e.g. no access to CUPTI),
+        # so the device times are unknown, not zero
+        "device_events": int(sum(e.count for e in kernels)),
         "phases": phases,
         "top_kernels": [{"name": e.key, "calls": int(e.count), "device_s": e.self_device_time_total / 1e6}
                         for e in kernels[:top]],
@@ -191,6 +194,8 @@ def markdown(summary: dict, title: str, details: bool = True) -> str:
 
     lines = [f"# {title}", "",
              f"Step: {summary['wall_s']:.3f} s wall, {dev:.3f} s device time (busy {busy(dev, wall)}).", "",
+             *(["No kernel or copy was recorded: on a GPU the device times are unknown (is CUPTI available?).", ""]
+               if not summary.get("device_events") and "cuda" in title else []),
              "| phase | calls | wall s | share of the step | device s | device busy |", "|---|---|---|---|---|---|"]
     for p in _with_rest(summary["phases"]):
         lines.append(f"| {p['phase']} | {p['calls']} | {p['wall_s']:.3f} | {100 * p['wall_s'] / wall:.1f} % | "
