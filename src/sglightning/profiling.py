@@ -92,15 +92,19 @@ def timing() -> Iterator[PhaseTimes]:
         _times = outer
 
 
+def log_key(name: str) -> str:
+    """The logged key of phase ``name``: ``rollout/decode`` → ``time/rollout_decode_s``."""
+    return f"time/{name.replace('/', '_')}_s"
+
+
 def phase_logs(seconds: Mapping[str, float], parent: str) -> dict[str, float]:
-    """``time/<parent>_<sub>_s`` for each sub-phase of ``parent`` in ``seconds`` (e.g. ``time/rollout_decode_s``).
+    """:func:`log_key` → seconds for each sub-phase of ``parent`` in ``seconds`` (e.g. ``time/rollout_decode_s``).
 
     Args:
         seconds: wall seconds by phase name (:attr:`PhaseTimes.seconds`).
         parent: ``rollout`` or ``update``.
     """
-    return {f"time/{parent}_{name.split('/', 1)[1]}_s": s for name, s in seconds.items()
-            if name.startswith(parent + "/")}
+    return {log_key(name): s for name, s in seconds.items() if name.startswith(parent + "/")}
 
 
 def _quiet_kineto() -> None:
@@ -166,6 +170,7 @@ def summarise(prof: torch.profiler.profile, top: int = 10) -> dict:
     kernels = sorted((e for e in own if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
     host = sorted(own, key=lambda e: -e.self_cpu_time_total)
     return {
+        "cuda": torch.profiler.ProfilerActivity.CUDA in prof.activities,  # the device's activity was asked for
         "wall_s": wall, "device_s": device, "device_busy": device / wall if wall > 0 else 0.0,
         # kernels and copies recorded: 0 on CUDA means the profiler saw no device activity (e.g. no access to CUPTI),
         # so the device times are unknown, not zero
@@ -195,7 +200,7 @@ def markdown(summary: dict, title: str, details: bool = True) -> str:
     lines = [f"# {title}", "",
              f"Step: {summary['wall_s']:.3f} s wall, {dev:.3f} s device time (busy {busy(dev, wall)}).", "",
              *(["No kernel or copy was recorded: on a GPU the device times are unknown (is CUPTI available?).", ""]
-               if not summary.get("device_events") and "cuda" in title else []),
+               if summary["cuda"] and not summary["device_events"] else []),
              "| phase | calls | wall s | share of the step | device s | device busy |", "|---|---|---|---|---|---|"]
     for p in _with_rest(summary["phases"]):
         lines.append(f"| {p['phase']} | {p['calls']} | {p['wall_s']:.3f} | {100 * p['wall_s'] / wall:.1f} % | "
@@ -213,18 +218,17 @@ def markdown(summary: dict, title: str, details: bool = True) -> str:
 
 
 def _with_rest(phases: list[dict]) -> list[dict]:
-    """The phases, each parent's sub-phases followed by ``<parent>/rest``: its time outside them (e.g. the rollout's
-    prompts, parsing and episode records)."""
+    """The phases, each parent followed by its sub-phases and ``<parent>/rest``: its time outside them (e.g. the
+    rollout's prompts, parsing and episode records).  A sub-phase recorded without its parent stands alone."""
+    names = {p["phase"] for p in phases}
     out = []
-    for i, p in enumerate(phases):
-        out.append(p)
-        name = p["phase"].split("/")[0]
-        nxt = phases[i + 1]["phase"] if i + 1 < len(phases) else ""
+    for parent in phases:
+        name = parent["phase"]
+        if "/" in name and name.split("/")[0] in names:
+            continue  # listed under its parent
         children = [c for c in phases if c["phase"].startswith(name + "/")]
-        if "/" in p["phase"] and children and not nxt.startswith(name + "/"):
-            parent = next((q for q in phases if q["phase"] == name), None)
-            if parent is None:  # sub-phases marked outside their parent's range: nothing to subtract from
-                continue
+        out += [parent, *children]
+        if children:
             out.append({"phase": f"{name}/rest", "calls": "-",
                         "wall_s": max(parent["wall_s"] - sum(c["wall_s"] for c in children), 0.0),
                         "device_s": max(parent["device_s"] - sum(c["device_s"] for c in children), 0.0)})

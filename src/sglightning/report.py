@@ -21,6 +21,7 @@ from sglightning.calibration import calibration_stats
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS, episode_summary, failure_pattern_rates
 from sglightning.episodes import Episode, RolloutBatch
 from sglightning.metrics import EpisodeMetrics, per_task_type_success
+from sglightning.profiling import PHASES, log_key
 
 
 def mode_stats(means: dict[str, float], episodes: list[Episode]) -> dict[str, Any]:
@@ -286,9 +287,8 @@ def _guidance_lines(hist: list[dict], mean) -> list[str]:
 def _phase_time_lines(hist: list[dict[str, float]], mean) -> list[str]:
     """Where a step's time went, by phase (``time/<parent>_<phase>_s``; sglightning.profiling), in seconds."""
     parts = []
-    for parent, names in (("rollout", ("prefill", "decode", "draw", "env")),
-                          ("update", ("correction", "forward", "backward", "optimiser"))):
-        keys = [(n, f"time/{parent}_{n}_s") for n in names]
+    for parent in ("rollout", "update"):
+        keys = [(p.split("/")[1], log_key(p)) for p in PHASES if p.startswith(parent + "/")]
         got = [f"{n} {mean(k):.1f}" for n, k in keys if any(k in r for r in hist)]
         if got:
             parts.append(f"{parent}: " + "  ".join(got))

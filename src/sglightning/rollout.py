@@ -161,9 +161,8 @@ class Rollout:
         t0 = time.perf_counter()
         episodes = [Episode(index=k * g + j, group=k, seed=int(s), guided=guided)
                     for k, s in enumerate(seeds) for j in range(g)]
-        stats: dict = {}
         with timing() as times:  # each phase's wall time (profiling.phase): the batch carries them
-            self._play(episodes, split, temperature, guided, generator, greedy, stats)
+            stats = self._play(episodes, split, temperature, guided, generator, greedy)
         for ep in episodes:
             for s in ep.samples:
                 s.check()
@@ -180,8 +179,9 @@ class Rollout:
         )
 
     def _play(self, episodes: list[Episode], split: str, temperature: float, guided: bool,
-              generator: torch.Generator | None, greedy: bool, stats: dict) -> None:
-        """Reset every episode's environment, then play the episodes to their end (``stats``: the engine's counts)."""
+              generator: torch.Generator | None, greedy: bool) -> dict:
+        """Reset every episode's environment, then play the episodes to their end.  Returns the engine's counts
+        (tokens, forward calls, prefill positions, engine statistics)."""
         was_training = self.model.training
         self.model.eval()
         with phase("rollout/env"):
@@ -199,7 +199,7 @@ class Rollout:
             ep.info = dict(res.info) if isinstance(res.info, dict) else {}
             score = getattr(res, "score", None)
             ep.score = ep.initial_score = float(score) if score is not None else None
-        stats.update(tokens=0, forward=0, prefill=0)
+        stats = {"tokens": 0, "forward": 0, "prefill": 0}
         try:
             if self.guidance.prompt_mode == "single_stream":
                 self._run_stream(episodes, temperature, guided, generator, greedy, stats)
@@ -207,6 +207,7 @@ class Rollout:
                 self._run_two_call(episodes, temperature, guided, generator, greedy, stats)
         finally:
             self.model.train(was_training)
+        return stats
 
     # ------------------------------------------------------------------------------------------------------------------
     # programs
