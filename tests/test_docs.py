@@ -164,3 +164,21 @@ def test_the_readme_results_are_the_benchmark_pages_numbers():
     assert len(numbers) >= 6
     for number in numbers:
         assert number in bench, f"README results: {number} is not in benchmarks/README.md"
+
+
+def test_the_floor_lane_pins_the_lower_bounds_pyproject_declares():
+    """`bash .ci/versions floor` tests the lowest versions `pyproject.toml` accepts: its pins and the bounds agree, so
+    a raised floor is tested and a tested floor is declared."""
+    text = (ROOT / "pyproject.toml").read_text()
+    deps = text[text.index("dependencies = ["):]
+    deps = deps[:deps.index("]\n")]
+    bounds = dict(re.findall(r'"([\w-]+)(?:\[\w+\])?>=([\d.]+)"', deps))
+    lane = (ROOT / ".ci" / "versions").read_text()
+    floor = lane[lane.index("  floor)"):lane.index(";;", lane.index("  floor)"))]
+    pins = dict(re.findall(r'([\w-]+)(?:\[\w+\])?==([\d.]+)', floor))
+    assert pins.pop("gguf") == re.search(r'smollm2 = \["gguf>=([\d.]+)"\]', text)[1]  # the embedded model's extra
+    assert set(bounds) - {"safetensors"} == set(pins), (bounds, pins)  # safetensors: transformers' own bound rules
+    for name, pin in pins.items():
+        bound = bounds[name].split(".")
+        assert pin.split(".")[: len(bound)] == bound, (name, pin, bounds[name])
+    assert re.search(r'requires-python = ">=3\.10"', text) and "python=python3.10" in floor
