@@ -3,6 +3,7 @@
 # own timeout, its output appended to $OUT/log.txt, gpu_check's numbers to $OUT/results.jsonl, a table printed last
 # (and kept in $OUT/table.md).  Prepare the bundle first, on a machine with network:
 #   bash ../shared/tools/gpu_bundle.sh        # .gpu/: jsonargparse + gguf wheels, the SmolLM2 GGUF in two halves
+# and run the suite under the GPU machine's package versions on this CPU: bash .ci/versions device
 # then, through the device tool, on one warm machine:
 #   part 1 (carry .gpu/wheels .gpu/gguf1): bash benchmarks/gpu_session.sh 1
 #       CUDA tests (every decode step vs the dynamic cache; the tiny config's fit, resume and validate), the 0.39 B
