@@ -21,7 +21,6 @@ device busy share well under 100 % in a phase means the host, not the chip, boun
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import time
 from collections import Counter, defaultdict
@@ -131,9 +130,9 @@ def recording(cuda: bool) -> Iterator[torch.profiler.profile]:
     """
     _quiet_kineto()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    # one cycle, so keeping events across cycles changes nothing; torch 2.11 warns on every start without it
-    one_cycle = {"acc_events": True} if "acc_events" in inspect.signature(torch.profiler.profile).parameters else {}
-    with torch.profiler.profile(activities=acts, **one_cycle) as prof:
+    # acc_events: one cycle is recorded, so keeping events across cycles changes nothing; without it torch 2.11 warns
+    # on stderr at every start
+    with torch.profiler.profile(activities=acts, acc_events=True) as prof:
         with phase("step"):
             yield prof
             if cuda:
