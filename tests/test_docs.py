@@ -167,18 +167,15 @@ def test_the_readme_results_are_the_benchmark_pages_numbers():
 
 
 def test_the_floor_lane_pins_the_lower_bounds_pyproject_declares():
-    """`bash .ci/versions floor` tests the lowest versions `pyproject.toml` accepts: its pins and the bounds agree, so
-    a raised floor is tested and a tested floor is declared."""
+    """`bash .ci/versions floor` tests the lowest versions `pyproject.toml` accepts, read from it
+    (`.ci/floor_pins.py`): the Python, every runtime dependency and the embedded model's gguf, each at its bound."""
+    import runpy
+
     text = (ROOT / "pyproject.toml").read_text()
+    pins = runpy.run_path(str(ROOT / ".ci" / "floor_pins.py"))["floor_pins"](text)
+    assert pins[0] == "python3.10" and 'requires-python = ">=3.10"' in text
     deps = text[text.index("dependencies = ["):]
-    deps = deps[:deps.index("]\n")]
-    bounds = dict(re.findall(r'"([\w-]+)(?:\[\w+\])?>=([\d.]+)"', deps))
-    lane = (ROOT / ".ci" / "versions").read_text()
-    floor = lane[lane.index("  floor)"):lane.index(";;", lane.index("  floor)"))]
-    pins = dict(re.findall(r'([\w-]+)(?:\[\w+\])?==([\d.]+)', floor))
-    assert pins.pop("gguf") == re.search(r'smollm2 = \["gguf>=([\d.]+)"\]', text)[1]  # the embedded model's extra
-    assert set(bounds) - {"safetensors"} == set(pins), (bounds, pins)  # safetensors: transformers' own bound rules
-    for name, pin in pins.items():
-        bound = bounds[name].split(".")
-        assert pin.split(".")[: len(bound)] == bound, (name, pin, bounds[name])
-    assert re.search(r'requires-python = ">=3\.10"', text) and "python=python3.10" in floor
+    declared = re.findall(r'^    "([^"]+)",?$', deps[:deps.index("]\n")], re.M)
+    assert len(declared) >= 8 and [p.replace("==", ">=") for p in pins[1:]] == declared + ["gguf>=0.17.1"]
+    assert 'smollm2 = ["gguf>=0.17.1"]' in text
+    assert "python3 .ci/floor_pins.py" in (ROOT / ".ci" / "versions").read_text()
