@@ -48,7 +48,15 @@ Segment = Force | Free | Choice
 
 
 def build_trie(options: Sequence[Sequence[int]]) -> dict:
-    """Nested dict token -> child; a leaf is ``{}`` and carries the option index under key -1."""
+    """Nested dict token -> child; a leaf is ``{}`` and carries the option index under key -1.  Built once per
+    distinct option list (:func:`_trie`): a group's episodes meet the same admissible actions, turn after turn."""
+    return _trie(tuple(tuple(int(t) for t in opt) for opt in options))
+
+
+@functools.lru_cache(maxsize=4096)
+def _trie(options: tuple[tuple[int, ...], ...]) -> dict:
+    """:func:`build_trie` of hashable options.  The tries are shared, so nothing may change them but the restrictions
+    :func:`node_restriction` keeps in them, which are the same for every holder."""
     root: dict = {}
     for idx, opt in enumerate(options):
         if not opt:
@@ -57,7 +65,7 @@ def build_trie(options: Sequence[Sequence[int]]) -> dict:
         for tok in opt:
             if -1 in node:
                 raise ValueError("Choice options are not prefix-free")
-            node = node.setdefault(int(tok), {})
+            node = node.setdefault(tok, {})
         if node and -1 not in node:
             raise ValueError("Choice options are not prefix-free")
         node.setdefault(-1, idx)
@@ -93,6 +101,7 @@ class ProgramState:
         # a capped Free segment's closing tokens: set when the cap is hit and written in the same step, so once set
         # the segment ends at the next advance
         self.pending_close: list[int] = []
+        self.sampled = 0  # policy tokens in the open piece (a Free segment's count against its cap)
         self.done = not program
 
     @property
@@ -109,6 +118,7 @@ class ProgramState:
         elif isinstance(seg, Free):
             self.banned = banned_restriction(seg.banned_ids) if seg.banned_ids else None
         self.pending_close = []
+        self.sampled = 0
 
     def advance(self) -> None:
         """Close finished segments and open the next one, until a segment wants a token (or none is left); a
@@ -122,7 +132,7 @@ class ProgramState:
                     return
             elif isinstance(seg, Free):
                 if not (self.pending_close or (self.piece.ids and self.piece.hit_stop)):
-                    if sum(self.piece.policy) < seg.max_tokens:
+                    if self.sampled < seg.max_tokens:
                         return
                     if seg.close_with:
                         self.pending_close = list(seg.close_with)
@@ -177,6 +187,7 @@ class ProgramState:
         restriction that applied (top-k included)."""
         seg, piece = self.program[self.seg], self.piece
         piece.add(tok, logq, True, used, full)
+        self.sampled += 1
         if isinstance(seg, Free):
             if tok in seg.stop_ids:
                 piece.hit_stop = True
