@@ -17,6 +17,8 @@
 #   part 4, the same (<= 8 min): the engine's host time per lock step on this machine's CPU (the ceiling the host puts
 #       on rollout tokens/s), the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update
 #       with micro-batches by token budget instead of shared prefixes (its MFU against part 1)
+#   part 5, the same (<= 6 min): the Qwen3-1.7B shape at 16 x 8 in the paper's two_call mode, each call's cache kept
+#       across env steps (two caches, a graph per cache) and not kept (rollout.reuse_prefix: false)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
 part=${1:-1}
@@ -74,6 +76,11 @@ elif [ "$part" = 3 ]; then
   check probe_8x8_no_correction 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
     --set model.grpo.rollout_correction=null
   check probe_8x8_fsdp2 170 --shape probe --groups 8 --group-size 8 --val-tasks 4 --strategy fsdp2 --devices 1
+elif [ "$part" = 5 ]; then
+  check qwen3-1.7b_16x8_two_call 170 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
+    --set model.guidance.prompt_mode=two_call
+  check qwen3-1.7b_16x8_two_call_fresh 170 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
+    --set model.guidance.prompt_mode=two_call --set model.rollout.reuse_prefix=false
 else
   stage engine_host 90 "$PY" benchmarks/engine_host.py --repeats 3 --json "$OUT/engine_host.json"
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off

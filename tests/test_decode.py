@@ -13,6 +13,7 @@ from sglightning.data import RolloutConfig
 from sglightning.engines import EngineConfig
 from sglightning.engines.builtin import BuiltinEngine
 from sglightning.engines.draw import RestrictionTable, draw
+from sglightning.engines.program import Free
 from sglightning.engines.static import SlotCache, block_mask, bucket, resolve_mode
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Restriction
@@ -163,7 +164,7 @@ def test_slot_cache_rollouts_equal_dynamic_cache_rollouts(tiny, mode, decoding, 
     b = _play(model, tok, static, mode, decoding, action, top_k)
     _same(a, b)
     assert len({len(e.steps) for e in b.episodes}) > 1  # some rows ended while others went on
-    caches = list(static.slots._caches.values())
+    caches = static.slots.caches
     assert caches and all(c.capacity > 512 or mode == "two_call" for c in caches)  # single stream grew past 512
 
 
@@ -178,7 +179,7 @@ def test_slot_cache_rollouts_equal_dynamic_cache_rollouts_with_grouped_query_att
     a = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained", "admissible")
     b = _play(model, tok, static, "single_stream", "constrained", "admissible")
     _same(a, b)
-    cache = next(iter(static.slots._caches.values()))
+    cache = static.slots.caches[0]
     assert cache.keys[0].shape[1] == kv and cache.keys[0].shape[3] == (head_dim or 64 // 4)
 
 
@@ -201,8 +202,8 @@ def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny):
                       "admissible", seeds=seeds)
         _same(plain, _play(model, tok, engine, "single_stream", "constrained", "admissible", seeds=seeds))
     assert engine.mode(model) == "default" and len(engine._steps) == 2
-    assert {c.batch for c in engine.slots._caches.values()} == {16, 32}
-    assert max(c.capacity for c in engine.slots._caches.values()) > 512
+    assert {c.batch for c in engine.slots.caches} == {16, 32}
+    assert max(c.capacity for c in engine.slots.caches) > 512
     assert counters["frames"]["ok"] - compiled_before == 1
 
 
@@ -226,3 +227,123 @@ def test_a_step_torch_cannot_compile_runs_uncompiled_and_says_so_once(tiny, monk
     said = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
     assert len(said) == 1 and said[0].startswith("model.engine.compile: default could not compile the decode step "
                                                  "(InternalTorchDynamoError: simulated compiler failure)")
+
+
+def test_kept_slots_moves_each_rows_first_tokens_to_the_front_by_hand():
+    """Row 0 holds real tokens at slots 1, 2, 4 (pads at 0 and 3) and keeps 2; row 1 holds 0, 1, 2 and keeps 3."""
+    from sglightning.engines.rewind import gather_slots, kept_slots
+
+    seen = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 0, 0]], dtype=torch.bool)
+    index, valid = kept_slots(seen, torch.tensor([2, 3]), 3)
+    assert valid.tolist() == [[False, True, True], [True, True, True]]
+    assert index[0, 1:].tolist() == [1, 2] and index[1].tolist() == [0, 1, 2]
+    keys = torch.arange(10.0).view(2, 1, 5, 1)  # [R, H, T, d]: row r, slot c holds 5r + c
+    assert gather_slots(keys, index)[:, 0, :, 0][valid].tolist() == [1.0, 2.0, 5.0, 6.0, 7.0]
+
+
+def _program_run(session, seed: int):
+    session.generator.manual_seed(seed)
+    return session.run([[Free(6, frozenset())] for _ in range(session.batch_size)])
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "static"])
+def test_a_rewound_session_goes_on_as_a_fresh_session_of_the_new_prompts(tiny, compile_mode):
+    """Rows fed, sampled, fed again, one dropped and the rest reordered, then rewound to prefixes of what they hold
+    (of different lengths: 4 and 9 tokens) and given new endings: the logits and the next samples are those of a
+    new session fed the new prompts whole (log-probs within 1e-5, fp32); only the new endings were computed."""
+    model, _ = tiny
+    engine = BuiltinEngine(EngineConfig(compile=compile_mode))
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [5, 6, 7, 20, 21], [5, 6, 30]]
+    s = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    s.feed(prompts)
+    held = [p + [t for piece in out for t in piece.ids] for p, out in zip(prompts, _program_run(s, 1))]
+    more = [[40, 41], [42], [43, 44, 45]]
+    s.feed(more)
+    held = [h + m for h, m in zip(held, more)]
+    s.select([2, 0])
+    new = [held[2][:4] + [50, 51], held[0][:9] + [52]]
+    assert s.rewind([4, 9]) and [s.length(0), s.length(1)] == [4, 9]
+    fed = s.fed_positions
+    s.feed([[50, 51], [52]])
+    assert s.fed_positions - fed <= 2 * 2 + (8 if compile_mode == "static" else 0)  # only the new endings
+    fresh = engine.session(model, 0, 1.0, torch.Generator())
+    fresh.feed(new)
+    a, b = s.last_logits[s._rows([0, 1])], fresh.last_logits[fresh._rows([0, 1])]
+    assert torch.allclose(a, b, atol=1e-5)
+    for x, y in zip(_program_run(s, 7), _program_run(fresh, 7)):
+        assert [p.ids for p in x] == [p.ids for p in y]
+        assert x[0].logprobs == pytest.approx(y[0].logprobs, abs=1e-5)
+
+
+def test_rewind_refuses_what_it_cannot_do(tiny):
+    model, _ = tiny
+    s = BuiltinEngine(EngineConfig(compile="off")).session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    assert not s.rewind([])  # nothing fed yet
+    s.feed([[5, 6, 7], [8, 9]])
+    with pytest.raises(ValueError, match="rewind got 1 lengths for 2 rows"):
+        s.rewind([1])
+    with pytest.raises(ValueError, match="rewind: row 1 holds 2 tokens, cannot keep 3"):
+        s.rewind([1, 3])
+    assert not s.rewind([0, 0]) and s.length(0) == 3  # nothing would be kept: unchanged
+    assert s.rewind([1, 2])
+    with pytest.raises(RuntimeError, match="feed a prompt before running programs"):
+        s.run([[Free(2, frozenset())]] * 2)
+    with pytest.raises(ValueError, match="feed after rewind: every row needs at least one token"):
+        s.feed([[5], []])
+    s.feed([[5], [6]])
+    assert [s.length(0), s.length(1)] == [2, 3]
+
+
+def test_two_live_sessions_never_share_a_slot_cache(tiny):
+    """two_call keeps its rate session open while its act session runs: each holds its own cache; a session that
+    ended hands its cache to the next one (the compiled step keeps its addresses)."""
+    model, _ = tiny
+    engine = BuiltinEngine(EngineConfig(compile="static"))
+    a = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    a.feed([[5, 6, 7]] * 3)
+    b = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    b.feed([[8, 9]] * 3)
+    assert a.cache is not b.cache and len(engine.slots.caches) == 2
+    kept = b.cache
+    del b
+    c = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    c.feed([[8, 9]] * 3)
+    assert c.cache is kept and len(engine.slots.caches) == 2
+
+
+def _two_call(model, tok, engine, decoding: str, action: str, reuse: bool, top_k: int = 0):
+    gc = GuidanceConfig(prompt_mode="two_call", decoding=decoding, action_decoding=action, max_guidance_tokens=6,
+                        max_action_tokens=6)
+    cfg = RolloutConfig(group_size=3, max_steps=5, temperature=0.8, top_k=top_k, reuse_prefix=reuse)
+    r = Rollout(model, tok, functools.partial(HouseholdEnv, difficulty=0, info_actions=False), gc, cfg, engine=engine)
+    try:
+        return r.run([1, 2, 3], generator=torch.Generator().manual_seed(0))
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize("compile_mode,decoding,action,top_k", [
+    ("off", "free", "free", 5), ("off", "constrained", "admissible", 0), ("static", "constrained", "admissible", 0)])
+def test_two_call_keeps_each_calls_cache_and_plays_the_same_episodes(tiny, compile_mode, decoding, action, top_k):
+    """``rollout.reuse_prefix``: the rate and act calls go on from the last env step's sessions, each row rewound to
+    what its new prompt shares.  The same episodes as fresh sessions (tokens equal, log-probs within 1e-5), with
+    fewer prefill positions computed."""
+    model, tok = tiny
+    fresh = _two_call(model, tok, BuiltinEngine(EngineConfig(compile=compile_mode)), decoding, action, False, top_k)
+    kept = _two_call(model, tok, BuiltinEngine(EngineConfig(compile=compile_mode)), decoding, action, True, top_k)
+    _same(fresh, kept)
+    assert max(len(e.steps) for e in kept.episodes) >= 3
+    assert kept.prefill_positions < 0.85 * fresh.prefill_positions
+
+
+def test_a_session_holding_other_ids_than_the_rollout_thinks_is_not_kept(tiny, monkeypatch):
+    """The rollout keeps a call's session only when each row holds exactly the prompt and what the call wrote;
+    here every row claims one token more, so every call starts a fresh session (the same prefill as without reuse)."""
+    from sglightning.engines.builtin import DecodeSession
+
+    model, tok = tiny
+    fresh = _two_call(model, tok, BuiltinEngine(EngineConfig(compile="off")), "constrained", "admissible", False)
+    monkeypatch.setattr(DecodeSession, "length", lambda self, row: self.next_pos[row] + 1)
+    kept = _two_call(model, tok, BuiltinEngine(EngineConfig(compile="off")), "constrained", "admissible", True)
+    _same(fresh, kept)
+    assert kept.prefill_positions == fresh.prefill_positions

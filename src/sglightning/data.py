@@ -41,6 +41,9 @@ class RolloutConfig:
     max_context_tokens: int = 4096
     """context cap: a single-stream episode whose context grows past it is truncated (counted); a two_call rate
     prompt drops its oldest steps to fit (counted)"""
+    reuse_prefix: bool = True
+    """two_call: each call keeps its KV cache across env steps, so a row computes only what its new prompt adds (two
+    caches held)"""
     seed: int = 0
     """base of all randomness (task seeds, sampling)"""
     split: str = "train"

@@ -70,9 +70,20 @@ from sglightning.guidance import (
     stream_first_messages,
     stream_next_user,
 )
+from sglightning.prefixes import common_prefix
 from sglightning.profiling import phase, timing
 
 log = logging.getLogger(__name__)
+
+
+class KeptCall:
+    """One of ``two_call``'s calls (rate or act) from one env step to the next: its engine session and, per row,
+    the ids the row holds (``rollout.reuse_prefix``)."""
+
+    def __init__(self):
+        self.session = None
+        self.row: dict[int, int] = {}  # episode index -> session row
+        self.held: list[list[int]] = []  # per session row: the prompt and what the call wrote
 
 
 class RolloutAborted(Exception):
@@ -350,6 +361,8 @@ class Rollout:
         fmt = self.guidance.actor_format
         views: dict[int, list[StepView]] = {ep.index: [] for ep in episodes}
         live = [ep for ep in episodes if not ep.done]
+        reuse = self.cfg.reuse_prefix
+        rate_call, act_call = (KeptCall() if reuse else None), (KeptCall() if reuse else None)
         for t in range(self.cfg.max_steps):
             if not live:
                 break
@@ -358,7 +371,8 @@ class Rollout:
             if guided and not oracle:
                 prompts = [self._rate_prompt(ep, views[ep.index]) for ep in live]
                 programs = [self._guidance_program(constrained) for _ in live]
-                results = self._call(prompts, programs, temperature, generator, greedy, stats)
+                results = self._call(prompts, programs, temperature, generator, greedy, stats,
+                                     rate_call, [ep.index for ep in live])
                 for ep, prompt, pieces in zip(live, prompts, results):
                     self._label_targets(ep, pieces)
                     ep.samples.append(_sample_of(ep.index, prompt, pieces, t))
@@ -376,7 +390,8 @@ class Rollout:
                 prompts.append(self.chat.prompt_ids(messages))
                 free_actor = self.guidance.action_decoding == "free"
                 programs.append(self._action_program(ep, force_prefix=not free_actor or constrained))
-            results = self._call(prompts, programs, temperature, generator, greedy, stats)
+            results = self._call(prompts, programs, temperature, generator, greedy, stats, act_call,
+                                 [ep.index for ep in live])
             for ep, prompt, pieces in zip(live, prompts, results):
                 ep.samples.append(_sample_of(ep.index, prompt, pieces, t))
             live, results = self._engine_failures(live, results)
@@ -417,17 +432,38 @@ class Rollout:
         if self._should_stop is not None and self._should_stop():
             raise RolloutAborted("rollout abandoned: stop requested")
 
-    def _call(self, prompts, programs, temperature, generator, greedy, stats) -> list[list[Piece]]:
-        session = self.engine.session(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
+    def _call(self, prompts, programs, temperature, generator, greedy, stats, kept: KeptCall | None = None,
+              keys: Sequence[int] = ()) -> list[list[Piece]]:
+        """One call of ``two_call``: feed ``prompts``, run ``programs``.  With ``kept`` (the same call at the last
+        env step, its rows named by ``keys``), its session goes on: each row is rewound to the prefix its new prompt
+        shares with what it holds, and only the rest is fed."""
+        session, blocks = None, prompts
+        if kept is not None and kept.session is not None and all(k in kept.row for k in keys):
+            rows = [kept.row[k] for k in keys]
+            # at least one token fed per row: its logits predict the first token the program samples
+            keep = [min(common_prefix(kept.held[r], p), len(p) - 1) for r, p in zip(rows, prompts)]
+            kept.session.select(rows)
+            if kept.session.rewind(keep):
+                session, blocks = kept.session, [p[k:] for p, k in zip(prompts, keep)]
+        if kept is not None and session is None:
+            kept.session = None  # its cache is freed before a new one is taken
+        if session is None:
+            session = self.engine.session(self.model, self.pad_id, temperature, generator, self.cfg.top_k, greedy)
+        forward, fed, engine_before = session.forward_calls, getattr(session, "fed_positions", 0), session.engine_stats
         with phase("rollout/prefill"):
-            session.feed(prompts)
+            session.feed(blocks)
         out = session.run(programs)
-        stats["forward"] += session.forward_calls
-        stats["prefill"] += getattr(session, "fed_positions", 0)
+        stats["forward"] += session.forward_calls - forward
+        stats["prefill"] += getattr(session, "fed_positions", 0) - fed
         stats["tokens"] += sum(sum(p.policy) for pieces in out for p in pieces)
         engine = stats.setdefault("engine", {})
         for key, value in session.engine_stats.items():
-            engine[key] = engine.get(key, 0.0) + value
+            engine[key] = engine.get(key, 0.0) + value - engine_before.get(key, 0.0)
+        if kept is not None:
+            held = [list(p) + [t for piece in pieces for t in piece.ids] for p, pieces in zip(prompts, out)]
+            # kept only if the session holds exactly these ids (an engine that ends a row early keeps fewer)
+            same = all(session.length(i) == len(h) for i, h in enumerate(held))
+            kept.session, kept.row, kept.held = (session if same else None), {k: i for i, k in enumerate(keys)}, held
         return out
 
     def _engine_failures(self, live: list[Episode], results: list[list[Piece]]

@@ -3,9 +3,9 @@
 Two contracts, both request-level:
 
 * :class:`Session` — one batch of rows (one per live episode) holding the exact token ids of each row's context:
-  ``feed`` appends context, ``select`` keeps some rows, ``run`` executes one program per row
-  (:mod:`sglightning.engines.program`) and returns what each row wrote — the ids, which of them the policy chose,
-  the log-prob of the distribution each was drawn from and that distribution's restriction;
+  ``feed`` appends context, ``select`` keeps some rows, ``rewind`` cuts rows back to a prefix, ``run`` executes one
+  program per row (:mod:`sglightning.engines.program`) and returns what each row wrote — the ids, which of them the
+  policy chose, the log-prob of the distribution each was drawn from and that distribution's restriction;
 * :class:`Engine` — what opens sessions, with the lifecycle of a run: ``check`` (before anything starts),
   ``start`` (once), ``sampling`` (around every rollout, given the weights about to sample and their version),
   ``close`` (once).
@@ -57,6 +57,12 @@ class Session(abc.ABC):
     @abc.abstractmethod
     def length(self, row: int) -> int:
         """Tokens in row ``row`` so far (context included)."""
+
+    def rewind(self, keep: Sequence[int]) -> bool:
+        """Cut row i back to its first ``keep[i]`` tokens (0 ≤ ``keep[i]`` ≤ ``length(i)``), so that a new prompt
+        sharing them computes only the rest; the next ``feed`` must then give every row at least one token.  Returns
+        False, changing nothing, where this session cannot (the caller opens a new one)."""
+        return False
 
 
 class Weights(Protocol):

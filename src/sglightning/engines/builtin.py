@@ -28,6 +28,7 @@ beside it as a diagnostic.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -36,6 +37,7 @@ from sglightning.engines.base import Engine, Session, Weights
 from sglightning.engines.draw import RestrictionTable, draw
 from sglightning.engines.prefill import append_row_subset, plan_stages, row_subset_cache, row_subset_cache_ok
 from sglightning.engines.program import ProgramState, Segment
+from sglightning.engines.rewind import gather_slots, kept_slots
 from sglightning.engines.static import (
     VIEW_STEP,
     SlotCache,
@@ -101,32 +103,47 @@ class BuiltinEngine(Engine):
 
 class SlotPool:
     """The static caches of the sessions, kept across rollouts by physical row count (a new allocation would give
-    the compiled step new addresses); at most ``keep`` of them."""
+    the compiled step new addresses).  A cache serves one session at a time (``two_call`` keeps two open); at most
+    ``keep`` caches no session holds are kept."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self._caches: dict[tuple, SlotCache] = {}
+        self._entries: list[tuple[tuple, SlotCache, weakref.ref | None]] = []  # (key, cache, holder), oldest first
 
-    def get(self, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype, device: torch.device
-            ) -> SlotCache:
+    @staticmethod
+    def _held(entry) -> bool:
+        return entry[2] is not None and entry[2]() is not None
+
+    def get(self, holder: object, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype,
+            device: torch.device) -> SlotCache:
+        """A cache of ``rows`` × at least ``slots`` for ``holder`` (a session), which holds it while it lives."""
         key = (id(model), rows, dtype, device)
-        cache = self._caches.pop(key, None)
+        free = [e for e in self._entries if e[0] == key and not self._held(e)]
+        cache = free[-1][1] if free else None  # the most recent
+        if free:
+            self._entries = [e for e in self._entries if e[1] is not cache]
         if cache is None or cache.capacity < slots:
             cache = None  # free the smaller one before allocating
-            while len(self._caches) >= self.keep:
-                self._caches.pop(next(iter(self._caches)))
+            idle = [e for e in self._entries if not self._held(e)]
+            while len(idle) >= self.keep:
+                self._entries.remove(idle.pop(0))
             cache = SlotCache.allocate(model, rows, slots, dtype, device)
-        self._caches[key] = cache  # most recent last
+        self._entries.append((key, cache, weakref.ref(holder)))  # most recent last
         return cache
 
-    def put(self, model: torch.nn.Module, cache: SlotCache) -> None:
-        """``cache`` (grown by a session) replaces the pool's one of its row count."""
+    def put(self, holder: object, model: torch.nn.Module, cache: SlotCache) -> None:
+        """``cache`` (grown by ``holder``) replaces the one ``holder`` held."""
         key = (id(model), cache.batch, cache.keys[0].dtype, cache.keys[0].device)
-        self._caches.pop(key, None)
-        self._caches[key] = cache
+        self._entries = [e for e in self._entries if not (e[2] is not None and e[2]() is holder)]
+        self._entries.append((key, cache, weakref.ref(holder)))
 
     def clear(self) -> None:
-        self._caches = {}
+        self._entries = []
+
+    @property
+    def caches(self) -> list[SlotCache]:
+        """The caches kept, held or not, oldest first."""
+        return [e[1] for e in self._entries]
 
 
 class StaticSession:
@@ -190,6 +207,7 @@ class DecodeSession(Session):
         self.lock_steps = self.row_steps = self.context_tokens = 0
         self._cache_arg = cache_argument_name(model)
         self._table = restrictions or RestrictionTable()
+        self._must_feed = False  # a rewind happened: the next feed must give every row a token
         self._additive = None
         if static is not None and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
             self._additive = model.get_input_embeddings().weight.dtype  # eager attention adds its mask
@@ -277,6 +295,10 @@ class DecodeSession(Session):
         if len(blocks) != self.batch_size:
             raise ValueError(f"feed got {len(blocks)} blocks for {self.batch_size} rows")
         lens = [len(b) for b in blocks]
+        if self._must_feed:  # after a rewind the logits of a row's last token are gone until it is fed again
+            if min(lens, default=0) == 0:
+                raise ValueError("feed after rewind: every row needs at least one token")
+            self._must_feed = False
         if max(lens, default=0) == 0:
             return
         if self.static is not None:
@@ -403,10 +425,11 @@ class DecodeSession(Session):
         pool = self.static.pool
         if self.cache is None:
             dtype = self.model.get_input_embeddings().weight.dtype
-            self.cache = pool.get(self.model, self._mask.shape[0], bucket(max(slots, 512), 512), dtype, self.device)
+            self.cache = pool.get(self, self.model, self._mask.shape[0], bucket(max(slots, 512), 512), dtype,
+                                  self.device)
         elif slots > self.cache.capacity:
             self.cache = self.cache.grown(bucket(slots, self.cache.capacity))
-            pool.put(self.model, self.cache)
+            pool.put(self, self.model, self.cache)
         if self._mask.shape[1] < self.cache.capacity:
             grown = torch.zeros(self._mask.shape[0], self.cache.capacity, dtype=torch.bool, device=self.device)
             grown[:, : self.width] = self._mask[:, : self.width]
@@ -414,6 +437,43 @@ class DecodeSession(Session):
 
     def length(self, row: int) -> int:
         return self.next_pos[row] if self.next_pos else 0
+
+    @torch.no_grad()
+    def rewind(self, keep: Sequence[int]) -> bool:
+        """Cut row i back to its first ``keep[i]`` tokens (:mod:`sglightning.engines.rewind`): one gather per layer
+        moves the kept keys and values to the first slots.  False where the cache cannot be cut (a sliding-window,
+        quantised or older dynamic cache) or nothing would be kept."""
+        keep = [int(k) for k in keep]
+        if len(keep) != self.batch_size:
+            raise ValueError(f"rewind got {len(keep)} lengths for {self.batch_size} rows")
+        for i, (k, n) in enumerate(zip(keep, self.next_pos)):
+            if not 0 <= k <= n:
+                raise ValueError(f"rewind: row {i} holds {n} tokens, cannot keep {k}")
+        width = max(keep, default=0)
+        if self._mask is None or width == 0:
+            return False
+        if self.static is None:
+            if self.cache is None or not row_subset_cache_ok(self.cache):
+                return False
+            index, valid = kept_slots(self._mask[:, : self.width] > 0, self._to_device(torch.tensor(keep)), width)
+            for layer in self.cache.layers:
+                layer.keys, layer.values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
+            self._mask = torch.zeros(self._mask.shape[0], max(64, width), dtype=torch.long, device=self.device)
+            self._mask[:, :width] = valid
+        else:  # the rows move to the first physical rows too, so that a wide block feeds only those
+            n = len(keep)
+            src = self._to_device(torch.tensor(self.phys))  # [n]
+            index, valid = kept_slots(self._mask[src, : self.width], self._to_device(torch.tensor(keep)), width)
+            if self.cache is not None:
+                for t in self.cache.keys + self.cache.values:
+                    t[:n, :, :width] = gather_slots(t[src], index)  # in place: the compiled step's addresses stay
+            self._mask[:, : self.width] = False
+            self._mask[:n, :width] = valid
+            self.phys = list(range(n))
+        self.width = width
+        self.next_pos = keep
+        self._must_feed = True
+        return True
 
     def select(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order).  The dynamic cache drops the others; the slot cache keeps its
@@ -455,7 +515,7 @@ class DecodeSession(Session):
         before it).  The step's samples are drawn together (:func:`draw`)."""
         if len(programs) != self.batch_size:
             raise ValueError(f"run got {len(programs)} programs for {self.batch_size} rows")
-        if self.last_logits is None:
+        if self.last_logits is None or self._must_feed:
             raise RuntimeError("feed a prompt before running programs")
         rows = [ProgramState(list(p)) for p in programs]
         blocks = [st.written() for st in rows]  # what each row writes before its first sample

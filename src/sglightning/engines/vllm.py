@@ -94,6 +94,13 @@ class VLLMSession(Session):
     def length(self, row: int) -> int:
         return len(self.rows[row])
 
+    def rewind(self, keep: Sequence[int]) -> bool:
+        """Cut the contexts kept here; the server's prefix cache serves what the next requests repeat."""
+        if len(keep) != len(self.rows) or any(not 0 <= k <= len(r) for k, r in zip(keep, self.rows)):
+            raise ValueError(f"rewind: lengths {list(keep)} do not fit rows of {[len(r) for r in self.rows]} tokens")
+        self.rows = [r[:k] for r, k in zip(self.rows, keep)]
+        return True
+
     # --------------------------------------------------------------------------------------------------------------
     def run(self, programs: Sequence[list]) -> list[list[Piece]]:
         """Run one program per row, rows concurrently; a row whose request failed ends with a piece carrying
