@@ -354,7 +354,8 @@ class Rollout:
 
     def _run_two_call(self, episodes, temperature, guided, generator, greedy, stats) -> None:
         """two_call (paper): a rate call then an act call per step, each a fresh prompt (no rate call when the
-        guidance comes from the oracle)."""
+        guidance comes from the oracle).  With ``rollout.reuse_prefix`` each call's session goes on from step to
+        step and computes only what a row's new prompt does not share with what it holds (:meth:`_call`)."""
         constrained = self.guidance.decoding == "constrained"
         oracle = self.guidance.source == "oracle"
         hist = self.guidance.history_length

@@ -466,7 +466,9 @@ class DecodeSession(Session):
             index, valid = kept_slots(self._mask[src, : self.width], self._to_device(torch.tensor(keep)), width)
             if self.cache is not None:
                 for t in self.cache.keys + self.cache.values:
-                    t[:n, :, :width] = gather_slots(t[src], index)  # in place: the compiled step's addresses stay
+                    # the slots in use only (the cache's capacity may be far more); written in place: the
+                    # compiled step's addresses stay
+                    t[:n, :, :width] = gather_slots(t[src, :, : self.width], index)
             self._mask[:, : self.width] = False
             self._mask[:n, :width] = valid
             self.phys = list(range(n))
