@@ -347,3 +347,24 @@ def test_a_session_holding_other_ids_than_the_rollout_thinks_is_not_kept(tiny, m
     kept = _two_call(model, tok, BuiltinEngine(EngineConfig(compile="off")), "constrained", "admissible", True)
     _same(fresh, kept)
     assert kept.prefill_positions == fresh.prefill_positions
+
+
+def test_a_free_segment_counts_its_cap_from_the_piece_whoever_writes_it():
+    """The vLLM engine writes a ``Free`` segment's tokens into the piece itself (a whole request's worth), not
+    through ``take``: the cap must be read from the piece, or a capped segment would ask for more tokens forever."""
+    from sglightning.engines.program import Force, ProgramState
+
+    def capped() -> ProgramState:
+        st = ProgramState([Free(3, frozenset({9}), close_with=(7,)), Force([8])])
+        assert st.written() == [] and st.restriction() is None
+        for tok in (1, 2, 3):  # as VLLMSession._run_row adds a request's tokens
+            st.piece.add(tok, -1.0, True)
+        return st
+
+    st = capped()
+    st.advance()  # the vLLM engine's walk
+    assert st.pending_close == [7]  # the cap was hit without the stop token: its closing tokens come next
+    st = capped()
+    assert st.written() == [7, 8] and st.done  # the built-in engine's walk
+    assert [p.ids for p in st.pieces] == [[1, 2, 3, 7], [8]]
+    assert [p.policy for p in st.pieces] == [[True, True, True, False], [False]]

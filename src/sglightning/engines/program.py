@@ -101,7 +101,6 @@ class ProgramState:
         # a capped Free segment's closing tokens: set when the cap is hit and written in the same step, so once set
         # the segment ends at the next advance
         self.pending_close: list[int] = []
-        self.sampled = 0  # policy tokens in the open piece (a Free segment's count against its cap)
         self.done = not program
 
     @property
@@ -118,7 +117,6 @@ class ProgramState:
         elif isinstance(seg, Free):
             self.banned = banned_restriction(seg.banned_ids) if seg.banned_ids else None
         self.pending_close = []
-        self.sampled = 0
 
     def advance(self) -> None:
         """Close finished segments and open the next one, until a segment wants a token (or none is left); a
@@ -132,7 +130,9 @@ class ProgramState:
                     return
             elif isinstance(seg, Free):
                 if not (self.pending_close or (self.piece.ids and self.piece.hit_stop)):
-                    if self.sampled < seg.max_tokens:
+                    # every token of an open Free piece before its cap is a policy token: its length is their count
+                    # (not summed at every step; engines that add tokens to the piece themselves stay counted)
+                    if len(self.piece.ids) < seg.max_tokens:
                         return
                     if seg.close_with:
                         self.pending_close = list(seg.close_with)
@@ -187,7 +187,6 @@ class ProgramState:
         restriction that applied (top-k included)."""
         seg, piece = self.program[self.seg], self.piece
         piece.add(tok, logq, True, used, full)
-        self.sampled += 1
         if isinstance(seg, Free):
             if tok in seg.stop_ids:
                 piece.hit_stop = True
