@@ -368,3 +368,18 @@ def test_a_free_segment_counts_its_cap_from_the_piece_whoever_writes_it():
     assert st.written() == [7, 8] and st.done  # the built-in engine's walk
     assert [p.ids for p in st.pieces] == [[1, 2, 3, 7], [8]]
     assert [p.policy for p in st.pieces] == [[True, True, True, False], [False]]
+
+
+def test_the_reuse_benchmark_plays_the_same_episodes_in_both_arms():
+    """benchmarks/two_call_reuse.py: both arms play the same tokens, and the kept arm computes fewer positions."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import two_call_reuse
+
+    report = two_call_reuse.main(["--model", "tiny", "--tasks", "1", "--group", "2", "--steps", "4", "--repeats", "1",
+                                  "--threads", "1"])
+    (row,) = report["rounds"]
+    assert row["same_tokens"] and row["fresh"]["tokens"] == row["kept"]["tokens"] > 0
+    assert row["kept"]["prefill_positions"] < row["fresh"]["prefill_positions"]
