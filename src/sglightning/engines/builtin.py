@@ -137,6 +137,10 @@ class SlotPool:
         self._entries = [e for e in self._entries if not (e[2] is not None and e[2]() is holder)]
         self._entries.append((key, cache, weakref.ref(holder)))
 
+    def release(self, cache: SlotCache) -> None:
+        """``cache`` is no longer held: the next session may take it."""
+        self._entries = [(k, c, None if c is cache else h) for k, c, h in self._entries]
+
     def clear(self) -> None:
         self._entries = []
 
@@ -460,22 +464,36 @@ class DecodeSession(Session):
                 layer.keys, layer.values = gather_slots(layer.keys, index), gather_slots(layer.values, index)
             self._mask = torch.zeros(self._mask.shape[0], max(64, width), dtype=torch.long, device=self.device)
             self._mask[:, :width] = valid
-        else:  # the rows move to the first physical rows too, so that a wide block feeds only those
-            n = len(keep)
-            src = self._to_device(torch.tensor(self.phys))  # [n]
-            index, valid = kept_slots(self._mask[src, : self.width], self._to_device(torch.tensor(keep)), width)
-            if self.cache is not None:
-                for t in self.cache.keys + self.cache.values:
-                    # the slots in use only (the cache's capacity may be far more); written in place: the
-                    # compiled step's addresses stay
-                    t[:n, :, :width] = gather_slots(t[src, :, : self.width], index)
-            self._mask[:, : self.width] = False
-            self._mask[:n, :width] = valid
-            self.phys = list(range(n))
+        else:
+            self._rewind_static(keep, width)
         self.width = width
         self.next_pos = keep
         self._must_feed = True
         return True
+
+    def _rewind_static(self, keep: list[int], width: int) -> None:
+        """:meth:`rewind` on the slot cache: the rows move to the first physical rows too (a wide block feeds only
+        those), and to a cache of fewer physical rows when the rows left fit one (a decode step runs every physical
+        row, and reads each one's keys and values)."""
+        n, phys_rows = len(keep), bucket(len(keep))
+        src = self._to_device(torch.tensor(self.phys))  # [n]
+        index, valid = kept_slots(self._mask[src, : self.width], self._to_device(torch.tensor(keep)), width)
+        old, target = self.cache, self.cache
+        if phys_rows < self._mask.shape[0]:
+            target = self.static.pool.get(self, self.model, phys_rows, bucket(max(width + 1, 512), 512),
+                                          old.keys[0].dtype, self.device)
+            self._mask = torch.zeros(phys_rows, target.capacity, dtype=torch.bool, device=self.device)  # [P', C]
+            self.last_logits = self.last_logits[:phys_rows].clone()  # [P', V] (stale until the next feed)
+        else:
+            self._mask[:, : self.width] = False
+        for new_t, t in zip(target.keys + target.values, old.keys + old.values):
+            # the slots in use only (the capacity may be far more); in place: the compiled step's addresses stay
+            new_t[:n, :, :width] = gather_slots(t[src, :, : self.width], index)
+        if target is not old:
+            self.static.pool.release(old)
+            self.cache = target
+        self._mask[:n, :width] = valid
+        self.phys = list(range(n))
 
     def select(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order).  The dynamic cache drops the others; the slot cache keeps its
