@@ -73,7 +73,7 @@ class NullForwardEngine(builtin.BuiltinEngine):
     def session(self, *args, **kwargs):
         s = super().session(*args, **kwargs)
         eager = self.forward.wrap(lambda ids, pos, attn, slots, cache, rows: self.bank[:rows].clone())  # [n, V]
-        decode = self.forward.wrap(lambda ids, pos, attn, slots, cache: self.bank[: ids.shape[0]].clone())  # [P, V]
+        decode = self.forward.wrap(lambda ids, pos, attn, slots, cache, rows=None: self.bank[: ids.shape[0]].clone())
         s.static = builtin.StaticSession(s.static.pool, eager, decode)
         return s
 

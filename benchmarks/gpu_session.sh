@@ -19,6 +19,8 @@
 #       with micro-batches by token budget instead of shared prefixes (its MFU against part 1)
 #   part 5, the same (<= 6 min): the Qwen3-1.7B shape at 16 x 8 in the paper's two_call mode, each call's cache kept
 #       across env steps (two caches, a graph per cache) and not kept (rollout.reuse_prefix: false)
+#   part 6, the same (<= 6 min): the Qwen3-1.7B shape at 16 x 8 with its last few rows of a turn running alone
+#       (the default) and with every row to the end of each turn (model.engine.few_rows_alone: false)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
 part=${1:-1}
@@ -81,6 +83,10 @@ elif [ "$part" = 5 ]; then
     --set model.guidance.prompt_mode=two_call
   check qwen3-1.7b_16x8_two_call_fresh 170 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --set model.guidance.prompt_mode=two_call --set model.rollout.reuse_prefix=false
+elif [ "$part" = 6 ]; then
+  check qwen3-1.7b_16x8 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4
+  check qwen3-1.7b_16x8_all_rows 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
+    --set model.engine.few_rows_alone=false
 else
   stage engine_host 90 "$PY" benchmarks/engine_host.py --repeats 3 --json "$OUT/engine_host.json"
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off

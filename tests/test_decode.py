@@ -409,3 +409,35 @@ def test_a_rewound_slot_session_moves_to_fewer_physical_rows_when_rows_end(tiny)
     other = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
     other.feed(prompts)  # sixteen physical rows again: the cache the rewound session gave back
     assert other.cache is big
+
+
+def _stragglers(model, compile_mode: str, few: bool):
+    """Twelve rows of which two write long turns: after a few lock steps only those two run.  Two turns, a block
+    fed between them, so the second turn reads what the first left in the cache."""
+    engine = BuiltinEngine(EngineConfig(compile=compile_mode), few_rows_alone=few)
+    s = engine.session(model, 0, 1.0, torch.Generator().manual_seed(3))
+    s.feed([[5, 6, 7 + i, 8][: 2 + i % 3] for i in range(12)])
+    turns = []
+    for turn in range(2):
+        programs = [[Free(14 if i in (3, 8 + turn) else 2, frozenset())] for i in range(12)]
+        turns.append(s.run(programs))
+        s.feed([[40 + i] for i in range(12)])
+    turns.append(s.run([[Free(3, frozenset())] for _ in range(12)]))
+    return turns, s.fed_positions
+
+
+@pytest.mark.parametrize("compile_mode", ["off", "static"])
+def test_when_few_rows_still_run_their_steps_run_without_the_others(tiny, compile_mode):
+    """Once at most a quarter of the rows still run, the lock steps left run those rows only: on the slot cache they
+    move to the first physical rows and the step runs those; on the dynamic cache a session of those rows runs them
+    and is joined back.  The same tokens and log-probs (1e-5) as running every row, in that turn and the ones after
+    (the cache left behind is the same), with fewer positions computed."""
+    model, _ = tiny
+    plain, plain_fed = _stragglers(model, compile_mode, False)
+    few, few_fed = _stragglers(model, compile_mode, True)
+    for a, b in zip(plain, few):
+        for x, y in zip(a, b):
+            assert [p.ids for p in x] == [p.ids for p in y]
+            assert x[0].logprobs == pytest.approx(y[0].logprobs, abs=1e-5)
+    assert max(len(x[0].ids) for x in plain[0]) >= 10  # the long rows ran on after the others
+    assert few_fed < plain_fed

@@ -47,7 +47,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 @dataclass
 class EngineConfig:
     """The generation engine rollouts run on: the in-process engine, a vLLM server (launched here, or running), or
-    an engine class of your own.  ``compile`` is the in-process engine's; the keys after it are the vLLM engine's."""
+    an engine class of your own.  ``compile`` and ``few_rows_alone`` are the in-process engine's; the keys after them
+    are the vLLM engine's."""
 
     backend: str = "builtin"
     """``builtin``: batched forwards of the trainer's own model (the reference); ``vllm``: a vLLM server over HTTP;
@@ -55,6 +56,8 @@ class EngineConfig:
     compile: Literal["auto", "off", "static", "default", "cudagraphs", "reduce-overhead"] = "auto"
     """builtin decode step: off = dynamic cache; static = slot cache; default / cudagraphs / reduce-overhead =
     slot cache, step torch-compiled so; auto = reduce-overhead on one CUDA device, else off"""
+    few_rows_alone: bool = True
+    """builtin: once at most a quarter of the rows still write, the turn's remaining lock steps run those rows only"""
     url: str | None = None
     """a running vLLM server (``http://host:port``), started with the flags ``engine.vllm_command`` would use
     (LoRA, processed log-probs); null = launch one on 127.0.0.1.  It must read adapter folders this process writes

@@ -58,11 +58,14 @@ class BuiltinEngine(Engine):
     ``gathered()`` weights (a collective under FSDP).  ``model.engine.compile`` chooses the decode step: the
     dynamic cache (``off``, CPUs) or the static slot cache, compiled or not (:mod:`sglightning.engines.static`)."""
 
-    def __init__(self, cfg=None, *, share_prefix: bool = True, staged_prefill: bool | None = None):
-        """``share_prefix`` and ``staged_prefill``: see :class:`DecodeSession` (benchmarks switch them off)."""
+    def __init__(self, cfg=None, *, share_prefix: bool = True, staged_prefill: bool | None = None,
+                 few_rows_alone: bool | None = None):
+        """``share_prefix``, ``staged_prefill`` and ``few_rows_alone``: see :class:`DecodeSession` (benchmarks switch
+        them off; ``few_rows_alone`` None = ``model.engine.few_rows_alone``)."""
         super().__init__(cfg)
         self.share_prefix = share_prefix
         self.staged_prefill = staged_prefill
+        self.few_rows_alone = self.cfg.few_rows_alone if few_rows_alone is None else few_rows_alone
         self._restrictions = RestrictionTable()
         self.slots = SlotPool()
         self.sharding: str | None = None
@@ -94,7 +97,8 @@ class BuiltinEngine(Engine):
         if mode != "off":
             static = StaticSession(self.slots, self.step(model, "static"), self.step(model, mode))
         return DecodeSession(model, pad_id, temperature, generator, top_k, greedy, share_prefix=self.share_prefix,
-                             staged_prefill=self.staged_prefill, restrictions=self._restrictions, static=static)
+                             staged_prefill=self.staged_prefill, restrictions=self._restrictions, static=static,
+                             few_rows_alone=self.few_rows_alone)
 
     def close(self) -> None:
         self.slots.clear()
@@ -177,6 +181,7 @@ class DecodeSession(Session):
         staged_prefill: bool | None = None,
         restrictions: RestrictionTable | None = None,
         static: StaticSession | None = None,
+        few_rows_alone: bool = True,
     ):
         """``share_prefix``: the first :meth:`feed` computes a prefix that several rows share (a group's G episodes
         start from one prompt) once and copies its cache to those rows (:func:`~sglightning.prefixes.shared_prefixes`);
@@ -185,7 +190,9 @@ class DecodeSession(Session):
         computes fewer positions than padding every row to the longest block; False = always one padded pass; None
         (default) = on CPUs only (the cost model is a CPU's, where a padded position costs a real one's FLOPs; on a
         GPU padding is nearly free at these sizes and each extra pass costs latency).  ``static``: the slot cache
-        and its steps (None: the dynamic cache)."""
+        and its steps (None: the dynamic cache).  ``few_rows_alone``: once at most a quarter of the rows still run their
+        program, the lock steps left run those rows only (:meth:`_front`, :meth:`_split`); False = every row to the
+        end."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.model = model
@@ -212,6 +219,8 @@ class DecodeSession(Session):
         self._cache_arg = cache_argument_name(model)
         self._table = restrictions or RestrictionTable()
         self._must_feed = False  # a rewind happened: the next feed must give every row a token
+        self._active: int | None = None  # slot cache: the physical rows decode steps run, while few rows run
+        self.few_rows_alone = few_rows_alone
         self._additive = None
         if static is not None and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
             self._additive = model.get_input_embeddings().weight.dtype  # eager attention adds its mask
@@ -386,10 +395,15 @@ class DecodeSession(Session):
         row (fixed shapes, the compiled step); a wider block only the physical rows up to the last one in use.  Rows
         without a block there (and physical rows no row uses) see their own pads, so no query is fully masked."""
         width = max(len(b) for b in blocks)
-        rows = self._mask.shape[0] if width == 1 else max(self.phys) + 1
+        if width == 1:
+            rows = self._mask.shape[0]
+        elif self._active is not None:  # few rows still run, in the first physical rows (`_front`)
+            rows = max(p for p, b in zip(self.phys, blocks) if b) + 1
+        else:
+            rows = max(self.phys) + 1
         n = rows * width
-        ids, mask, pos = self._block_lists(((p, r, b) for r, (p, b) in enumerate(zip(self.phys, blocks))), rows,
-                                           width)
+        ids, mask, pos = self._block_lists(((p, r, b) for r, (p, b) in enumerate(zip(self.phys, blocks)) if p < rows),
+                                           rows, width)
         live = set(self.phys)
         for p in range(rows):
             if p not in live:
@@ -409,20 +423,23 @@ class DecodeSession(Session):
         self._mask_columns(width, zero=not every_row)[:rows] = mask  # copied as bool
         slots = torch.arange(start, start + width, device=self.device)  # [W]
         attn = block_mask(self._mask[:rows, :view], start, width, self._additive)  # [n, 1, W, view]
-        self.fed_positions += rows * width
         if width == 1:
+            # the inputs keep every physical row (one trace serves both cases), the step runs the first `ran`
+            ran = self._active or rows
             if hasattr(torch, "compiler"):
                 torch.compiler.cudagraph_mark_step_begin()
-            logits = self.static.decode(ids, pos, attn, slots, self.cache)  # [P, V]
+            logits = self.static.decode(ids, pos, attn, slots, self.cache, ran)  # [ran, V]
         else:
+            ran = rows
             logits = self.static.eager(ids, pos, attn, slots, self.cache, rows)  # [n, V]
+        self.fed_positions += ran * width
         self.forward_calls += 1
         if self.last_logits is None:
             self.last_logits = torch.zeros(self._mask.shape[0], logits.shape[1], device=self.device)  # [P, V]
-        if every_row:  # a new tensor, no copy back
+        if ran == self._mask.shape[0]:  # a new tensor, no copy back
             self.last_logits = torch.where(fed[:, None], logits, self.last_logits)  # [P, V]
         else:
-            self.last_logits[:rows] = torch.where(fed[:, None], logits, self.last_logits[:rows])
+            self.last_logits[:ran] = torch.where(fed[:ran, None], logits, self.last_logits[:ran])
 
     def _reserve(self, slots: int) -> None:
         """A slot cache with room for ``slots`` slots (from the pool, or this one grown by doubling)."""
@@ -539,10 +556,13 @@ class DecodeSession(Session):
             raise RuntimeError("feed a prompt before running programs")
         rows = [ProgramState(list(p)) for p in programs]
         blocks = [st.written() for st in rows]  # what each row writes before its first sample
+        # the session the lock steps feed: this one, or once few rows still run, one of those rows only (`_split`)
+        target, where = self, list(range(len(rows)))  # where[i]: row i's row in target
+        running, start = [], 0
         while True:
             want = [i for i, st in enumerate(rows) if not st.done and not blocks[i]]  # rows that sample now
             if want:
-                logits = self.last_logits[self._rows(want)]  # [R, V]
+                logits = target.last_logits[target._rows([where[i] for i in want])]  # [R, V]
                 with phase("rollout/draw"):
                     logp = torch.log_softmax(logits / self.temperature, dim=-1)  # [R, V]
                     drawn = draw(logp, [rows[i].restriction() for i in want], self.top_k, self.greedy,
@@ -555,11 +575,80 @@ class DecodeSession(Session):
             moving = [i for i, b in enumerate(blocks) if b]
             self.lock_steps += 1
             self.row_steps += len(moving)
-            self.context_tokens += sum(self.next_pos[i] for i in moving)
+            self.context_tokens += sum(target.next_pos[where[i]] for i in moving)
             with phase("rollout/decode"):
-                self.feed(blocks)
+                target.feed(blocks if target is self else [blocks[i] for i in running])
             blocks = [[] for _ in rows]
+            if target is self and self._active is None:
+                running = [i for i, st in enumerate(rows) if not st.done]
+                if running and self._few(len(running)):
+                    if self.static is not None:
+                        self._front(running)
+                    else:
+                        start, target = self.width, self._split(running)
+                        where = {i: k for k, i in enumerate(running)}
+        if target is not self:
+            self._join(target, running, start)
+        self._active = None
         return [st.pieces for st in rows]
+
+    # ------------------------------------------------------------------------------------------------------------------
+    def _few(self, running: int) -> bool:
+        """Whether ``running`` rows are few enough to go on alone: a decode step runs every row of its cache (every
+        physical row on the slot cache) and reads each one's keys and values, and most have finished their turn."""
+        rows = len(self.phys) if self.static is None else self._mask.shape[0]
+        return self.few_rows_alone and rows >= 8 and running <= rows // 4
+
+    def _front(self, rows: list[int]) -> None:
+        """Slot cache: ``rows`` move to the first physical rows (each swapped with a row there that is not among
+        them) and decode steps run only those, rounded up to a bucket, until :meth:`run` ends.  The rows behind keep
+        their keys and values and are masked at the slots they skip."""
+        k = len(rows)
+        wanted = set(rows)
+        out = [i for i, p in enumerate(self.phys) if i in wanted and p >= k]  # to move to the front
+        free = sorted(set(range(k)) - {self.phys[i] for i in rows})  # front physical rows to take
+        if out:
+            owner = {p: i for i, p in enumerate(self.phys)}
+            a = [self.phys[i] for i in out]  # physical rows of the rows moving in
+            b = free[: len(out)]  # the front physical rows they take
+            ia, ib = (self._to_device(torch.tensor(x)) for x in (a, b))
+            w = self.width
+            for t in self.cache.keys + self.cache.values:
+                moving = t[ia, :, :w]  # [m, H, w, d] a copy (advanced indexing)
+                t[ia, :, :w] = t[ib, :, :w]
+                t[ib, :, :w] = moving
+            self._mask[ia], self._mask[ib] = self._mask[ib], self._mask[ia]  # advanced indexing copies both sides
+            self.last_logits[ia], self.last_logits[ib] = self.last_logits[ib], self.last_logits[ia]
+            for i, pa, pb in zip(out, a, b):
+                if pb in owner:
+                    self.phys[owner[pb]] = pa
+                self.phys[i] = pb
+        self._active = bucket(k)
+
+    def _split(self, rows: list[int]) -> DecodeSession:
+        """Dynamic cache: a session of ``rows`` only, holding copies of their keys, values, mask and logits at the
+        same slots (the lock steps left run there; :meth:`_join` brings them back)."""
+        sub = DecodeSession(self.model, self.pad_id, self.temperature, self.generator, self.top_k, self.greedy,
+                            share_prefix=False, staged_prefill=False, restrictions=self._table)
+        src = self._to_device(torch.tensor(rows))  # [k] (the dynamic cache's rows are the session's)
+        sub.phys, sub.next_pos = list(range(len(rows))), [self.next_pos[i] for i in rows]
+        sub.cache, sub._mask = row_subset_cache(self.cache, src), self._mask[src]  # [k, H, T, d], [k, capacity]
+        sub.width, sub.last_logits = self.width, self.last_logits[src]
+        return sub
+
+    def _join(self, sub: DecodeSession, rows: list[int], start: int) -> None:
+        """The lock steps ``sub`` ran for ``rows`` (slots ``start …``) written back: those rows' keys, values, mask
+        and logits; every other row gets pads there, as if it had been fed nothing in those steps."""
+        steps = sub.width - start
+        src = self._to_device(torch.tensor(rows))  # [k]
+        if steps:
+            append_row_subset(self.cache, sub.cache, src, steps)
+            self._mask_columns(steps)[src] = sub._mask[:, start : sub.width]
+        self.last_logits[src] = sub.last_logits
+        for i, pos in zip(rows, sub.next_pos):
+            self.next_pos[i] = pos
+        self.forward_calls += sub.forward_calls
+        self.fed_positions += sub.fed_positions
 
 
 def check_generator(generator: torch.Generator | None, device: torch.device) -> None:

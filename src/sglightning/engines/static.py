@@ -181,9 +181,13 @@ def block_mask(seen: torch.Tensor, start: int, width: int, additive: torch.dtype
 
 def decode_step(model: torch.nn.Module, cache_arg: str) -> Callable:
     """The forward of one block on a :class:`SlotCache` (its first ``rows`` physical rows, or all), returning the
-    last position's logits [n, V] (float32)."""
+    last position's logits [n, V] (float32).  Inputs with more rows than ``rows`` are cut here, inside the trace: a
+    decode step's inputs keep every physical row, so that its shapes relate the same way whether all rows run or
+    only the first few."""
 
     def step(ids, pos, mask, slots, cache, rows=None):
+        if rows is not None:
+            ids, pos, mask = ids[:rows], pos[:rows], mask[:rows]
         cache.slots, cache.rows, cache.view = slots, rows, mask.shape[-1]
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                     **{cache_arg: cache})
