@@ -549,7 +549,8 @@ class DecodeSession(Session):
         — the rest of a ``Force``, a ``Free`` segment's closing tokens, a ``Choice``'s single-continuation tokens —
         up to the next token that must be sampled.  Forced runs thus cost no extra forward (the samples and their
         log-probs are those of feeding one token per step: every sampled token still sees exactly the context
-        before it).  The step's samples are drawn together (:func:`draw`)."""
+        before it).  The step's samples are drawn together (:func:`draw`).  Once at most a quarter of the rows still
+        run their program, the steps left run those rows only (``few_rows_alone``: :meth:`_front`, :meth:`_split`)."""
         if len(programs) != self.batch_size:
             raise ValueError(f"run got {len(programs)} programs for {self.batch_size} rows")
         if self.last_logits is None or self._must_feed:
@@ -559,43 +560,47 @@ class DecodeSession(Session):
         # the session the lock steps feed: this one, or once few rows still run, one of those rows only (`_split`)
         target, where = self, list(range(len(rows)))  # where[i]: row i's row in target
         running, start = [], 0
-        while True:
-            want = [i for i, st in enumerate(rows) if not st.done and not blocks[i]]  # rows that sample now
-            if want:
-                logits = target.last_logits[target._rows([where[i] for i in want])]  # [R, V]
-                with phase("rollout/draw"):
-                    logp = torch.log_softmax(logits / self.temperature, dim=-1)  # [R, V]
-                    drawn = draw(logp, [rows[i].restriction() for i in want], self.top_k, self.greedy,
-                                 self.generator, self._table)
-                for i, (tok, logq, full, used) in zip(want, drawn):
-                    rows[i].take(tok, logq, full, used)
-                    blocks[i] = [tok] + rows[i].written()
-            if not any(blocks):
-                break
-            moving = [i for i, b in enumerate(blocks) if b]
-            self.lock_steps += 1
-            self.row_steps += len(moving)
-            self.context_tokens += sum(target.next_pos[where[i]] for i in moving)
-            with phase("rollout/decode"):
-                target.feed(blocks if target is self else [blocks[i] for i in running])
-            blocks = [[] for _ in rows]
-            if target is self and self._active is None:
-                running = [i for i, st in enumerate(rows) if not st.done]
-                if running and self._few(len(running)):
-                    if self.static is not None:
-                        self._front(running)
-                    else:
-                        start, target = self.width, self._split(running)
-                        where = {i: k for k, i in enumerate(running)}
-        if target is not self:
-            self._join(target, running, start)
-        self._active = None
+        try:
+            while True:
+                want = [i for i, st in enumerate(rows) if not st.done and not blocks[i]]  # rows that sample now
+                if want:
+                    logits = target.last_logits[target._rows([where[i] for i in want])]  # [R, V]
+                    with phase("rollout/draw"):
+                        logp = torch.log_softmax(logits / self.temperature, dim=-1)  # [R, V]
+                        drawn = draw(logp, [rows[i].restriction() for i in want], self.top_k, self.greedy,
+                                     self.generator, self._table)
+                    for i, (tok, logq, full, used) in zip(want, drawn):
+                        rows[i].take(tok, logq, full, used)
+                        blocks[i] = [tok] + rows[i].written()
+                if not any(blocks):
+                    break
+                moving = [i for i, b in enumerate(blocks) if b]
+                self.lock_steps += 1
+                self.row_steps += len(moving)
+                self.context_tokens += sum(target.next_pos[where[i]] for i in moving)
+                with phase("rollout/decode"):
+                    target.feed(blocks if target is self else [blocks[i] for i in running])
+                blocks = [[] for _ in rows]
+                if target is self and self._active is None:
+                    running = [i for i, st in enumerate(rows) if not st.done]
+                    if running and self._few(len(running)):
+                        if self.static is not None:
+                            self._front(running)
+                        else:
+                            start, target = self.width, self._split(running)
+                            where = {i: k for k, i in enumerate(running)}
+            if target is not self:
+                self._join(target, running, start)
+        finally:
+            self._active = None  # the next turn's decode steps run every physical row again
         return [st.pieces for st in rows]
 
     # ------------------------------------------------------------------------------------------------------------------
     def _few(self, running: int) -> bool:
         """Whether ``running`` rows are few enough to go on alone: a decode step runs every row of its cache (every
         physical row on the slot cache) and reads each one's keys and values, and most have finished their turn."""
+        if self.static is None and not row_subset_cache_ok(self.cache):  # a sliding-window or quantised cache
+            return False
         rows = len(self.phys) if self.static is None else self._mask.shape[0]
         return self.few_rows_alone and rows >= 8 and running <= rows // 4
 
