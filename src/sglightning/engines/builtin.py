@@ -141,10 +141,6 @@ class SlotPool:
         self._entries = [e for e in self._entries if not (e[2] is not None and e[2]() is holder)]
         self._entries.append((key, cache, weakref.ref(holder)))
 
-    def release(self, cache: SlotCache) -> None:
-        """``cache`` is no longer held: the next session may take it."""
-        self._entries = [(k, c, None if c is cache else h) for k, c, h in self._entries]
-
     def clear(self) -> None:
         self._entries = []
 
@@ -220,6 +216,7 @@ class DecodeSession(Session):
         self._table = restrictions or RestrictionTable()
         self._must_feed = False  # a rewind happened: the next feed must give every row a token
         self._active: int | None = None  # slot cache: the physical rows decode steps run, while few rows run
+        self._bound: int | None = None  # slot cache: the physical rows holding rows since a rewind (None: all)
         self.few_rows_alone = few_rows_alone
         self._additive = None
         if static is not None and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
@@ -425,7 +422,7 @@ class DecodeSession(Session):
         attn = block_mask(self._mask[:rows, :view], start, width, self._additive)  # [n, 1, W, view]
         if width == 1:
             # the inputs keep every physical row (one trace serves both cases), the step runs the first `ran`
-            ran = self._active or rows
+            ran = min(self._active or rows, self._bound or rows)
             if hasattr(torch, "compiler"):
                 torch.compiler.cudagraph_mark_step_begin()
             logits = self.static.decode(ids, pos, attn, slots, self.cache, ran)  # [ran, V]
@@ -489,28 +486,19 @@ class DecodeSession(Session):
         return True
 
     def _rewind_static(self, keep: list[int], width: int) -> None:
-        """:meth:`rewind` on the slot cache: the rows move to the first physical rows too (a wide block feeds only
-        those), and to a cache of fewer physical rows when the rows left fit one (a decode step runs every physical
-        row, and reads each one's keys and values)."""
-        n, phys_rows = len(keep), bucket(len(keep))
+        """:meth:`rewind` on the slot cache: the rows move to the first physical rows too, and from then on decode
+        steps run only those, rounded up to a power of two (a step runs every physical row it is given and reads
+        each one's keys and values).  The cache stays: a new one would give the compiled step new addresses."""
+        n = len(keep)
         src = self._to_device(torch.tensor(self.phys))  # [n]
         index, valid = kept_slots(self._mask[src, : self.width], self._to_device(torch.tensor(keep)), width)
-        old, target = self.cache, self.cache
-        if phys_rows < self._mask.shape[0]:
-            target = self.static.pool.get(self, self.model, phys_rows, bucket(max(width + 1, 512), 512),
-                                          old.keys[0].dtype, self.device)
-            self._mask = torch.zeros(phys_rows, target.capacity, dtype=torch.bool, device=self.device)  # [P', C]
-            self.last_logits = self.last_logits[:phys_rows].clone()  # [P', V] (stale until the next feed)
-        else:
-            self._mask[:, : self.width] = False
-        for new_t, t in zip(target.keys + target.values, old.keys + old.values):
+        for t in self.cache.keys + self.cache.values:
             # the slots in use only (the capacity may be far more); in place: the compiled step's addresses stay
-            new_t[:n, :, :width] = gather_slots(t[src, :, : self.width], index)
-        if target is not old:
-            self.static.pool.release(old)
-            self.cache = target
+            t[:n, :, :width] = gather_slots(t[src, :, : self.width], index)
+        self._mask[:, : self.width] = False
         self._mask[:n, :width] = valid
         self.phys = list(range(n))
+        self._bound = bucket(n)
 
     def select(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order).  The dynamic cache drops the others; the slot cache keeps its
@@ -523,6 +511,7 @@ class DecodeSession(Session):
                 self.phys = src
                 return
             dst = list(range(len(keep)))
+            self._bound = None  # the copies may land past it
             s, d = (self._to_device(torch.as_tensor(x, dtype=torch.long)) for x in (src, dst))
             self._mask[d] = self._mask[s]
             if self.cache is not None:
@@ -601,7 +590,7 @@ class DecodeSession(Session):
         physical row on the slot cache) and reads each one's keys and values, and most have finished their turn."""
         if self.static is None and not row_subset_cache_ok(self.cache):  # a sliding-window or quantised cache
             return False
-        rows = len(self.phys) if self.static is None else self._mask.shape[0]
+        rows = len(self.phys) if self.static is None else (self._bound or self._mask.shape[0])
         return self.few_rows_alone and rows >= 8 and running <= rows // 4
 
     def _front(self, rows: list[int]) -> None:
