@@ -389,8 +389,9 @@ class DecodeSession(Session):
 
     def _forward_static(self, blocks: Sequence[Sequence[int]]) -> None:
         """One forward on the slot cache, at slots ``width … width+W-1``: a decode step (W = 1) runs every physical
-        row (fixed shapes, the compiled step); a wider block only the physical rows up to the last one in use.  Rows
-        without a block there (and physical rows no row uses) see their own pads, so no query is fully masked."""
+        row (fixed shapes, the compiled step), or only the first ones while they hold every row that runs (after a
+        rewind, or :meth:`_front`); a wider block the physical rows up to the last one in use.  Rows without a block
+        there (and physical rows no row uses) see their own pads, so no query is fully masked."""
         width = max(len(b) for b in blocks)
         if width == 1:
             rows = self._mask.shape[0]
