@@ -501,6 +501,16 @@ class DecodeSession(Session):
         self.phys = list(range(n))
         self._bound = bucket(n)
 
+    def _copy_rows(self, dst: list[int], src: list[int]) -> None:
+        """Slot cache: physical rows ``src`` copied onto rows ``dst`` (mask, keys and values, logits), each source read
+        before anything is written, so ``dst`` and ``src`` may overlap (a swap is ``a + b`` onto ``b + a``)."""
+        s, d = (self._to_device(torch.as_tensor(x, dtype=torch.long)) for x in (src, dst))
+        self._mask[d] = self._mask[s]
+        if self.cache is not None:
+            self.cache.copy_rows(d, s, self.width)
+        if self.last_logits is not None:
+            self.last_logits[d] = self.last_logits[s]
+
     def select(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order).  The dynamic cache drops the others; the slot cache keeps its
         physical rows and only copies where a row is kept twice (a shared prefix handed to several rows)."""
@@ -513,12 +523,7 @@ class DecodeSession(Session):
                 return
             dst = list(range(len(keep)))
             self._bound = None  # the copies may land past it
-            s, d = (self._to_device(torch.as_tensor(x, dtype=torch.long)) for x in (src, dst))
-            self._mask[d] = self._mask[s]
-            if self.cache is not None:
-                self.cache.copy_rows(d, s, self.width)
-            if self.last_logits is not None:
-                self.last_logits[d] = self.last_logits[s]
+            self._copy_rows(dst, src)
             self.phys = dst
             return
         idx = self._to_device(torch.as_tensor(keep, dtype=torch.long))
@@ -589,10 +594,12 @@ class DecodeSession(Session):
     def _few(self, running: int) -> bool:
         """Whether ``running`` rows are few enough to go on alone: a decode step runs every row of its cache (every
         physical row on the slot cache) and reads each one's keys and values, and most have finished their turn."""
-        if self.static is None and not row_subset_cache_ok(self.cache):  # a sliding-window or quantised cache
-            return False
         rows = len(self.phys) if self.static is None else (self._bound or self._mask.shape[0])
-        return self.few_rows_alone and rows >= 8 and running <= rows // 4
+        if not (self.few_rows_alone and rows >= 8 and running <= rows // 4):
+            return False
+        # a dynamic cache must be one that can be cut by rows (not sliding-window or quantised); checked last: every
+        # lock step asks, and this walks the layers
+        return self.static is not None or row_subset_cache_ok(self.cache)
 
     def _front(self, rows: list[int]) -> None:
         """Slot cache: ``rows`` move to the first physical rows (each swapped with a row there that is not among
@@ -606,14 +613,7 @@ class DecodeSession(Session):
             owner = {p: i for i, p in enumerate(self.phys)}
             a = [self.phys[i] for i in out]  # physical rows of the rows moving in
             b = free[: len(out)]  # the front physical rows they take
-            ia, ib = (self._to_device(torch.tensor(x)) for x in (a, b))
-            w = self.width
-            for t in self.cache.keys + self.cache.values:
-                moving = t[ia, :, :w]  # [m, H, w, d] a copy (advanced indexing)
-                t[ia, :, :w] = t[ib, :, :w]
-                t[ib, :, :w] = moving
-            self._mask[ia], self._mask[ib] = self._mask[ib], self._mask[ia]  # advanced indexing copies both sides
-            self.last_logits[ia], self.last_logits[ib] = self.last_logits[ib], self.last_logits[ia]
+            self._copy_rows(a + b, b + a)  # a swap
             for i, pa, pb in zip(out, a, b):
                 if pb in owner:
                     self.phys[owner[pb]] = pa
