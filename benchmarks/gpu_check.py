@@ -229,6 +229,8 @@ def main(argv=None) -> dict:
            "copy_bandwidth_TBps": bandwidth / 1e12 if bandwidth else None,
            "matmul_TFLOPs": flops / 1e12 if flops else None,
            "peak_memory_GB": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+           "slot_cache_GB": engine.slots.nbytes() / 2**30 if hasattr(engine, "slots") else None,
+           "caches_given_back": engine.slots.given_back if hasattr(engine, "slots") else None,
            "validation_before": _success(module.val_report_before), "validation_after": _success(module.val_report),
            "wall_s": time.perf_counter() - t0}
     if profile is not None:  # the phases' shares and device busy, in the JSON; the whole table in --profile's file

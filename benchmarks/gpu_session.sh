@@ -21,6 +21,9 @@
 #       across env steps (two caches, a graph per cache) and not kept (rollout.reuse_prefix: false)
 #   part 6, the same (<= 6 min): the Qwen3-1.7B shape at 16 x 8 with its last few rows of a turn running alone
 #       (the default) and with every row to the end of each turn (model.engine.few_rows_alone: false)
+#   part 7, the same (<= 5 min): the probe in two_call with room for both calls' caches (the default limit) and with
+#       a limit so low that one cache serves both calls (model.engine.cache_memory: 0.001; caches handed over on
+#       CUDA, graphs kept: compare compiles and rollout s/step)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
 part=${1:-1}
@@ -87,6 +90,11 @@ elif [ "$part" = 6 ]; then
   check qwen3-1.7b_16x8 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4
   check qwen3-1.7b_16x8_all_rows 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --set model.engine.few_rows_alone=false
+elif [ "$part" = 7 ]; then
+  check probe_8x8_two_call 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
+    --set model.guidance.prompt_mode=two_call
+  check probe_8x8_two_call_one_cache 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
+    --set model.guidance.prompt_mode=two_call --set model.engine.cache_memory=0.001
 else
   stage engine_host 90 "$PY" benchmarks/engine_host.py --repeats 3 --json "$OUT/engine_host.json"
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off
@@ -98,7 +106,7 @@ rm -rf "$OUT/runs"
 
 {
   echo
-  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB | validation before -> after | sampler ratio outside [0.9, 1.1] / max | compiles / graph skips | GPU busy: rollout / update | rollout s: prefill / decode / draw |"
+  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB (slot caches) | validation before -> after | sampler ratio outside [0.9, 1.1] / max | compiles / graph skips | GPU busy: rollout / update | rollout s: prefill / decode / draw |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   [ -f "$OUT/results.jsonl" ] && "$PY" - "$OUT/results.jsonl" <<'PY'
 import json, sys
@@ -114,7 +122,7 @@ for line in open(sys.argv[1]):
     mfu = f" ({100 * o['update_mfu']:.1f} %)" if o.get("update_mfu") else ""
     print(f"| {o['run']} | {o['shape']} | {o['episodes_per_step']:.0f} | {o.get('decode_step')} | "
           f"{o['rollout_tokens_per_s']:,.0f}{share} | {o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | "
-          f"{o.get('peak_memory_GB') or 0:.1f} | {o['validation_before']} -> {o['validation_after']} | "
+          f"{o.get('peak_memory_GB') or 0:.1f} ({o.get('slot_cache_GB') or 0:.1f}) | {o['validation_before']} -> {o['validation_after']} | "
           f"{o.get('sampler_ratio_outside_0.9_1.1', float('nan')):.4f} / {o.get('sampler_ratio_max', float('nan')):.3f} | "
           f"{o.get('compiles')} / {o.get('cudagraph_skips')} | {busy(o, 'rollout')} / {busy(o, 'update')} | "
           + " / ".join(f"{o.get('phase_s', {}).get('rollout_' + p, float('nan')):.2f}" for p in ("prefill", "decode", "draw"))

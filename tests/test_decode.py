@@ -4,21 +4,24 @@ and which decode step ``model.engine.compile`` chooses where."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import types
 
 import pytest
 import torch
 
 from sglightning.data import RolloutConfig
 from sglightning.engines import EngineConfig
-from sglightning.engines.builtin import BuiltinEngine
+from sglightning.engines.builtin import BuiltinEngine, SlotPool
 from sglightning.engines.draw import RestrictionTable, draw
 from sglightning.engines.program import Free
-from sglightning.engines.static import SlotCache, block_mask, bucket, resolve_mode
+from sglightning.engines.static import SlotCache, block_mask, bucket, resolve_mode, slot_capacity
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Restriction
 from sglightning.errors import ConfigError
 from sglightning.guidance import GuidanceConfig
+from sglightning.metrics import engine_logs
 from sglightning.models import PolicyConfig, TinyModelConfig, load_policy
 from sglightning.rollout import Rollout
 
@@ -124,14 +127,21 @@ def test_compile_auto_is_graphs_on_one_cuda_device_only():
     assert [bucket(n) for n in (1, 8, 9, 100)] == [8, 8, 16, 128]
 
 
-def test_a_slot_cache_grows_without_losing_what_it_holds(tiny):
+def test_a_slot_cache_grows_in_place_without_losing_what_it_holds(tiny):
+    """``grow`` replaces each layer's tensors in the same cache object (the pool's entry and the session see the new
+    ones; memory peaks at the new size plus one layer); its sizes are those ``bytes_for`` and ``nbytes_grown`` say."""
     model, _ = tiny
     cache = SlotCache.allocate(model, 2, 4, torch.float32, torch.device("cpu"))
+    assert cache.nbytes() == SlotCache.bytes_for(model, 2, 4, torch.float32)
     for t in cache.keys + cache.values:
         t.normal_()
-    grown = cache.grown(8)
-    assert grown.capacity == 8 and grown.batch == 2
-    assert all(torch.equal(n[:, :, :4], o) and not n[:, :, 4:].any() for n, o in zip(grown.keys, cache.keys))
+    before = [t.clone() for t in cache.keys + cache.values]
+    added = cache.nbytes_grown(8)
+    cache.grow(8)
+    assert cache.capacity == 8 and cache.batch == 2 and cache.nbytes() == 2 * added
+    assert all(torch.equal(n[:, :, :4], o) and not n[:, :, 4:].any() for n, o in zip(cache.keys + cache.values, before))
+    # powers of two up to 2 048, then multiples of 512: 4 353 slots take 4 608, not 8 192
+    assert [slot_capacity(n) for n in (1, 512, 513, 2048, 2049, 4353)] == [512, 512, 1024, 2048, 2560, 4608]
 
 
 def _play(model, tok, engine, mode: str, decoding: str, action: str, top_k: int = 0, seeds=(1, 2, 3)):
@@ -334,6 +344,85 @@ def test_two_call_keeps_each_calls_cache_and_plays_the_same_episodes(tiny, compi
     _same(fresh, kept)
     assert max(len(e.steps) for e in kept.episodes) >= 3
     assert kept.prefill_positions < 0.85 * fresh.prefill_positions
+
+
+def _limited(model, share_of_one: float, rows: int = 16) -> BuiltinEngine:
+    """A slot-cache engine whose pool may hold ``share_of_one`` × one cache of ``rows`` rows and 512 slots."""
+    engine = BuiltinEngine(EngineConfig(compile="static"))
+    one = SlotCache.bytes_for(model, rows, 512, torch.float32)
+    engine.slots = SlotPool(limit_bytes=int(share_of_one * one))
+    return engine
+
+
+def test_under_a_memory_limit_two_call_gives_its_kept_cache_away_and_plays_the_same_episodes(tiny):
+    """``model.engine.cache_memory``: where two caches do not fit, the act call takes the rate call's kept cache
+    (and back): one cache serves both, every prompt is prefilled anew, and the episodes are those of fresh sessions.
+    Where they fit, nothing is given back and the prefill is the kept arm's."""
+    model, tok = tiny
+    fresh = _two_call(model, tok, BuiltinEngine(EngineConfig(compile="static")), "constrained", "admissible", False)
+    tight = _limited(model, 1.5)
+    weights = types.SimpleNamespace(version=0, sharding=None, gathered=contextlib.nullcontext)
+    with tight.sampling(weights) as stats:  # as the rollout callback plays: the engine's numbers filled on exit
+        short = _two_call(model, tok, tight, "constrained", "admissible", True)
+    _same(fresh, short)
+    assert tight.slots.given_back > 0 and len(tight.slots.caches) == 1
+    logs = engine_logs(stats)
+    assert logs["engine/caches_given_back"] == tight.slots.given_back
+    assert logs["engine/slot_cache_GB"] == tight.slots.caches[0].nbytes() / 2**30
+    assert short.prefill_positions == fresh.prefill_positions
+    roomy = _limited(model, 4)
+    kept = _two_call(model, tok, roomy, "constrained", "admissible", True)
+    _same(fresh, kept)
+    assert roomy.slots.given_back == 0 and len(roomy.slots.caches) == 2
+    assert kept.prefill_positions < 0.85 * fresh.prefill_positions
+
+
+def test_under_a_memory_limit_idle_caches_go_before_a_live_sessions(tiny):
+    """Room is made from idle caches first; a live session's cache is taken only when that is not enough.  The
+    session that gave its cache away cannot be rewound, and feeding it says why."""
+    model, _ = tiny
+    engine = _limited(model, 1.8)  # the 8-row caches are half the 16-row one
+    a = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    a.feed([[5, 6, 7]] * 3)
+    b = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    b.feed([[8, 9]] * 3)
+    del b  # its cache is idle now
+    c = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    c.feed([[5, 6]] * 9)  # 16 physical rows: with a and b, past the limit
+    assert not a.given_back and engine.slots.given_back == 0
+    assert sorted(x.batch for x in engine.slots.caches) == [8, 16]  # b's idle cache was freed, a's kept
+    d = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
+    d.feed([[5]] * 3)  # the limit is reached: a's cache (same shape) is handed over
+    assert a.given_back and engine.slots.given_back == 1 and len(engine.slots.caches) == 2
+    a.select([0, 1, 2])
+    assert not a.rewind([1, 1, 1])
+    with pytest.raises(RuntimeError, match="model.engine.cache_memory"):
+        a.feed([[5]] * 3)
+
+
+def test_under_a_memory_limit_the_caches_of_other_row_counts_are_kept(tiny):
+    """Training and validation rollouts of different sizes each keep their caches while they fit (the compiled
+    step keeps its addresses); without a limit at most two idle caches are kept, and two_call's four do not stay."""
+    model, tok = tiny
+
+    def rounds(engine) -> list[set[int]]:
+        alive, caches = [], []  # the caches held here, so that no id is reused
+        for seeds in [(1, 2, 3), tuple(range(4, 14)), (1, 2, 3)]:
+            gc = GuidanceConfig(prompt_mode="two_call", decoding="constrained", action_decoding="admissible",
+                                max_guidance_tokens=6, max_action_tokens=6)
+            r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=2), engine=engine)
+            try:
+                r.run(list(seeds), generator=torch.Generator().manual_seed(0))
+            finally:
+                r.close()
+            alive += engine.slots.caches
+            caches.append({id(c) for c in engine.slots.caches if c.batch == 16})
+        return caches
+
+    limited = rounds(_limited(model, 10, rows=32))
+    assert len(limited[0]) == 2 and limited[2] == limited[0]  # the 9-row rollout's two caches, again
+    unlimited = rounds(BuiltinEngine(EngineConfig(compile="static")))
+    assert len(unlimited[0]) == 2 and unlimited[2] != unlimited[0]  # one at least freed for the 30-row rollout's
 
 
 def test_a_session_holding_other_ids_than_the_rollout_thinks_is_not_kept(tiny, monkeypatch):

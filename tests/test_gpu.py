@@ -31,10 +31,10 @@ def tiny_cuda():
     return model.to("cuda").eval(), tok
 
 
-def _play(model, tok, compile_mode: str, mode: str):
+def _play(model, tok, compile_mode: str, mode: str, engine: BuiltinEngine | None = None):
     gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", action_decoding="admissible", max_guidance_tokens=6)
     r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=4, temperature=0.8),
-                engine=BuiltinEngine(EngineConfig(compile=compile_mode)))
+                engine=engine or BuiltinEngine(EngineConfig(compile=compile_mode)))
     try:
         return r.run([1, 2, 3], generator=sampling_generator(0, 0, 0, device="cuda"))
     finally:
@@ -56,6 +56,18 @@ def test_every_decode_step_plays_the_dynamic_caches_episodes_on_cuda(tiny_cuda, 
         assert x.ids == y.ids
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
     assert counters["inductor"]["cudagraph_skips"] == skips
+
+
+def test_under_a_low_cache_memory_one_slot_cache_serves_both_calls_on_cuda(tiny_cuda):
+    """``model.engine.cache_memory`` is a share of this GPU's memory; set that low, two_call's calls hand one cache
+    back and forth (each prompt prefilled anew) and play the dynamic cache's tokens.  Eager steps (no compile: this
+    file must stay short); part 7 of gpu_session.sh runs it compiled."""
+    model, tok = tiny_cuda
+    engine = BuiltinEngine(EngineConfig(compile="static", cache_memory=1e-6))
+    assert engine.slots.limit(torch.device("cuda")) == int(1e-6 * torch.cuda.get_device_properties(0).total_memory)
+    a, b = _play(model, tok, "off", "two_call"), _play(model, tok, "", "two_call", engine)
+    assert [x.ids for x in a.samples] == [y.ids for y in b.samples]
+    assert engine.slots.given_back > 0 and len(engine.slots.caches) == 1
 
 
 def test_the_tiny_config_fits_resumes_and_validates_on_cuda(tmp_path):

@@ -120,3 +120,19 @@ def test_cpu_smoke_run_with_a_compiled_decode_step_compiles_it_once():
     assert out["decode_step"] == "default" and out["episodes_per_step"] == 10
     assert out["validation_before"] is not None and out["validation_after"] is not None
     assert out["compiles"] - before == 1 and out["cudagraph_skips"] == 0
+
+
+def test_the_cache_memory_benchmark_by_hand_and_measured(tmp_path):
+    """benchmarks/cache_memory.py: Qwen3-4B's two_call caches at 128 rows by hand (36 layers × 8 kv heads × 128 ×
+    2 bytes × 2 per token), and growing in place peaks lower than a new cache beside the old."""
+    import cache_memory
+
+    out = cache_memory.main(["--shapes", "qwen3-4b", "--grow-gib", "0.25", "--json", str(tmp_path / "m.json")])
+    a = out["arithmetic"][0]
+    per_token = 36 * 8 * 128 * 2 * 2
+    assert (a["rate_slots"], a["act_slots"]) == (4608, 3584)
+    assert a["rate_GiB"] == 128 * 4608 * per_token / 2**30 and a["rate_GiB_doubling"] == 128 * 8192 * per_token / 2**30
+    assert not a["both_fit"]  # 81 + 63 GiB over 70
+    beside, in_place = out["grow"]
+    assert in_place["final_GiB"] == beside["final_GiB"]
+    assert in_place["peak_GiB"] < 0.8 * beside["peak_GiB"]

@@ -21,9 +21,11 @@ class OutOfMemory(RuntimeError):
 #: the keys that shrink each phase's memory, named by the out-of-memory line
 SHRINKS = {
     "rollout": "rollout.groups_per_step, rollout.group_size, rollout.max_context_tokens (model.engine.compile: off "
-               "drops the static cache; in two_call, rollout.reuse_prefix: false holds one cache, not two)",
+               "drops the static cache; in two_call, a lower model.engine.cache_memory or rollout.reuse_prefix: false "
+               "holds one cache, not two)",
     "validation": "evaluation.tasks_per_batch, evaluation.episodes_per_task, rollout.max_context_tokens",
-    "update": "update.micro_batch_size, model.policy.gradient_checkpointing: true, rollout.max_context_tokens",
+    "update": "update.micro_batch_size, model.policy.gradient_checkpointing: true, rollout.max_context_tokens, "
+              "model.engine.cache_memory (the rollout's caches, kept beside the update)",
 }
 
 

@@ -49,7 +49,7 @@ SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups"
                       "guidance/calibration_pairs", "guidance/auroc_labels",
                       "rollout/dynamic_sampling_groups", "dynamic_sampling/groups",
                       "dynamic_sampling/degenerate_groups", "engine/requests",
-                      "guidance/calibration_targets"})
+                      "engine/caches_given_back", "guidance/calibration_targets"})
 
 
 def _episode_values(ep: Episode) -> dict[str, float]:
@@ -141,8 +141,9 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
 
 def engine_logs(engine: dict[str, float]) -> dict[str, float]:
     """The engine's numbers.  The in-process engine: the rows a lock step advanced and their mean context (what a
-    decode step reads, beside the weights).  An external engine: requests, the share of prompt tokens its prefix
-    cache served, and the adapter sync (seconds, the probe's log-prob gap, adapters loaded)."""
+    decode step reads, beside the weights), its slot caches' size and the caches it took from kept sessions.  An
+    external engine: requests, the share of prompt tokens its prefix cache served, and the adapter sync (seconds,
+    the probe's log-prob gap, adapters loaded)."""
     out: dict[str, float] = {}
     if engine.get("lock_steps"):
         out["engine/rows_per_lock_step"] = engine["row_steps"] / engine["lock_steps"]
@@ -151,7 +152,7 @@ def engine_logs(engine: dict[str, float]) -> dict[str, float]:
         out["engine/requests"] = engine["requests"]
     if engine.get("prompt_tokens"):
         out["engine/prefix_cache_hit_rate"] = engine.get("cached_tokens", 0.0) / engine["prompt_tokens"]
-    for key in ("sync_s", "sync_gap", "loaded_adapters"):
+    for key in ("sync_s", "sync_gap", "loaded_adapters", "slot_cache_GB", "caches_given_back"):
         if key in engine:
             out[f"engine/{key}"] = engine[key]
     return out

@@ -47,8 +47,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 @dataclass
 class EngineConfig:
     """The generation engine rollouts run on: the in-process engine, a vLLM server (launched here, or running), or
-    an engine class of your own.  ``compile`` and ``few_rows_alone`` are the in-process engine's; the keys after them
-    are the vLLM engine's."""
+    an engine class of your own.  ``compile``, ``few_rows_alone`` and ``cache_memory`` are the in-process engine's;
+    the keys after them are the vLLM engine's."""
 
     backend: str = "builtin"
     """``builtin``: batched forwards of the trainer's own model (the reference); ``vllm``: a vLLM server over HTTP;
@@ -58,6 +58,9 @@ class EngineConfig:
     slot cache, step torch-compiled so; auto = reduce-overhead on one CUDA device, else off"""
     few_rows_alone: bool = True
     """builtin: once at most a quarter of the rows still write, the turn's remaining lock steps run those rows only"""
+    cache_memory: float | None = 0.5
+    """builtin, CUDA: the share of GPU memory the slot caches may hold; past it, idle caches go, then two_call's kept
+    ones; null = no limit"""
     url: str | None = None
     """a running vLLM server (``http://host:port``), started with the flags ``engine.vllm_command`` would use
     (LoRA, processed log-probs); null = launch one on 127.0.0.1.  It must read adapter folders this process writes
@@ -104,6 +107,8 @@ class EngineConfig:
                              "path (package.module.Class)")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"model.engine.compile: {self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+        if self.cache_memory is not None and not 0 < self.cache_memory <= 1:
+            raise ValueError(f"model.engine.cache_memory: {self.cache_memory} is not a share in (0, 1] (or null)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"model.engine.dtype: {self.dtype!r} is not one of float32, bfloat16, float16")
         if self.url is not None and not str(self.url).startswith(("http://", "https://")):

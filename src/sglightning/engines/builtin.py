@@ -46,6 +46,7 @@ from sglightning.engines.static import (
     compiled,
     decode_step,
     resolve_mode,
+    slot_capacity,
 )
 from sglightning.episodes import Piece
 from sglightning.models import cache_argument_name
@@ -67,7 +68,7 @@ class BuiltinEngine(Engine):
         self.staged_prefill = staged_prefill
         self.few_rows_alone = self.cfg.few_rows_alone if few_rows_alone is None else few_rows_alone
         self._restrictions = RestrictionTable()
-        self.slots = SlotPool()
+        self.slots = SlotPool(share=self.cfg.cache_memory)
         self.sharding: str | None = None
         self._steps: dict[tuple[int, str], object] = {}  # (id(model), mode) -> the (compiled) decode step
 
@@ -75,8 +76,12 @@ class BuiltinEngine(Engine):
     def sampling(self, weights: Weights) -> Iterator[dict[str, float]]:
         self.version = weights.version
         self.sharding = weights.sharding
+        given, stats = self.slots.given_back, {}
         with weights.gathered():
-            yield {}
+            yield stats
+        if self.slots.caches:  # filled on exit, read by the rollout's caller after it
+            stats["slot_cache_GB"] = self.slots.nbytes() / 2**30
+            stats["caches_given_back"] = float(self.slots.given_back - given)
 
     def mode(self, model: torch.nn.Module) -> str:
         """The decode step for ``model``: ``model.engine.compile`` resolved (:func:`resolve_mode`)."""
@@ -107,16 +112,39 @@ class BuiltinEngine(Engine):
 
 class SlotPool:
     """The static caches of the sessions, kept across rollouts by physical row count (a new allocation would give
-    the compiled step new addresses).  A cache serves one session at a time (``two_call`` keeps two open); at most
-    ``keep`` caches no session holds are kept."""
+    the compiled step new addresses).  A cache serves one session at a time (``two_call`` keeps two open).
 
-    def __init__(self, keep: int = 2):
+    Idle caches (no session holds them): without a limit, at most ``keep``.  With one (on CUDA,
+    ``model.engine.cache_memory`` × the GPU's memory), as many as fit under it, so the memory left is the update's.
+    When a new or grown cache would pass the limit, idle caches are freed first, oldest first; then those of other
+    sessions, which cannot be running (one rollout runs one call at a time): a ``two_call`` call kept between env steps
+    loses its cache, and its next prompt is prefilled anew.  Such a cache of the right shape is taken over, not
+    freed.  One cache alone may pass the limit."""
+
+    def __init__(self, keep: int = 2, share: float | None = None, limit_bytes: int | None = None):
+        """``share``: of a CUDA device's memory, the caches' limit (None: no limit); ``limit_bytes``: a limit in
+        bytes on any device (tests)."""
         self.keep = keep
+        self.share = share
+        self.limit_bytes = limit_bytes
+        self.given_back = 0  # how many sessions gave their cache back while they lived (their reuse lost)
         self._entries: list[tuple[tuple, SlotCache, weakref.ref | None]] = []  # (key, cache, holder), oldest first
 
     @staticmethod
     def _held(entry) -> bool:
         return entry[2] is not None and entry[2]() is not None
+
+    def limit(self, device: torch.device) -> int | None:
+        """The bytes the caches may hold together on ``device`` (None: no limit)."""
+        if self.limit_bytes is not None:
+            return self.limit_bytes
+        if self.share is None or device.type != "cuda":
+            return None
+        return int(self.share * torch.cuda.get_device_properties(device).total_memory)
+
+    def nbytes(self) -> int:
+        """The bytes of every cache kept, held or not."""
+        return sum(e[1].nbytes() for e in self._entries)
 
     def get(self, holder: object, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype,
             device: torch.device) -> SlotCache:
@@ -127,19 +155,39 @@ class SlotPool:
         if free:
             self._entries = [e for e in self._entries if e[1] is not cache]
         if cache is None or cache.capacity < slots:
-            cache = None  # free the smaller one before allocating
-            idle = [e for e in self._entries if not self._held(e)]
-            while len(idle) >= self.keep:
-                self._entries.remove(idle.pop(0))
-            cache = SlotCache.allocate(model, rows, slots, dtype, device)
+            # the smaller one is dropped before allocating; room made first, maybe with a cache taken over
+            cache = self._make_room(holder, SlotCache.bytes_for(model, rows, slots, dtype), device, key, slots)
+            if cache is None:
+                cache = SlotCache.allocate(model, rows, slots, dtype, device)
         self._entries.append((key, cache, weakref.ref(holder)))  # most recent last
         return cache
 
-    def put(self, holder: object, model: torch.nn.Module, cache: SlotCache) -> None:
-        """``cache`` (grown by ``holder``) replaces the one ``holder`` held."""
-        key = (id(model), cache.batch, cache.keys[0].dtype, cache.keys[0].device)
-        self._entries = [e for e in self._entries if not (e[2] is not None and e[2]() is holder)]
-        self._entries.append((key, cache, weakref.ref(holder)))
+    def grow(self, holder: object, cache: SlotCache, slots: int) -> None:
+        """``holder``'s ``cache`` grown to ``slots`` slots, in place, room made first."""
+        self._make_room(holder, cache.nbytes_grown(slots), cache.keys[0].device)
+        cache.grow(slots)
+
+    def _make_room(self, holder: object, need: int, device: torch.device, key: tuple | None = None,
+                   slots: int = 0) -> SlotCache | None:
+        """Free caches until ``need`` more bytes fit (see the class); a cache of ``key`` with ``slots`` slots taken
+        from another session on the way is returned, for ``holder`` to take instead of allocating."""
+        limit = self.limit(device)
+        idle = [e for e in self._entries if not self._held(e)]
+        if limit is None:
+            while key is not None and len(idle) >= self.keep:  # a new cache: at most `keep` - 1 idle ones stay
+                self._entries.remove(idle.pop(0))
+            return None
+        while idle and self.nbytes() + need > limit:
+            self._entries.remove(idle.pop(0))
+        others = [e for e in self._entries if self._held(e) and e[2]() is not holder]
+        while others and self.nbytes() + need > limit:
+            entry = others.pop(0)
+            entry[2]().give_back_cache()
+            self._entries.remove(entry)
+            self.given_back += 1
+            if key is not None and entry[0] == key and entry[1].capacity >= slots:
+                return entry[1]
+        return None
 
     def clear(self) -> None:
         self._entries = []
@@ -218,6 +266,7 @@ class DecodeSession(Session):
         self._active: int | None = None  # slot cache: the physical rows decode steps run, while few rows run
         self._bound: int | None = None  # slot cache: the physical rows holding rows since a rewind (None: all)
         self.few_rows_alone = few_rows_alone
+        self.given_back = False  # the pool took the slot cache for another session (give_back_cache)
         self._additive = None
         if static is not None and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
             self._additive = model.get_input_embeddings().weight.dtype  # eager attention adds its mask
@@ -284,6 +333,7 @@ class DecodeSession(Session):
         """Append ``blocks[i]`` to row i (may be empty).  One forward pass for all rows; on the first feed with
         ``share_prefix``, rows sharing a prefix compute it once: one pass over the distinct prefixes, the cache rows
         copied to every row that shares them, one pass over what follows each prefix."""
+        self._check_cache()
         if self._mask is None:
             self._open(len(blocks))
             if self.share_prefix:
@@ -440,15 +490,13 @@ class DecodeSession(Session):
             self.last_logits[:ran] = torch.where(fed[:ran, None], logits, self.last_logits[:ran])
 
     def _reserve(self, slots: int) -> None:
-        """A slot cache with room for ``slots`` slots (from the pool, or this one grown by doubling)."""
+        """A slot cache with room for ``slots`` slots (from the pool, or this one grown: :func:`slot_capacity`)."""
         pool = self.static.pool
         if self.cache is None:
             dtype = self.model.get_input_embeddings().weight.dtype
-            self.cache = pool.get(self, self.model, self._mask.shape[0], bucket(max(slots, 512), 512), dtype,
-                                  self.device)
+            self.cache = pool.get(self, self.model, self._mask.shape[0], slot_capacity(slots), dtype, self.device)
         elif slots > self.cache.capacity:
-            self.cache = self.cache.grown(bucket(slots, self.cache.capacity))
-            pool.put(self, self.model, self.cache)
+            pool.grow(self, self.cache, slot_capacity(slots))
         if self._mask.shape[1] < self.cache.capacity:
             grown = torch.zeros(self._mask.shape[0], self.cache.capacity, dtype=torch.bool, device=self.device)
             grown[:, : self.width] = self._mask[:, : self.width]
@@ -457,11 +505,25 @@ class DecodeSession(Session):
     def length(self, row: int) -> int:
         return self.next_pos[row] if self.next_pos else 0
 
+    def give_back_cache(self) -> None:
+        """The pool takes this session's slot cache for another (its memory limit, :class:`SlotPool`): the session
+        holds nothing from now on; :meth:`rewind` says it cannot, and feeding or running it is an error."""
+        self.cache, self._mask, self.last_logits = None, None, None
+        self.phys, self.next_pos, self.width = [], [], 0
+        self.given_back = True
+
+    def _check_cache(self) -> None:
+        if self.given_back:
+            raise RuntimeError("this session's slot cache was given to another session (model.engine.cache_memory): "
+                               "open a new session")
+
     @torch.no_grad()
     def rewind(self, keep: Sequence[int]) -> bool:
         """Cut row i back to its first ``keep[i]`` tokens (:mod:`sglightning.engines.rewind`): one gather per layer
         moves the kept keys and values to the first slots.  False where the cache cannot be cut (a sliding-window,
         quantised or older dynamic cache) or nothing would be kept."""
+        if self.given_back:
+            return False
         keep = [int(k) for k in keep]
         if len(keep) != self.batch_size:
             raise ValueError(f"rewind got {len(keep)} lengths for {self.batch_size} rows")
@@ -514,6 +576,8 @@ class DecodeSession(Session):
     def select(self, keep: Sequence[int]) -> None:
         """Keep only rows ``keep`` (in that order).  The dynamic cache drops the others; the slot cache keeps its
         physical rows and only copies where a row is kept twice (a shared prefix handed to several rows)."""
+        if self.given_back:
+            return  # nothing held: the next rewind says so
         keep = list(keep)
         self.next_pos = [self.next_pos[i] for i in keep]
         if self.static is not None:
@@ -546,6 +610,7 @@ class DecodeSession(Session):
         log-probs are those of feeding one token per step: every sampled token still sees exactly the context
         before it).  The step's samples are drawn together (:func:`draw`).  Once at most a quarter of the rows still
         run their program, the steps left run those rows only (``few_rows_alone``: :meth:`_front`, :meth:`_split`)."""
+        self._check_cache()
         if len(programs) != self.batch_size:
             raise ValueError(f"run got {len(programs)} programs for {self.batch_size} rows")
         if self.last_logits is None or self._must_feed:

@@ -11,10 +11,10 @@ write there writes a pad, masked out).  :class:`SlotCache` holds per layer keys 
 physical rows and C slots, written in place at the step's slots; the attention mask ``[P, 1, W, C]`` is built here
 (a slot is seen if it holds a real token of the row and is not after the query's slot) and handed to the model as a
 4-D mask, which transformers passes to attention as it is.  Positions are counted per row, as in the dynamic path.
-Rows that end are not dropped: their physical row stays, unread.  P is the rows rounded up to a bucket and C grows by
-doubling.  The step is traced once with dynamic shapes (rows, slots read and capacity are symbols; heads and head
-size are fixed), so a new row count or a longer context costs no new compile; a CUDA graph is still recorded per
-distinct shape.
+Rows that end are not dropped: their physical row stays, unread.  P is the rows rounded up to a bucket and C grows
+in steps (:func:`slot_capacity`).  The step is traced once with dynamic shapes (rows, slots read and capacity are
+symbols; heads and head size are fixed), so a new row count or a longer context costs no new compile; a CUDA graph
+is still recorded per distinct shape.
 
 transformers' own ``StaticCache`` assumes one position counter for the whole batch and its update signature has
 changed between releases; this cache needs only ``update(keys, values, layer_idx, ...)``, stable across them.
@@ -22,6 +22,7 @@ changed between releases; this cache needs only ``update(keys, values, layer_idx
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -66,6 +67,13 @@ def _mark(t: torch.Tensor) -> None:
     torch._dynamo.mark_static(t, 3)
 
 
+def slot_capacity(n: int) -> int:
+    """The slots a cache gets for ``n``: a power of two up to 2 048 (at least 512), then a multiple of 512.  Doubling
+    past that would leave up to half of a large cache unused (128 rows × 8 192 slots of Qwen3-4B's keys and values
+    in bf16 take 144 GiB, where 4 608 slots, 81 GiB, were needed)."""
+    return bucket(n, 512) if n <= 2048 else -(-n // 512) * 512
+
+
 def bucket(n: int, smallest: int = 8) -> int:
     """``n`` rounded up to a power of two (at least ``smallest``): the physical rows or slots for ``n``."""
     b = smallest
@@ -94,16 +102,27 @@ class SlotCache(_CacheBase):
         self.view: int | None = None  # attention reads the first `view` slots (the mask's width; None: all)
         self.layers: list = []  # no per-layer objects (code that walks cache.layers finds none)
 
+    @staticmethod
+    def _shape(model: torch.nn.Module, rows: int, slots: int) -> tuple[int, tuple[int, int, int, int]]:
+        """Layers and the shape of one layer's keys ``[P, H_kv, C, d]`` for ``model``."""
+        cfg = model.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return cfg.num_hidden_layers, (rows, heads, slots, head_dim)
+
+    @classmethod
+    def bytes_for(cls, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype) -> int:
+        """The bytes :meth:`allocate` would take: layers × 2 (keys, values) × P × H_kv × C × d × the dtype's size."""
+        layers, shape = cls._shape(model, rows, slots)
+        return 2 * layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
     @classmethod
     def allocate(cls, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype, device: torch.device
                  ) -> SlotCache:
         """Zeroed buffers for ``rows`` × ``slots`` of ``model``'s shape, marked as static addresses for graphs."""
-        cfg = model.config
-        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (rows, heads, slots, head_dim)
-        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        layers, shape = cls._shape(model, rows, slots)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         for t in keys + values:
             _mark(t)
         return cls(keys, values)
@@ -144,21 +163,21 @@ class SlotCache(_CacheBase):
         for t in self.keys + self.values:
             t[dst, :, :width] = t[src, :, :width]
 
-    def grown(self, slots: int) -> SlotCache:
-        """A cache of ``slots`` slots holding this one's keys and values in its first slots."""
-        out = SlotCache.allocate_like(self, slots)
-        for new, old in zip(out.keys + out.values, self.keys + self.values):
-            new[:, :, : old.shape[2]] = old
-        return out
+    def grow(self, slots: int) -> None:
+        """Give every layer ``slots`` slots, its keys and values kept in the first ones.  In place and one tensor at
+        a time: the old tensor is freed before the next new one is made, so memory peaks at the new size plus one
+        layer's keys (a new cache beside the old would hold both whole)."""
+        for buffers in (self.keys, self.values):
+            for i, old in enumerate(buffers):
+                new = torch.zeros(old.shape[:2] + (slots,) + old.shape[3:], dtype=old.dtype, device=old.device)
+                new[:, :, : old.shape[2]] = old
+                _mark(new)
+                buffers[i] = new
+                del old
 
-    @classmethod
-    def allocate_like(cls, other: SlotCache, slots: int) -> SlotCache:
-        keys = [torch.zeros(t.shape[:2] + (slots,) + t.shape[3:], dtype=t.dtype, device=t.device)
-                for t in other.keys]
-        values = [torch.zeros_like(k) for k in keys]
-        for t in keys + values:
-            _mark(t)
-        return cls(keys, values)
+    def nbytes_grown(self, slots: int) -> int:
+        """The bytes :meth:`grow` to ``slots`` adds."""
+        return self.nbytes() * (slots - self.capacity) // self.capacity
 
 
 def block_mask(seen: torch.Tensor, start: int, width: int, additive: torch.dtype | None = None) -> torch.Tensor:
