@@ -8,16 +8,18 @@ Part one prints, per shape, the bf16 bytes of ``two_call``'s two caches (the rat
 slots they need, rounded as the engine rounds them now (powers of two up to 2 048, then steps of 512) and as it did
 (doubling), and whether both fit under ``model.engine.cache_memory`` × the card's memory (else one cache serves
 both calls).  Part two measures on this machine the peak resident memory of growing a cache by one step: a new
-cache beside the old (as before) and in place, one layer at a time (as now), each in a fresh process.
+cache beside the old (as before) and in place, one layer at a time (as now), each in a fresh process.  Part three
+measures the peak resident memory and time of one long fed block, in one pass and in chunks of
+``model.engine.prefill_tokens`` positions, each in a fresh process.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,6 +40,19 @@ def arithmetic(shape: str, rows: int, rate: int, act: int, card_gib: float, shar
             "limit_GiB": share * card_gib, "both_fit": sum(now) <= share * card_gib}
 
 
+def _peak_from_here() -> Callable[[], int]:
+    """The resident memory now; returns a function giving the peak above it since (Linux: the peak is reset here
+    through /proc/self/clear_refs, so what imports and set-up took before does not count)."""
+    def status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    start = status("VmRSS:")
+    return lambda: status("VmHWM:") - start
+
+
 def grow_peak(arm: str, layers: int, rows: int, slots: int, step: int) -> dict:
     """In this process: allocate a float32 cache of ``rows`` × ``slots`` (kv heads 8, head dim 64), grow it by
     ``step`` slots (``arm``: beside or in_place); the peak resident memory above the start, against the final size."""
@@ -45,12 +60,8 @@ def grow_peak(arm: str, layers: int, rows: int, slots: int, step: int) -> dict:
 
     from sglightning.engines.static import SlotCache
 
-    def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * resource.getpagesize()
-
     shape = (rows, 8, slots, 64)
-    start = rss()
+    peak = _peak_from_here()
     cache = SlotCache([torch.ones(shape) for _ in range(layers)], [torch.ones(shape) for _ in range(layers)])
     if arm == "beside":
         grown = (rows, 8, slots + step, 64)
@@ -60,8 +71,39 @@ def grow_peak(arm: str, layers: int, rows: int, slots: int, step: int) -> dict:
         cache = new
     else:
         cache.grow(slots + step)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - start  # ru_maxrss: KiB on Linux
-    return {"arm": arm, "final_GiB": cache.nbytes() / GIB, "peak_GiB": peak / GIB}
+    return {"arm": arm, "final_GiB": cache.nbytes() / GIB, "peak_GiB": peak() / GIB}
+
+
+def prefill_peak(prefill_tokens: int, rows: int, width: int) -> dict:
+    """In this process: feed ``rows`` prompts of ``width`` tokens to a 2-layer, 512-wide model on the slot cache,
+    in one pass (``prefill_tokens`` 0) or in chunks of that many positions; the peak resident memory above the start
+    (the cache allocated first, so the peak is the forward's), and the seconds."""
+    import time
+
+    import torch
+
+    from sglightning.engines import EngineConfig
+    from sglightning.engines.builtin import BuiltinEngine
+    from sglightning.models import PolicyConfig, TinyModelConfig, load_policy
+
+    torch.manual_seed(0)
+    shape = TinyModelConfig(hidden_size=512, num_layers=2, num_heads=8, intermediate_size=2048)
+    model, _ = load_policy(PolicyConfig(name_or_path="embedded:tiny", tiny=shape))
+    model.eval()
+    engine = BuiltinEngine(EngineConfig(compile="static", prefill_tokens=prefill_tokens or None))
+    blocks = [[5 + (r * 31 + j) % 400 for j in range(width)] for r in range(rows)]
+    warm = engine.session(model, 0, 1.0, torch.Generator().manual_seed(0))
+    warm.feed([[5]] * rows)  # takes the cache (its capacity from the first feed) and warms the kernels
+    warm._reserve(width + 300)  # room for the block, so that the cache is not grown inside the measured feed
+    del warm
+    session = engine.session(model, 0, 1.0, torch.Generator().manual_seed(0))
+    peak = _peak_from_here()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        session.feed(blocks)
+    seconds = time.perf_counter() - t0
+    return {"prefill_tokens": prefill_tokens, "rows": rows, "width": width, "forwards": session.forward_calls,
+            "peak_GiB": peak() / GIB, "seconds": seconds}
 
 
 def main(argv=None) -> dict:
@@ -73,13 +115,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--card-gib", type=float, default=140.0, help="the GPU's memory (an H200: ~140 GiB)")
     ap.add_argument("--share", type=float, default=0.5, help="model.engine.cache_memory")
     ap.add_argument("--grow-gib", type=float, default=1.0, help="part two: the cache's size before it grows")
-    ap.add_argument("--json", help="write both parts here")
+    ap.add_argument("--prefill", type=int, nargs=2, default=[32, 2048], metavar=("ROWS", "WIDTH"),
+                    help="part three: the block fed")
+    ap.add_argument("--prefill-tokens", type=int, default=16384, help="part three: model.engine.prefill_tokens")
+    ap.add_argument("--json", help="write every part here")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)  # arm layers rows slots step: one part-two run
+    ap.add_argument("--prefill-child", type=int, nargs=3, help=argparse.SUPPRESS)  # tokens rows width: part three
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(grow_peak(args.child[0], *map(int, args.child[1:]))))
         return {}
-    report: dict = {"args": vars(args), "arithmetic": [], "grow": []}
+    if args.prefill_child:
+        print(json.dumps(prefill_peak(*args.prefill_child)))
+        return {}
+    report: dict = {"args": vars(args), "arithmetic": [], "grow": [], "prefill": []}
     print(f"two_call's slot caches in bf16, {args.rows} rows, limit {args.share} × {args.card_gib:.0f} GiB")
     print(f"{'shape':12} {'rate slots':>10} {'rate GiB':>9} {'act slots':>9} {'act GiB':>8} {'doubling GiB':>13} "
           f"{'both fit':>8}")
@@ -98,6 +147,16 @@ def main(argv=None) -> dict:
         report["grow"].append(g)
         print(f"{arm:9} final {g['final_GiB']:.2f} GiB, peak {g['peak_GiB']:.2f} GiB "
               f"({g['peak_GiB'] / g['final_GiB']:.2f}× the final size)")
+    rows, width = args.prefill
+    print(f"\nfeeding {rows} rows × {width} tokens to a 2-layer, 512-wide model (slot cache), on this machine")
+    for tokens in (0, args.prefill_tokens):
+        out = subprocess.run([sys.executable, __file__, "--prefill-child", str(tokens), str(rows), str(width)],
+                             capture_output=True, text=True, check=True)
+        p = json.loads(out.stdout.strip().splitlines()[-1])
+        report["prefill"].append(p)
+        name = f"chunks of {tokens} positions" if tokens else "one pass"
+        print(f"{name:26} {p['forwards']:3d} forwards, peak {p['peak_GiB']:.2f} GiB above the cache, "
+              f"{p['seconds']:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return report

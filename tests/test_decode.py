@@ -425,6 +425,36 @@ def test_under_a_memory_limit_the_caches_of_other_row_counts_are_kept(tiny):
     assert len(unlimited[0]) == 2 and unlimited[2] != unlimited[0]  # one at least freed for the 30-row rollout's
 
 
+@pytest.mark.parametrize("compile_mode", ["off", "static"])
+def test_a_block_fed_in_chunks_is_the_one_pass_result(tiny, compile_mode):
+    """``model.engine.prefill_tokens``: a block of more positions than that goes in column chunks (rows of unequal
+    lengths, left-padded, some rows empty in the first chunks): the same logits and then the same samples as one
+    pass, in more forwards; in a rollout (shared prefixes, two_call's rewinds), the same episodes."""
+    model, tok = tiny
+    blocks = [[5 + (i * 7 + j) % 40 for j in range(n)] for i, n in enumerate([41, 3, 17, 41, 1, 29, 8, 33, 12])]
+
+    def fed(prefill_tokens):
+        engine = BuiltinEngine(EngineConfig(compile=compile_mode, prefill_tokens=prefill_tokens))
+        s = engine.session(model, 0, 1.0, torch.Generator().manual_seed(3))
+        s.feed(blocks)
+        logits, calls = s.last_logits[s._rows(range(9))].clone(), s.forward_calls
+        pieces = s.run([[Free(5, frozenset())]] * 9)
+        return logits, calls, [p.ids for row in pieces for p in row]
+
+    # 64 positions: chunks of 4 columns (static: 16 physical rows; the last chunk 1 wide, a decode step) or 7
+    one, chunked = fed(None), fed(64)
+    assert torch.allclose(one[0], chunked[0], atol=1e-5)
+    assert one[1] == 1 and chunked[1] == -(-41 // (4 if compile_mode == "static" else 7))
+    assert one[2] == chunked[2]
+    for mode in ("single_stream", "two_call"):
+        a = _play(model, tok, BuiltinEngine(EngineConfig(compile=compile_mode, prefill_tokens=None)), mode,
+                  "constrained", "admissible")
+        _same(a, _play(model, tok, BuiltinEngine(EngineConfig(compile=compile_mode, prefill_tokens=48)), mode,
+                       "constrained", "admissible"))
+    with pytest.raises(ValueError, match="model.engine.prefill_tokens: 0 is not a positive count"):
+        EngineConfig(prefill_tokens=0)
+
+
 def test_a_session_holding_other_ids_than_the_rollout_thinks_is_not_kept(tiny, monkeypatch):
     """The rollout keeps a call's session only when each row holds exactly the prompt and what the call wrote;
     here every row claims one token more, so every call starts a fresh session (the same prefill as without reuse)."""

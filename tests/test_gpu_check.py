@@ -122,12 +122,15 @@ def test_cpu_smoke_run_with_a_compiled_decode_step_compiles_it_once():
     assert out["compiles"] - before == 1 and out["cudagraph_skips"] == 0
 
 
+@pytest.mark.slow
 def test_the_cache_memory_benchmark_by_hand_and_measured(tmp_path):
     """benchmarks/cache_memory.py: Qwen3-4B's two_call caches at 128 rows by hand (36 layers × 8 kv heads × 128 ×
-    2 bytes × 2 per token), and growing in place peaks lower than a new cache beside the old."""
+    2 bytes × 2 per token); growing in place peaks lower than a new cache beside the old, and a block fed in chunks
+    lower than in one pass."""
     import cache_memory
 
-    out = cache_memory.main(["--shapes", "qwen3-4b", "--grow-gib", "0.25", "--json", str(tmp_path / "m.json")])
+    out = cache_memory.main(["--shapes", "qwen3-4b", "--grow-gib", "0.25", "--prefill", "16", "1024",
+                             "--prefill-tokens", "4096", "--json", str(tmp_path / "m.json")])
     a = out["arithmetic"][0]
     per_token = 36 * 8 * 128 * 2 * 2
     assert (a["rate_slots"], a["act_slots"]) == (4608, 3584)
@@ -136,3 +139,6 @@ def test_the_cache_memory_benchmark_by_hand_and_measured(tmp_path):
     beside, in_place = out["grow"]
     assert in_place["final_GiB"] == beside["final_GiB"]
     assert in_place["peak_GiB"] < 0.8 * beside["peak_GiB"]
+    one, chunked = out["prefill"]
+    assert (one["forwards"], chunked["forwards"]) == (1, 4)
+    assert chunked["peak_GiB"] < 0.6 * one["peak_GiB"]

@@ -47,8 +47,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 @dataclass
 class EngineConfig:
     """The generation engine rollouts run on: the in-process engine, a vLLM server (launched here, or running), or
-    an engine class of your own.  ``compile``, ``few_rows_alone`` and ``cache_memory`` are the in-process engine's;
-    the keys after them are the vLLM engine's."""
+    an engine class of your own.  ``compile``, ``few_rows_alone``, ``prefill_tokens`` and ``cache_memory`` are the
+    in-process engine's; the keys after them are the vLLM engine's."""
 
     backend: str = "builtin"
     """``builtin``: batched forwards of the trainer's own model (the reference); ``vllm``: a vLLM server over HTTP;
@@ -58,6 +58,9 @@ class EngineConfig:
     slot cache, step torch-compiled so; auto = reduce-overhead on one CUDA device, else off"""
     few_rows_alone: bool = True
     """builtin: once at most a quarter of the rows still write, the turn's remaining lock steps run those rows only"""
+    prefill_tokens: int | None = 16384
+    """builtin: the most positions (rows × block width) one forward of a fed block computes; longer blocks go in
+    chunks (bounds a prefill's memory); null = one pass"""
     cache_memory: float | None = 0.5
     """builtin, CUDA: the share of GPU memory the slot caches may hold; past it, idle caches go, then two_call's kept
     ones; null = no limit"""
@@ -107,6 +110,8 @@ class EngineConfig:
                              "path (package.module.Class)")
         if self.compile not in COMPILE_MODES:
             raise ValueError(f"model.engine.compile: {self.compile!r} is not one of {', '.join(COMPILE_MODES)}")
+        if self.prefill_tokens is not None and self.prefill_tokens < 1:
+            raise ValueError(f"model.engine.prefill_tokens: {self.prefill_tokens} is not a positive count (or null)")
         if self.cache_memory is not None and not 0 < self.cache_memory <= 1:
             raise ValueError(f"model.engine.cache_memory: {self.cache_memory} is not a share in (0, 1] (or null)")
         if self.dtype not in ("float32", "bfloat16", "float16"):

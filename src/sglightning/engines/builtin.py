@@ -103,7 +103,7 @@ class BuiltinEngine(Engine):
             static = StaticSession(self.slots, self.step(model, "static"), self.step(model, mode))
         return DecodeSession(model, pad_id, temperature, generator, top_k, greedy, share_prefix=self.share_prefix,
                              staged_prefill=self.staged_prefill, restrictions=self._restrictions, static=static,
-                             few_rows_alone=self.few_rows_alone)
+                             few_rows_alone=self.few_rows_alone, prefill_tokens=self.cfg.prefill_tokens)
 
     def close(self) -> None:
         self.slots.clear()
@@ -226,6 +226,7 @@ class DecodeSession(Session):
         restrictions: RestrictionTable | None = None,
         static: StaticSession | None = None,
         few_rows_alone: bool = True,
+        prefill_tokens: int | None = None,
     ):
         """``share_prefix``: the first :meth:`feed` computes a prefix that several rows share (a group's G episodes
         start from one prompt) once and copies its cache to those rows (:func:`~sglightning.prefixes.shared_prefixes`);
@@ -236,7 +237,8 @@ class DecodeSession(Session):
         GPU padding is nearly free at these sizes and each extra pass costs latency).  ``static``: the slot cache
         and its steps (None: the dynamic cache).  ``few_rows_alone``: once at most a quarter of the rows still run their
         program, the lock steps left run those rows only (:meth:`_front`, :meth:`_split`); False = every row to the
-        end."""
+        end.  ``prefill_tokens``: a fed block of more positions (rows × width) goes in column chunks of at most that
+        many (None: one pass)."""
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.model = model
@@ -266,6 +268,7 @@ class DecodeSession(Session):
         self._active: int | None = None  # slot cache: the physical rows decode steps run, while few rows run
         self._bound: int | None = None  # slot cache: the physical rows holding rows since a rewind (None: all)
         self.few_rows_alone = few_rows_alone
+        self.prefill_tokens = prefill_tokens
         self.given_back = False  # the pool took the slot cache for another session (give_back_cache)
         self._additive = None
         if static is not None and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
@@ -330,9 +333,10 @@ class DecodeSession(Session):
     # ------------------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def feed(self, blocks: Sequence[Sequence[int]]) -> None:
-        """Append ``blocks[i]`` to row i (may be empty).  One forward pass for all rows; on the first feed with
-        ``share_prefix``, rows sharing a prefix compute it once: one pass over the distinct prefixes, the cache rows
-        copied to every row that shares them, one pass over what follows each prefix."""
+        """Append ``blocks[i]`` to row i (may be empty).  One forward pass for all rows (or column chunks of
+        ``prefill_tokens`` positions); on the first feed with ``share_prefix``, rows sharing a prefix compute it once:
+        one pass over the distinct prefixes, the cache rows copied to every row that shares them, one pass over what
+        follows each prefix."""
         self._check_cache()
         if self._mask is None:
             self._open(len(blocks))
@@ -361,6 +365,18 @@ class DecodeSession(Session):
             self._must_feed = False
         if max(lens, default=0) == 0:
             return
+        width = max(lens)
+        rows = len(blocks) if self.static is None else self._mask.shape[0]  # the rows one forward computes
+        chunk = max(1, self.prefill_tokens // rows) if self.prefill_tokens else width
+        if width <= chunk:
+            self._feed_block(blocks, lens)
+            return
+        for lo in range(0, width, chunk):  # column chunks of the blocks left-padded to `width`
+            part = [b[max(0, lo - width + n) : max(0, lo + chunk - width + n)] for b, n in zip(blocks, lens)]
+            self._feed_block(part, [len(b) for b in part])
+
+    def _feed_block(self, blocks: Sequence[Sequence[int]], lens: list[int]) -> None:
+        """One block (at most ``model.engine.prefill_tokens`` positions): one forward pass, or stages on CPUs."""
         if self.static is not None:
             self._forward_static(blocks)
             return
