@@ -61,6 +61,7 @@ def grow_peak(arm: str, layers: int, rows: int, slots: int, step: int) -> dict:
     from sglightning.engines.static import SlotCache
 
     shape = (rows, 8, slots, 64)
+    (torch.ones(8, 8) @ torch.ones(8, 8)).sum().item()  # torch's lazy set-up (libraries, thread pools) before
     peak = _peak_from_here()
     cache = SlotCache([torch.ones(shape) for _ in range(layers)], [torch.ones(shape) for _ in range(layers)])
     if arm == "beside":
