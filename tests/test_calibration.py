@@ -309,6 +309,28 @@ def test_dynamic_sampling_tops_the_step_up_with_informative_groups():
     assert topped.policy_round().episodes == topped.episodes[:6] and plain.policy_round() is plain
 
 
+def test_dynamic_sampling_counts_the_caches_its_rounds_gave_back():
+    """``engine/caches_given_back`` counts every round of the step, the dynamic-sampling rounds included (their
+    engine numbers were dropped before): two_call on the slot cache with room for one cache only."""
+    from sglightning.engines import EngineConfig
+    from sglightning.engines.builtin import SlotPool
+    from sglightning.grpo import GRPOConfig
+
+    m = tiny_module(
+        rollout=RolloutConfig(groups_per_step=3, group_size=2, max_steps=2, dynamic_sampling_rounds=6),
+        guidance=GuidanceConfig(prompt_mode="two_call", max_guidance_tokens=4, action_decoding="admissible"),
+        grpo=GRPOConfig(total_steps=10, trust_constant=0.0),
+        reward_terms=[_InformativeWhenSeedDividesBy3()],
+        engine=EngineConfig(compile="static"),
+    )
+    m.configure_model()
+    cb = m.rollout_callback()
+    cb.engine.slots = SlotPool(limit_bytes=1)  # every call takes the other call's cache
+    rb = cb.collect(m)
+    assert rb.extra_groups > 0 and cb.engine.slots.given_back > 0
+    assert rb.engine["caches_given_back"] == cb.engine.slots.given_back
+
+
 def test_dynamic_sampling_logs_the_policys_round_under_the_usual_names(tmp_path):
     """rollout/* and guidance/* describe the first round (the policy's own draw); the groups selected for having
     unequal returns are described under dynamic_sampling/*, and the update trains on all of them."""

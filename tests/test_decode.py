@@ -354,18 +354,22 @@ def _limited(model, share_of_one: float, rows: int = 16) -> BuiltinEngine:
     return engine
 
 
-def test_under_a_memory_limit_two_call_gives_its_kept_cache_away_and_plays_the_same_episodes(tiny):
+def test_under_a_memory_limit_two_call_gives_its_kept_cache_away_and_plays_the_same_episodes(tiny, monkeypatch):
     """``model.engine.cache_memory``: where two caches do not fit, the act call takes the rate call's kept cache
     (and back): one cache serves both, every prompt is prefilled anew, and the episodes are those of fresh sessions.
     Where they fit, nothing is given back and the prefill is the kept arm's."""
     model, tok = tiny
     fresh = _two_call(model, tok, BuiltinEngine(EngineConfig(compile="static")), "constrained", "admissible", False)
     tight = _limited(model, 1.5)
+    allocated = []
+    real = SlotCache.allocate.__func__
+    monkeypatch.setattr(SlotCache, "allocate", classmethod(lambda cls, *a: allocated.append(a) or real(cls, *a)))
     weights = types.SimpleNamespace(version=0, sharding=None, gathered=contextlib.nullcontext)
     with tight.sampling(weights) as stats:  # as the rollout callback plays: the engine's numbers filled on exit
         short = _two_call(model, tok, tight, "constrained", "admissible", True)
     _same(fresh, short)
     assert tight.slots.given_back > 0 and len(tight.slots.caches) == 1
+    assert len(allocated) == 1  # one cache, handed from call to call (same addresses: no new graphs on a GPU)
     logs = engine_logs(stats)
     assert logs["engine/caches_given_back"] == tight.slots.given_back
     assert logs["engine/slot_cache_GB"] == tight.slots.caches[0].nbytes() / 2**30
@@ -392,7 +396,9 @@ def test_under_a_memory_limit_idle_caches_go_before_a_live_sessions(tiny):
     assert not a.given_back and engine.slots.given_back == 0
     assert sorted(x.batch for x in engine.slots.caches) == [8, 16]  # b's idle cache was freed, a's kept
     d = engine.session(model, 0, 1.0, torch.Generator().manual_seed(1))
-    d.feed([[5]] * 3)  # the limit is reached: a's cache (same shape) is handed over
+    held = a.cache
+    d.feed([[5]] * 3)  # the limit is reached: a's cache (same shape) is handed over, not freed and made anew
+    assert d.cache is held and a.cache is None
     assert a.given_back and engine.slots.given_back == 1 and len(engine.slots.caches) == 2
     a.select([0, 1, 2])
     assert not a.rewind([1, 1, 1])
@@ -441,11 +447,12 @@ def test_a_block_fed_in_chunks_is_the_one_pass_result(tiny, compile_mode):
         pieces = s.run([[Free(5, frozenset())]] * 9)
         return logits, calls, [p.ids for row in pieces for p in row]
 
-    # 64 positions: chunks of 4 columns (static: 16 physical rows; the last chunk 1 wide, a decode step) or 7
-    one, chunked = fed(None), fed(64)
-    assert torch.allclose(one[0], chunked[0], atol=1e-5)
-    assert one[1] == 1 and chunked[1] == -(-41 // (4 if compile_mode == "static" else 7))
-    assert one[2] == chunked[2]
+    # 64 positions: 11 chunks of 3-4 columns (static: 16 physical rows) or 6 of 6-7; 8 positions: 41 chunks of one
+    # column (fewer positions than rows), each through the decode step
+    one, chunked, columns = fed(None), fed(64), fed(8)
+    assert torch.allclose(one[0], chunked[0], atol=1e-5) and torch.allclose(one[0], columns[0], atol=1e-5)
+    assert (one[1], chunked[1], columns[1]) == (1, 11 if compile_mode == "static" else 6, 41)
+    assert one[2] == chunked[2] == columns[2]
     for mode in ("single_stream", "two_call"):
         a = _play(model, tok, BuiltinEngine(EngineConfig(compile=compile_mode, prefill_tokens=None)), mode,
                   "constrained", "admissible")

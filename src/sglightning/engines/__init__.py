@@ -59,8 +59,8 @@ class EngineConfig:
     few_rows_alone: bool = True
     """builtin: once at most a quarter of the rows still write, the turn's remaining lock steps run those rows only"""
     prefill_tokens: int | None = 16384
-    """builtin: the most positions (rows × block width) one forward of a fed block computes; longer blocks go in
-    chunks (bounds a prefill's memory); null = one pass"""
+    """builtin: the most positions (rows × block width, one column at least) a fed block's forward computes; longer
+    blocks go in chunks; null = one pass"""
     cache_memory: float | None = 0.5
     """builtin, CUDA: the share of GPU memory the slot caches may hold; past it, idle caches go, then two_call's kept
     ones; null = no limit"""

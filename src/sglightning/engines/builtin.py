@@ -152,10 +152,11 @@ class SlotPool:
         key = (id(model), rows, dtype, device)
         free = [e for e in self._entries if e[0] == key and not self._held(e)]
         cache = free[-1][1] if free else None  # the most recent
-        if free:
+        del free  # no reference left to a cache dropped below
+        if cache is not None:
             self._entries = [e for e in self._entries if e[1] is not cache]
         if cache is None or cache.capacity < slots:
-            # the smaller one is dropped before allocating; room made first, maybe with a cache taken over
+            cache = None  # a smaller one is freed before allocating; room made first, maybe a cache taken over
             cache = self._make_room(holder, SlotCache.bytes_for(model, rows, slots, dtype), device, key, slots)
             if cache is None:
                 cache = SlotCache.allocate(model, rows, slots, dtype, device)
@@ -179,10 +180,12 @@ class SlotPool:
             return None
         while idle and self.nbytes() + need > limit:
             self._entries.remove(idle.pop(0))
-        others = [e for e in self._entries if self._held(e) and e[2]() is not holder]
+        # other sessions' caches (strong references while this runs), oldest first, one that would serve first
+        others = [(e, e[2]()) for e in self._entries if self._held(e) and e[2]() is not holder]
+        others.sort(key=lambda o: not (o[0][0] == key and o[0][1].capacity >= slots))
         while others and self.nbytes() + need > limit:
-            entry = others.pop(0)
-            entry[2]().give_back_cache()
+            entry, session = others.pop(0)
+            session.give_back_cache()
             self._entries.remove(entry)
             self.given_back += 1
             if key is not None and entry[0] == key and entry[1].capacity >= slots:
@@ -371,8 +374,12 @@ class DecodeSession(Session):
         if width <= chunk:
             self._feed_block(blocks, lens)
             return
-        for lo in range(0, width, chunk):  # column chunks of the blocks left-padded to `width`
-            part = [b[max(0, lo - width + n) : max(0, lo + chunk - width + n)] for b, n in zip(blocks, lens)]
+        if self.static is not None:  # room for the whole block at once: not a grown cache (a copy) per chunk
+            self._reserve(-(-(self.width + width) // VIEW_STEP) * VIEW_STEP + 1)
+        n = -(-width // chunk)
+        cuts = [width * k // n for k in range(n + 1)]  # n column chunks of the blocks left-padded to `width`
+        for lo, hi in zip(cuts, cuts[1:]):
+            part = [b[max(0, lo - width + m) : max(0, hi - width + m)] for b, m in zip(blocks, lens)]
             self._feed_block(part, [len(b) for b in part])
 
     def _feed_block(self, blocks: Sequence[Sequence[int]], lens: list[int]) -> None:
