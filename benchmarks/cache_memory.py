@@ -42,17 +42,24 @@ def arithmetic(shape: str, rows: int, rate: int, act: int, card_gib: float, shar
             "limit_GiB": share * card_gib, "both_fit": sum(now) <= share * card_gib}
 
 
-def _peak_from_here() -> Callable[[], int]:
-    """The resident memory now; returns a function giving the peak above it since (Linux: the peak is reset here
-    through /proc/self/clear_refs, so what imports and set-up took before does not count)."""
+def _peak_from_here() -> Callable[[], int | None]:
+    """The resident memory now; returns a function giving the peak above it since, or None where the peak cannot be
+    reset (Linux resets it through /proc/self/clear_refs, so what imports and set-up took before does not count)."""
     def status(key: str) -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident size
-    start = status("VmRSS:")
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident size
+        start = status("VmRSS:")
+    except (OSError, StopIteration):  # not Linux, or a sandbox without it: no measurement, not a wrong one
+        return lambda: None
     return lambda: status("VmHWM:") - start
+
+
+def _gib(n: int | None) -> float | None:
+    return None if n is None else n / GIB
 
 
 def grow_peak(arm: str, layers: int, rows: int, slots: int, step: int) -> dict:
@@ -74,7 +81,7 @@ def grow_peak(arm: str, layers: int, rows: int, slots: int, step: int) -> dict:
         cache = new
     else:
         cache.grow(slots + step)
-    return {"arm": arm, "final_GiB": cache.nbytes() / GIB, "peak_GiB": peak() / GIB}
+    return {"arm": arm, "final_GiB": cache.nbytes() / GIB, "peak_GiB": _gib(peak())}
 
 
 def prefill_peak(prefill_tokens: int, rows: int, width: int) -> dict:
@@ -106,7 +113,7 @@ def prefill_peak(prefill_tokens: int, rows: int, width: int) -> dict:
         session.feed(blocks)
     seconds = time.perf_counter() - t0
     return {"prefill_tokens": prefill_tokens, "rows": rows, "width": width, "forwards": session.forward_calls,
-            "peak_GiB": peak() / GIB, "seconds": seconds}
+            "peak_GiB": _gib(peak()), "seconds": seconds}
 
 
 def main(argv=None) -> dict:
@@ -148,8 +155,9 @@ def main(argv=None) -> dict:
                              capture_output=True, text=True, check=True)
         g = json.loads(out.stdout.strip().splitlines()[-1])
         report["grow"].append(g)
-        print(f"{arm:9} final {g['final_GiB']:.2f} GiB, peak {g['peak_GiB']:.2f} GiB "
-              f"({g['peak_GiB'] / g['final_GiB']:.2f}× the final size)")
+        peak = "not measurable here" if g["peak_GiB"] is None else (
+            f"{g['peak_GiB']:.2f} GiB ({g['peak_GiB'] / g['final_GiB']:.2f}× the final size)")
+        print(f"{arm:9} final {g['final_GiB']:.2f} GiB, peak {peak}")
     rows, width = args.prefill
     print(f"\nfeeding {rows} rows × {width} tokens to a 2-layer, 512-wide model (slot cache), on this machine")
     for tokens in (0, args.prefill_tokens):
@@ -158,7 +166,8 @@ def main(argv=None) -> dict:
         p = json.loads(out.stdout.strip().splitlines()[-1])
         report["prefill"].append(p)
         name = f"chunks of {tokens} positions" if tokens else "one pass"
-        print(f"{name:26} {p['forwards']:3d} forwards, peak {p['peak_GiB']:.2f} GiB above the cache, "
+        peak = "not measurable here" if p["peak_GiB"] is None else f"{p['peak_GiB']:.2f} GiB above the cache"
+        print(f"{name:26} {p['forwards']:3d} forwards, peak {peak}, "
               f"{p['seconds']:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -139,8 +139,10 @@ def test_the_cache_memory_benchmark_by_hand_and_measured(tmp_path):
     assert a["rate_GiB"] == 128 * 4608 * per_token / 2**30 and a["rate_GiB_doubling"] == 128 * 8192 * per_token / 2**30
     assert not a["both_fit"]  # 81 + 72 GiB over 70
     beside, in_place = out["grow"]
-    assert in_place["final_GiB"] == beside["final_GiB"]
-    assert in_place["peak_GiB"] < 0.8 * beside["peak_GiB"]
     one, chunked = out["prefill"]
+    assert in_place["final_GiB"] == beside["final_GiB"]
     assert (one["forwards"], chunked["forwards"]) == (1, 4)
+    if beside["peak_GiB"] is None:  # this kernel or sandbox cannot reset a process's peak: nothing measured
+        pytest.skip("/proc/self/clear_refs cannot reset the peak resident size here")
+    assert in_place["peak_GiB"] < 0.8 * beside["peak_GiB"]
     assert chunked["peak_GiB"] < 0.6 * one["peak_GiB"]
