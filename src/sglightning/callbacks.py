@@ -141,15 +141,12 @@ class RolloutCallback(Callback):
         seeds = task_seeds(cfg.seed + 1_000_033 * extra_round, step, cfg.groups_per_step, rank, world,
                            self.eval_cfg.seed_offset)[:missing]
         gen = sampling_generator(cfg.seed, step, rank, salt=2 + extra_round, device=pl_module.device)
-        with self._sampling(pl_module) as synced:
+        with self._sampling(pl_module):
             if seeds:
                 more = self.rollout_for(pl_module).run(
                     seeds, generator=gen, policy_version=self.engine.version, should_stop=stop)
                 found = self.informative(more.episodes)
                 rb.add_groups(more, set(sorted(found)[:missing]))
-        if "caches_given_back" in synced:  # the in-process engine's numbers: this round's count added, the size now
-            synced["caches_given_back"] += rb.engine.get("caches_given_back", 0.0)
-            rb.engine.update(synced)
         return True
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

@@ -241,7 +241,7 @@ class RolloutBatch:
         self.generated_tokens += other.generated_tokens
         self.forward_calls += other.forward_calls
         self.prefill_positions += other.prefill_positions
-        for key in ("requests", "prompt_tokens", "cached_tokens"):
+        for key in ("requests", "prompt_tokens", "cached_tokens", "caches_given_back"):
             if key in other.engine:
                 self.engine[key] = self.engine.get(key, 0.0) + other.engine[key]
 

@@ -76,12 +76,11 @@ class BuiltinEngine(Engine):
     def sampling(self, weights: Weights) -> Iterator[dict[str, float]]:
         self.version = weights.version
         self.sharding = weights.sharding
-        given, stats = self.slots.given_back, {}
+        stats: dict[str, float] = {}
         with weights.gathered():
             yield stats
         if self.slots.caches:  # filled on exit, read by the rollout's caller after it
             stats["slot_cache_GB"] = self.slots.nbytes() / 2**30
-            stats["caches_given_back"] = float(self.slots.given_back - given)
 
     def mode(self, model: torch.nn.Module) -> str:
         """The decode step for ``model``: ``model.engine.compile`` resolved (:func:`resolve_mode`)."""
@@ -188,6 +187,7 @@ class SlotPool:
             session.give_back_cache()
             self._entries.remove(entry)
             self.given_back += 1
+            holder.caches_taken += 1
             if key is not None and entry[0] == key and entry[1].capacity >= slots:
                 return entry[1]
         return None
@@ -273,6 +273,7 @@ class DecodeSession(Session):
         self.few_rows_alone = few_rows_alone
         self.prefill_tokens = prefill_tokens
         self.given_back = False  # the pool took the slot cache for another session (give_back_cache)
+        self.caches_taken = 0  # caches the pool took from other sessions for this one
         self._additive = None
         if static is not None and getattr(model.config, "_attn_implementation", "sdpa") == "eager":
             self._additive = model.get_input_embeddings().weight.dtype  # eager attention adds its mask
@@ -283,9 +284,13 @@ class DecodeSession(Session):
 
     @property
     def engine_stats(self) -> dict[str, float]:
-        """The decode steps' shape (summed over sessions by the rollout): lock steps, rows they advanced, context."""
-        return {"lock_steps": float(self.lock_steps), "row_steps": float(self.row_steps),
-                "context_tokens": float(self.context_tokens)}
+        """The decode steps' shape (summed over sessions by the rollout): lock steps, rows they advanced, context;
+        on the slot cache also the caches this session took from others (``model.engine.cache_memory``)."""
+        stats = {"lock_steps": float(self.lock_steps), "row_steps": float(self.row_steps),
+                 "context_tokens": float(self.context_tokens)}
+        if self.static is not None:
+            stats["caches_given_back"] = float(self.caches_taken)
+        return stats
 
     @property
     def attn(self) -> torch.Tensor | None:
