@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check import SHAPES, shape_numbers  # noqa: E402
 
-from sglightning.engines.static import VIEW_STEP, bucket, slot_capacity  # noqa: E402
+from sglightning.engines.static import bucket, reserved_slots, slot_capacity  # noqa: E402
 
 GIB = 2**30
 
@@ -33,8 +33,7 @@ GIB = 2**30
 def arithmetic(shape: str, rows: int, rate: int, act: int, card_gib: float, share: float) -> dict:
     """``two_call``'s caches at ``shape`` in bf16: GiB now and with doubling, and whether both fit the limit."""
     per_token = shape_numbers(SHAPES[shape])["kv_bytes_per_token"]  # bf16 keys and values of every layer
-    # the engine asks for the slots attention reads (a multiple of VIEW_STEP) plus one
-    asked = [-(-n // VIEW_STEP) * VIEW_STEP + 1 for n in (rate, act)]
+    asked = [reserved_slots(n) for n in (rate, act)]  # what the engine asks the cache for
     now = [rows * slot_capacity(n) * per_token / GIB for n in asked]
     doubled = [rows * bucket(n, 512) * per_token / GIB for n in asked]
     return {"shape": shape, "rows": rows, "rate_slots": slot_capacity(asked[0]), "act_slots": slot_capacity(asked[1]),

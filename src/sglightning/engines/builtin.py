@@ -39,12 +39,12 @@ from sglightning.engines.prefill import append_row_subset, plan_stages, row_subs
 from sglightning.engines.program import ProgramState, Segment
 from sglightning.engines.rewind import gather_slots, kept_slots
 from sglightning.engines.static import (
-    VIEW_STEP,
     SlotCache,
     block_mask,
     bucket,
     compiled,
     decode_step,
+    reserved_slots,
     resolve_mode,
     slot_capacity,
 )
@@ -380,7 +380,7 @@ class DecodeSession(Session):
             self._feed_block(blocks, lens)
             return
         if self.static is not None:  # room for the whole block at once: not a grown cache (a copy) per chunk
-            self._reserve(-(-(self.width + width) // VIEW_STEP) * VIEW_STEP + 1)
+            self._reserve(reserved_slots(self.width + width))
         n = -(-width // chunk)
         cuts = [width * k // n for k in range(n + 1)]  # n column chunks of the blocks left-padded to `width`
         for lo, hi in zip(cuts, cuts[1:]):
@@ -493,8 +493,9 @@ class DecodeSession(Session):
         ids, mask, pos = (packed[k * n : (k + 1) * n].view(rows, width) for k in range(3))
         fed = packed[3 * n :] > 0  # [n]
         start = self.width
-        view = -(-(start + width) // VIEW_STEP) * VIEW_STEP  # slots attention reads
-        self._reserve(view + 1)  # always fewer than the cache holds: a compiled step meets one case, not two
+        need = reserved_slots(start + width)
+        self._reserve(need)
+        view = need - 1  # slots attention reads
         every_row = rows == self._mask.shape[0]  # a decode step: every physical row is written
         self._mask_columns(width, zero=not every_row)[:rows] = mask  # copied as bool
         slots = torch.arange(start, start + width, device=self.device)  # [W]

@@ -67,6 +67,13 @@ def _mark(t: torch.Tensor) -> None:
     torch._dynamo.mark_static(t, 3)
 
 
+def reserved_slots(end: int) -> int:
+    """The slots a cache must hold for a block ending at slot ``end``: the slots attention reads (``end`` rounded up
+    to :data:`VIEW_STEP`) plus one, so that the view is always shorter than the cache and a compiled step meets one
+    case, not two."""
+    return -(-end // VIEW_STEP) * VIEW_STEP + 1
+
+
 def slot_capacity(n: int) -> int:
     """The slots a cache gets for ``n``: a power of two up to 2 048 (at least 512), then a multiple of 512.  Doubling
     past that would leave up to half of a large cache unused (128 rows × 8 192 slots of Qwen3-4B's keys and values
