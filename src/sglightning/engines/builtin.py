@@ -154,8 +154,7 @@ class SlotPool:
         del free  # no reference left to a cache dropped below
         if cache is not None:
             self._entries = [e for e in self._entries if e[1] is not cache]
-        if cache is None or cache.capacity < slots:
-            cache = None  # a smaller one is freed before allocating; room made first, maybe a cache taken over
+        if cache is None or cache.capacity < slots:  # a smaller one is dropped: room made, maybe a cache taken over
             cache = self._make_room(holder, SlotCache.bytes_for(model, rows, slots, dtype), device, key, slots)
             if cache is None:
                 cache = SlotCache.allocate(model, rows, slots, dtype, device)

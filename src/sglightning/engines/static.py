@@ -121,7 +121,7 @@ class SlotCache(_CacheBase):
     def bytes_for(cls, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype) -> int:
         """The bytes :meth:`allocate` would take: layers × 2 (keys, values) × P × H_kv × C × d × the dtype's size."""
         layers, shape = cls._shape(model, rows, slots)
-        return 2 * layers * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return 2 * layers * math.prod(shape) * dtype.itemsize
 
     @classmethod
     def allocate(cls, model: torch.nn.Module, rows: int, slots: int, dtype: torch.dtype, device: torch.device
