@@ -413,14 +413,8 @@ def test_under_a_memory_limit_the_caches_of_other_row_counts_are_kept(tiny):
 
     def rounds(engine) -> list[set[int]]:
         alive, caches = [], []  # the caches held here, so that no id is reused
-        for seeds in [(1, 2, 3), tuple(range(4, 14)), (1, 2, 3)]:
-            gc = GuidanceConfig(prompt_mode="two_call", decoding="constrained", action_decoding="admissible",
-                                max_guidance_tokens=6, max_action_tokens=6)
-            r = Rollout(model, tok, ENV, gc, RolloutConfig(group_size=3, max_steps=2), engine=engine)
-            try:
-                r.run(list(seeds), generator=torch.Generator().manual_seed(0))
-            finally:
-                r.close()
+        for seeds in [(1, 2, 3), tuple(range(4, 14)), (1, 2, 3)]:  # 9 rows (16 physical), 30 (32), 9 again
+            _play(model, tok, engine, "two_call", "constrained", "admissible", seeds=seeds)
             alive += engine.slots.caches
             caches.append({id(c) for c in engine.slots.caches if c.batch == 16})
         return caches
