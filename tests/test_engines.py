@@ -283,3 +283,15 @@ def test_the_host_time_benchmark_never_runs_the_model(monkeypatch):
     assert med["host_ms_per_lock_step"] > 0 and 0 < med["draw_share"] < 1
     # operations outside the model: the stored logits' copy and the draw at least, far fewer than a forward's
     assert 5 < med["ops_per_lock_step"] < 200
+
+
+def test_the_probe_gap_is_the_mean_over_the_tokens_that_have_both_log_probs():
+    """The sync's gap: mean |engine − trainer| over tokens 2..n (a half-precision token's own rounding does not stop a
+    run; weights that are not the trainer's move every token); no pair at all is an error, not a gap of 0."""
+    from sglightning.engines.vllm import probe_gap
+    from sglightning.errors import EngineError
+
+    assert probe_gap([None, -1.0, -2.0, -0.5], [None, -1.1, -1.6, -0.5]) == pytest.approx(0.5 / 3)
+    assert probe_gap([None, -1.0, None], [None, -1.25, -3.0]) == pytest.approx(0.25)
+    with pytest.raises(EngineError, match="no prompt log-probs"):
+        probe_gap([None, None], [None, -1.0])

@@ -95,7 +95,7 @@ class EngineConfig:
     max_concurrency: int = 64
     """requests in flight at once (the engine batches them)"""
     sync_tolerance: float | None = None
-    """largest |log-prob difference| between engine and trainer on the probe after an adapter sync; null = 1e-3 for
+    """mean |log-prob difference| between engine and trainer over the probe after an adapter sync; null = 1e-3 for
     float32, 0.15 for half precision"""
     adapter_dir: str | None = None
     """where adapter versions are written for the engine to load; null = a temporary folder removed at exit"""
