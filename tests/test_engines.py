@@ -262,6 +262,52 @@ def test_the_recompute_runs_without_dropout_and_its_weights_are_logged(tmp_path)
         assert 0.0 <= h["policy/sampler_ratio_outside_0.9_1.1"] <= 1.0 and h["policy/sampler_ratio_mean"] > 0
 
 
+@pytest.mark.parametrize("mode,epochs", [("token", 1), ("sequence", 2)])
+def test_the_correction_taken_from_the_first_pass_is_the_recomputes(tmp_path, monkeypatch, mode, epochs):
+    """A bf16 base (sampler and trainer differ, the correction is on): without dropout the old log-probs come from
+    the update's own first forward, one pass fewer per micro-batch, and the fit is the one with the separate no-grad
+    pass — the same weights, statistics and adapters, later PPO epochs included (they read what the first wrote)."""
+    from tiny import tiny_module, tiny_trainer
+
+    import sglightning.module as module_file
+    from sglightning.grpo import GRPOConfig
+
+    def fit(recompute: bool):
+        monkeypatch.setattr(module_file, "drops_out", lambda model: recompute)  # True: as with dropout
+        torch.manual_seed(0)
+        module = tiny_module(policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8,
+                                                 dtype="bfloat16"),
+                             grpo=GRPOConfig(kl_coef=0.01, rollout_correction=mode, ppo_epochs=epochs))
+        module.configure_model()
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # B is zero at initialisation: adapters that move the logits (and the KL term)
+            for name, p in module.policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        calls = []
+        real = module_file.SelfGuideModule.token_logprobs
+        monkeypatch.setattr(module_file.SelfGuideModule, "token_logprobs",
+                            lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+        tiny_trainer(tmp_path, steps=2 * epochs).fit(module)
+        adapters = {k: v.detach().clone() for k, v in module.policy.named_parameters() if v.requires_grad}
+        return module.history, adapters, len(calls)
+
+    before, before_w, before_calls = fit(recompute=True)
+    after, after_w, after_calls = fit(recompute=False)
+    assert len(before) == len(after) == 2
+    keys = ("policy/is_weight_mean", "policy/is_weight_min", "policy/is_weight_max", "policy/engine_mismatch_kl",
+            "loss/total", "policy/logprob_gap_sampler_trainer", "train/grad_norm")
+    for b, a in zip(before, after):
+        assert "time/update_correction_s" in b and "time/update_correction_s" not in a
+        assert b["policy/engine_mismatch_kl"] > 0 and b["policy/is_weight_min"] < 1  # weights that weigh
+        assert b["train/grad_norm"] > 0 and b["policy/logprob_gap_sampler_trainer"] > 0
+        for k in keys:
+            assert a[k] == pytest.approx(b[k], rel=1e-4, abs=1e-6), k
+    for k in before_w:
+        torch.testing.assert_close(after_w[k], before_w[k], rtol=1e-4, atol=1e-6)
+    assert after_calls < before_calls  # the recompute's forwards are gone (rollouts and the update's own remain)
+
+
 def test_the_host_time_benchmark_never_runs_the_model(monkeypatch):
     """benchmarks/engine_host.py times the engine's host work around its decode steps: the rollout plays on the
     static path with stored logits, so the model's own forward never runs, and every step is counted."""

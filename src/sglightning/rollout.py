@@ -70,6 +70,7 @@ from sglightning.guidance import (
     stream_first_messages,
     stream_next_user,
 )
+from sglightning.models import eval_mode
 from sglightning.prefixes import common_prefix
 from sglightning.profiling import phase, timing
 
@@ -193,8 +194,12 @@ class Rollout:
               generator: torch.Generator | None, greedy: bool) -> dict:
         """Reset every episode's environment, then play the episodes to their end.  Returns the engine's counts
         (tokens, forward calls, prefill positions, engine statistics)."""
-        was_training = self.model.training
-        self.model.eval()
+        with eval_mode(self.model):
+            return self._play_episodes(episodes, split, temperature, guided, generator, greedy)
+
+    def _play_episodes(self, episodes: list[Episode], split: str, temperature: float, guided: bool,
+                       generator: torch.Generator | None, greedy: bool) -> dict:
+        """:meth:`_play`, the model in eval mode."""
         with phase("rollout/env"):
             outcomes = self.pool.reset_many([(ep.index, ep.seed, split) for ep in episodes])
         for ep, out in zip(episodes, outcomes):
@@ -211,13 +216,10 @@ class Rollout:
             score = getattr(res, "score", None)
             ep.score = ep.initial_score = float(score) if score is not None else None
         stats = {"tokens": 0, "forward": 0, "prefill": 0}
-        try:
-            if self.guidance.prompt_mode == "single_stream":
-                self._run_stream(episodes, temperature, guided, generator, greedy, stats)
-            else:
-                self._run_two_call(episodes, temperature, guided, generator, greedy, stats)
-        finally:
-            self.model.train(was_training)
+        if self.guidance.prompt_mode == "single_stream":
+            self._run_stream(episodes, temperature, guided, generator, greedy, stats)
+        else:
+            self._run_two_call(episodes, temperature, guided, generator, greedy, stats)
         return stats
 
     # ------------------------------------------------------------------------------------------------------------------

@@ -149,12 +149,12 @@ def recompute_logprobs(data: dict[str, Tensor], rows: list[slice], score: Callab
 
 def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[str, Tensor]:
     """Rows ``rows`` of a collated batch, cut to the longest of them (right padding beyond it is dropped): ``ids``,
-    ``attn``, ``mask``, ``old_logp``, ``full_logp``, ``kinds``, ``adv`` (``tok_adv``'s rows), each ``[B, W]``, and
-    ``restrict`` (:func:`restrictions_of`, its index cut the same way)."""
+    ``attn``, ``mask``, ``old_logp``, ``full_logp``, ``kinds``, ``adv`` (``tok_adv``'s rows), ``steps``, each
+    ``[B, W]``, and ``restrict`` (:func:`restrictions_of`, its index cut the same way)."""
     width = int(data["attn"][rows].sum(1).max())
     cols = (rows, slice(0, width))
     out = {k: data[k][cols] for k in ("ids", "attn", "mask", "old_logp", "full_logp", "kinds")}
-    for k in ("is_weight", "sampler_logp"):  # rollout correction (grpo.rollout_correction)
+    for k in ("is_weight", "sampler_logp", "steps"):  # rollout correction (grpo.rollout_correction; steps: its turns)
         if k in data:
             out[k] = data[k][cols]
     out["adv"] = tok_adv[cols]

@@ -263,6 +263,35 @@ def rollout_correction(data: dict[str, Tensor], trainer_old: Tensor, mode: str, 
     return out, rollout_correction_stats(weights, data["mask"], cap, float(mismatch))
 
 
+class CorrectionInPass:
+    """The rollout correction taken from the update's first forward, where it computes what a no-grad pass would
+    (nothing drops out): the weights have not moved yet this step, so the trainer's old log-probs are that pass's,
+    detached.  The same weights and statistics as :func:`rollout_correction`, one forward fewer per micro-batch.
+
+    ``data`` (the step's collated rows) keeps the sampler's log-probs as ``sampler_logp``; each micro-batch's pass
+    writes its rows' ``old_logp`` and ``is_weight`` (1 until then), which later PPO epochs read."""
+
+    def __init__(self, data: dict[str, Tensor], mode: str, cap: float) -> None:
+        old = data["old_logp"]  # [S, L]
+        self.data = dict(data, sampler_logp=old.clone(), is_weight=data["mask"].to(old.dtype))
+        self.mode, self.cap = mode, cap
+
+    def apply(self, mb: dict, logp: Tensor, rows: slice) -> dict:
+        """Micro-batch ``mb`` (rows ``rows`` of :attr:`data`) with the trainer's ``old_logp`` — its log-probs ``logp``
+        [B, W] detached — and the truncated weights against the sampler's (:func:`grpo.rollout_correction_weights`)."""
+        old = logp.detach().to(mb["sampler_logp"].dtype)  # [B, W]
+        weights, _ = grpo.rollout_correction_weights(old, mb["sampler_logp"], mb["mask"], self.mode, self.cap,
+                                                     segments=mb.get("steps"))  # sequence: per turn
+        width = old.shape[1]
+        self.data["old_logp"][rows, :width], self.data["is_weight"][rows, :width] = old, weights
+        return dict(mb, old_logp=old, is_weight=weights)
+
+    def stats(self) -> dict[str, float]:
+        """What the correction logs, once every micro-batch has passed (:func:`rollout_correction_stats`)."""
+        d = self.data
+        return rollout_correction(dict(d, old_logp=d["sampler_logp"]), d["old_logp"], self.mode, self.cap)[1]
+
+
 def rollout_correction_stats(weights: Tensor, mask: Tensor, cap: float, mismatch: float) -> dict[str, float]:
     """What the rollout correction logs: the engine/trainer mismatch KL, and the weights' mean, min, max and share
     truncated at ``cap`` over the policy tokens of ``mask`` (``weights``, ``mask``: [S, L])."""
