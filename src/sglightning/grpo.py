@@ -67,8 +67,9 @@ Departures from the paper (and why)
   the steps (the class-balanced cross-entropy).  The paper relies on the shared GRPO objective alone to improve the
   guide; the target uses the env's progress at training time only (acting and validation need no env signal).
 * ``rollout_correction`` (``auto``: on wherever half precision samples or trains — a bf16 base, ``bf16-mixed``, a
-  bf16 engine; off in fp32, where sampler and trainer agree to ~1e-5): the old log-probs are recomputed by the
-  trainer (one no-grad pass, eval mode) and each token's policy term is weighted by the truncated importance weight
+  bf16 engine; off in fp32, where sampler and trainer agree to ~1e-5): the old log-probs are the trainer's (its
+  first forward's, detached; one no-grad pass in eval mode where the model drops out) and each token's policy term
+  is weighted by the truncated importance weight
   between the trainer's old policy and the sampler (TIS, as verl's rollout correction and TRL's vLLM importance
   sampling). In bf16 the two disagree per token by up to ~0.02 nats (measured on a GPU), which the ratio would
   otherwise read as a policy change; the paper does not say how it handled this.
@@ -752,7 +753,7 @@ class GRPOConfig:
     max_grad_norm: float | None = 1.0
     """clip the total gradient norm to this (null: no clipping; the norm is logged either way)"""
     rollout_correction: Literal["auto", "token", "sequence"] | None = "auto"
-    """the trainer recomputes the old log-probs and weights each token's policy loss by min(π_old / π_sampler, cap),
+    """the old log-probs are the trainer's, and each token's policy loss is weighted by min(π_old / π_sampler, cap),
     per token or sequence; auto = token where half precision samples or trains, else null (the sampler's are used)"""
     rollout_correction_cap: float = 2.0
     """the truncation C of the rollout-correction weight"""
