@@ -341,3 +341,15 @@ def test_the_probe_gap_is_the_mean_over_the_tokens_that_have_both_log_probs():
     assert probe_gap([None, -1.0, None], [None, -1.25, -3.0]) == pytest.approx(0.25)
     with pytest.raises(EngineError, match="no prompt log-probs"):
         probe_gap([None, None], [None, -1.0])
+
+
+def test_drops_out_sees_lora_dropout_and_the_configs_dropout_rates():
+    """Where the training pass may differ from the sampler's (dropout), the correction keeps its own no-grad pass."""
+    from sglightning.models import drops_out, load_policy
+
+    model, _ = load_policy(PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8))
+    assert not drops_out(model)
+    model.config.attention_dropout = 0.1  # attention dropout is a call inside attention, not a layer
+    assert drops_out(model)
+    model, _ = load_policy(PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=0.1))
+    assert drops_out(model)
