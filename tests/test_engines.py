@@ -332,13 +332,13 @@ def test_the_host_time_benchmark_never_runs_the_model(monkeypatch):
 
 
 def test_the_probe_gap_is_the_mean_over_the_tokens_that_have_both_log_probs():
-    """The sync's gap: mean |engine − trainer| over tokens 2..n (a half-precision token's own rounding does not stop a
-    run; weights that are not the trainer's move every token); no pair at all is an error, not a gap of 0."""
+    """The sync's gaps: mean and largest |engine − trainer| over tokens 2..n (the mean carries the check: a
+    half-precision token's own rounding does not stop a run); no pair at all is an error, not a gap of 0."""
     from sglightning.engines.vllm import probe_gap
     from sglightning.errors import EngineError
 
-    assert probe_gap([None, -1.0, -2.0, -0.5], [None, -1.1, -1.6, -0.5]) == pytest.approx(0.5 / 3)
-    assert probe_gap([None, -1.0, None], [None, -1.25, -3.0]) == pytest.approx(0.25)
+    assert probe_gap([None, -1.0, -2.0, -0.5], [None, -1.1, -1.6, -0.5]) == pytest.approx((0.5 / 3, 0.4))
+    assert probe_gap([None, -1.0, None], [None, -1.25, -3.0]) == pytest.approx((0.25, 0.25))
     with pytest.raises(EngineError, match="no prompt log-probs"):
         probe_gap([None, None], [None, -1.0])
 
@@ -350,6 +350,9 @@ def test_drops_out_sees_lora_dropout_and_the_configs_dropout_rates():
     model, _ = load_policy(PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8))
     assert not drops_out(model)
     model.config.attention_dropout = 0.1  # attention dropout is a call inside attention, not a layer
+    assert drops_out(model)
+    model.config.attention_dropout = 0.0
+    model.config.router_jitter_noise = 0.01  # a mixture of experts' router noise, in train mode only
     assert drops_out(model)
     model, _ = load_policy(PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=0.1))
     assert drops_out(model)

@@ -278,8 +278,9 @@ def test_the_correction_in_pass_gives_the_recomputes_weights_and_statistics(mode
     mask[:3, 5:] = False  # rows 0-2 end at column 5: their micro-batch is cut there
     sampler = torch.where(mask, -torch.rand(S, L, generator=gen) * 3, torch.zeros(S, L))
     trainer = torch.where(mask, sampler + torch.randn(S, L, generator=gen) * 0.3, torch.zeros(S, L))
+    sampler_copy = sampler.clone()
     steps = torch.arange(L).repeat(S, 1) // 3  # three turns per row
-    data = {"old_logp": sampler.clone(), "mask": mask, "steps": steps}
+    data = {"old_logp": sampler, "mask": mask, "steps": steps}
     expected, expected_stats = rollout_correction(dict(data), trainer, mode, cap=1.5)
     corr = CorrectionInPass(data, mode, cap=1.5)
     d = corr.data
@@ -291,7 +292,8 @@ def test_the_correction_in_pass_gives_the_recomputes_weights_and_statistics(mode
         torch.testing.assert_close(out["old_logp"], trainer[rows, :width])
         if rows.start == 3:  # rows 0-2 not passed yet: the sampler's log-probs, weight 1 on policy tokens
             torch.testing.assert_close(d["old_logp"][:3], sampler[:3])
-            assert torch.equal(d["is_weight"][:3], mask[:3].float())
+            assert torch.equal(d["is_weight"][:3], mask[:3].float()) and not corr.complete
+    assert corr.complete and data["old_logp"] is sampler and torch.equal(sampler, sampler_copy)  # caller's untouched
     torch.testing.assert_close(d["sampler_logp"], sampler)
     torch.testing.assert_close(d["old_logp"], trainer)
     torch.testing.assert_close(d["is_weight"], expected["is_weight"])

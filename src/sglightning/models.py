@@ -658,12 +658,22 @@ def eval_mode(model: torch.nn.Module):
 
 def drops_out(model: torch.nn.Module) -> bool:
     """Whether a forward in train mode can differ from one in eval mode: a dropout layer with p > 0 (LoRA's
-    included), or a dropout rate above 0 in the model's config (attention dropout is a call, not a layer)."""
+    included), or a rate above 0 in the model's config, its sub-configs included, for dropout or for noise (attention
+    dropout and a router's jitter are calls, not layers)."""
     if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
         return True
     cfg = getattr(model, "config", None)
-    items = cfg.to_dict().items() if hasattr(cfg, "to_dict") else ()
-    return any(("dropout" in k or "pdrop" in k) and isinstance(v, (int, float)) and v > 0 for k, v in items)
+
+    def random(d: dict) -> bool:
+        for k, v in d.items():
+            if isinstance(v, dict) and random(v):
+                return True
+            rate = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+            if rate and isinstance(k, str) and any(w in k for w in ("dropout", "pdrop", "jitter", "noise")):
+                return True
+        return False
+
+    return random(cfg.to_dict()) if hasattr(cfg, "to_dict") else False
 
 
 def warn_low_precision_adapters(policy: torch.nn.Module) -> None:

@@ -325,7 +325,6 @@ class SelfGuideModule(LightningModule):
         totals = StepCounts.from_tensor(distributed.all_reduce(prepared.counts.to_tensor(self.device)))
         data = {k: v.to(self.device) for k, v in prepared.data.items()} if prepared.data is not None else None
         adv = prepared.adv.to(self.device) if prepared.adv is not None else None
-        opt = self.optimizers()
         u = self.update_cfg
         rows = scoring.microbatch_rows(data, u.micro_batch_size, u.micro_batch_tokens)  # the step's micro-batches
         # FSDP: every forward/backward is a collective, so ranks with fewer micro-batches pad with dummy ones
@@ -337,13 +336,14 @@ class SelfGuideModule(LightningModule):
             with phase("update/correction"):
                 data, stats = self._rollout_correction(data, rows, pad, mode)
             out.update(stats)
+        correct = CorrectionInPass(data, mode, self.grpo_cfg.rollout_correction_cap) if in_pass and data else None
+        data = correct.data if correct else data
         for epoch in range(self.grpo_cfg.ppo_epochs):
-            correct = CorrectionInPass(data, mode, self.grpo_cfg.rollout_correction_cap) \
-                if in_pass and epoch == 0 and data is not None else None
-            data = correct.data if correct else data
-            out.update(self._optimiser_step(data, adv, rows, pad, totals, prepared.rows_left_out, opt,
+            out.update(self._optimiser_step(data, adv, rows, pad, totals, prepared.rows_left_out, self.optimizers(),
                                             first_epoch=epoch == 0, correct=correct))
-            out.update(correct.stats() if correct else {})
+            if correct and correct.complete:  # else a skipped step: the next epoch, same weights, passes again
+                out.update(correct.stats())
+                correct = None
         return out
 
     def correction_mode(self) -> str | None:

@@ -268,13 +268,21 @@ class CorrectionInPass:
     (nothing drops out): the weights have not moved yet this step, so the trainer's old log-probs are that pass's,
     detached.  The same weights and statistics as :func:`rollout_correction`, one forward fewer per micro-batch.
 
-    ``data`` (the step's collated rows) keeps the sampler's log-probs as ``sampler_logp``; each micro-batch's pass
-    writes its rows' ``old_logp`` and ``is_weight`` (1 until then), which later PPO epochs read."""
+    ``data`` (the step's collated rows, the caller's tensors untouched) keeps the sampler's log-probs as
+    ``sampler_logp``; each micro-batch's pass writes its rows' ``old_logp`` and ``is_weight`` (1 until then), which
+    later PPO epochs read.  A step cut short (a loss that is not finite) leaves rows unpassed: :attr:`complete` says
+    so, and the next epoch, on the same weights, passes them again."""
 
     def __init__(self, data: dict[str, Tensor], mode: str, cap: float) -> None:
         old = data["old_logp"]  # [S, L]
-        self.data = dict(data, sampler_logp=old.clone(), is_weight=data["mask"].to(old.dtype))
+        self.data = dict(data, old_logp=old.clone(), sampler_logp=old, is_weight=data["mask"].to(old.dtype))
         self.mode, self.cap = mode, cap
+        self._passed = torch.zeros(old.shape[0], dtype=torch.bool)  # [S]
+
+    @property
+    def complete(self) -> bool:
+        """Whether every row has passed (the statistics and later epochs may read :attr:`data`)."""
+        return bool(self._passed.all())
 
     def apply(self, mb: dict, logp: Tensor, rows: slice) -> dict:
         """Micro-batch ``mb`` (rows ``rows`` of :attr:`data`) with the trainer's ``old_logp`` — its log-probs ``logp``
@@ -284,6 +292,7 @@ class CorrectionInPass:
                                                      segments=mb.get("steps"))  # sequence: per turn
         width = old.shape[1]
         self.data["old_logp"][rows, :width], self.data["is_weight"][rows, :width] = old, weights
+        self._passed[rows] = True
         return dict(mb, old_logp=old, is_weight=weights)
 
     def stats(self) -> dict[str, float]:

@@ -95,8 +95,8 @@ class EngineConfig:
     max_concurrency: int = 64
     """requests in flight at once (the engine batches them)"""
     sync_tolerance: float | None = None
-    """mean |log-prob difference| between engine and trainer over the probe after an adapter sync; null = 1e-3 for
-    float32, 0.15 for half precision"""
+    """mean |log-prob difference| between engine and trainer over the probe after an adapter sync (the largest may
+    reach 10x it); null = 1e-3 for float32, 0.15 for half precision"""
     adapter_dir: str | None = None
     """where adapter versions are written for the engine to load; null = a temporary folder removed at exit"""
     host: str = "127.0.0.1"
