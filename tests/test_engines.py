@@ -3,6 +3,7 @@ fails, the rollout-correction weights, and the process-group shutdown (tests/tes
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -341,6 +342,47 @@ def test_the_probe_gap_is_the_mean_over_the_tokens_that_have_both_log_probs():
     assert probe_gap([None, -1.0, None], [None, -1.25, -3.0]) == pytest.approx((0.25, 0.25))
     with pytest.raises(EngineError, match="no prompt log-probs"):
         probe_gap([None, None], [None, -1.0])
+
+
+def test_a_step_cut_short_passes_the_correction_again_in_the_next_epoch(tmp_path, monkeypatch):
+    """The first micro-batch's loss is not finite in the first PPO epoch: the update is skipped (the weights stay), no
+    partial statistics are logged from it, and the second epoch, on the same weights, takes the correction from its
+    own first pass: the step logs what an uncut step logs."""
+    from tiny import tiny_module, tiny_trainer
+
+    import sglightning.module as module_file
+    from sglightning.grpo import GRPOConfig
+
+    def fit(cut: bool):
+        torch.manual_seed(0)
+        module = tiny_module(policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8,
+                                                 dtype="bfloat16"),
+                             grpo=GRPOConfig(kl_coef=0.01, rollout_correction="token", ppo_epochs=2))
+        module.configure_model()
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in module.policy.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        calls = []
+        real = module_file.microbatch_objective
+
+        def objective(*a, **kw):
+            part = real(*a, **kw)
+            calls.append(1)
+            if cut and len(calls) == 1:
+                part.objective = part.objective * float("nan")
+            return part
+
+        monkeypatch.setattr(module_file, "microbatch_objective", objective)
+        with pytest.warns(RuntimeWarning, match="update skipped") if cut else contextlib.nullcontext():
+            tiny_trainer(tmp_path, steps=2).fit(module)
+        return module.history
+
+    (whole,), (cut,) = fit(False), fit(True)
+    assert cut["train/skipped_updates"] == 1 and whole["train/skipped_updates"] == 0
+    for k in ("policy/is_weight_mean", "policy/is_weight_min", "policy/is_weight_max", "policy/engine_mismatch_kl"):
+        assert cut[k] == pytest.approx(whole[k], rel=1e-5), k
 
 
 def test_drops_out_sees_lora_dropout_and_the_configs_dropout_rates():
