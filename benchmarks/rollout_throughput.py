@@ -26,8 +26,8 @@ taken within a repeat, then the median):
   played on other tasks, then timed like the others).  Every round plays new tasks (round r: seeds r·tasks …), so
   the server's prefix cache cannot serve a round from the one before it, as in training, where every step plays
   new tasks; all arms of a round play the same ones.
-  bf16 is fast only on CPUs with AVX512-BF16 (printed at start); ``vllm_bf16`` is skipped on the others unless
-  ``--force-bf16``.
+  bf16 is fast only on CPUs with AVX512-BF16 (printed at start); ``vllm_bf16`` and ``shared_bf16`` are skipped on
+  the others unless ``--force-bf16``.
 
 ``--env twc`` plays TextWorldExpress twc (1 room, 1 object; needs ``pip install -e ".[twx]"`` and Java 17), whose
 observations vary more in length than the household's.
@@ -187,7 +187,7 @@ def main() -> None:
                          "admissible ones); the naive arm only writes freely")
     ap.add_argument("--json", help="write every measurement and the ratios here")
     ap.add_argument("--vllm-python", default=".venv-vllm/bin/python", help="the vLLM environment's python")
-    ap.add_argument("--force-bf16", action="store_true", help="run vllm_bf16 without AVX512-BF16 too")
+    ap.add_argument("--force-bf16", action="store_true", help="run the bf16 arms without AVX512-BF16 too")
     args = ap.parse_args()
     bf16 = has_avx512_bf16()
     print(f"CPU AVX512-BF16: {'yes' if bf16 else 'no'}")
