@@ -236,22 +236,41 @@ def test_rollout_correction_auto_is_on_where_half_precision_samples_or_trains(ov
     assert module.correction_mode() == expected
 
 
+def _moving_module(policy: PolicyConfig, grpo):
+    """The tiny module on ``policy`` with adapters that move the logits (and the KL term): LoRA B is zero at
+    initialisation, so every lora_B is drawn from N(0, 0.5²), seeded."""
+    from tiny import tiny_module
+
+    module = tiny_module(policy=policy, grpo=grpo)
+    module.configure_model()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in module.policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return module
+
+
+def _bf16_moving_module(mode: str, epochs: int):
+    """:func:`_moving_module` on a bf16 base (sampler and trainer differ), rollout correction ``mode``, KL on."""
+    from sglightning.grpo import GRPOConfig
+
+    torch.manual_seed(0)
+    return _moving_module(PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, dtype="bfloat16"),
+                          GRPOConfig(kl_coef=0.01, rollout_correction=mode, ppo_epochs=epochs))
+
+
 def test_the_recompute_runs_without_dropout_and_its_weights_are_logged(tmp_path):
     """LoRA dropout 0.5 on adapters that change the model: the trainer's recomputed old log-probs are the sampler's
     (both without dropout: every weight 1, none truncated), while the first training pass, with dropout, is not (its
     logged ratio to the sampler spreads): the weights correct the sampler, not the dropout."""
-    from tiny import tiny_module, tiny_trainer
+    from tiny import tiny_trainer
 
     from sglightning.grpo import GRPOConfig
 
-    module = tiny_module(policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=0.5),
-                         grpo=GRPOConfig(kl_coef=0.01, rollout_correction="token"))  # KL: every row is scored
-    module.configure_model()
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # B is zero at initialisation: give the adapters something to drop out
-        for name, p in module.policy.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    # adapters that move the logits, for the dropout to drop; KL: every row is scored
+    module = _moving_module(PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=0.5),
+                            GRPOConfig(kl_coef=0.01, rollout_correction="token"))
     tiny_trainer(tmp_path, steps=2).fit(module)
     assert len(module.history) == 2
     for h in module.history:
@@ -268,23 +287,13 @@ def test_the_correction_taken_from_the_first_pass_is_the_recomputes(tmp_path, mo
     """A bf16 base (sampler and trainer differ, the correction is on): without dropout the old log-probs come from
     the update's own first forward, one pass fewer per micro-batch, and the fit is the one with the separate no-grad
     pass — the same weights, statistics and adapters, later PPO epochs included (they read what the first wrote)."""
-    from tiny import tiny_module, tiny_trainer
+    from tiny import tiny_trainer
 
     import sglightning.module as module_file
-    from sglightning.grpo import GRPOConfig
 
     def fit(recompute: bool):
         monkeypatch.setattr(module_file, "drops_out", lambda model: recompute)  # True: as with dropout
-        torch.manual_seed(0)
-        module = tiny_module(policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8,
-                                                 dtype="bfloat16"),
-                             grpo=GRPOConfig(kl_coef=0.01, rollout_correction=mode, ppo_epochs=epochs))
-        module.configure_model()
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():  # B is zero at initialisation: adapters that move the logits (and the KL term)
-            for name, p in module.policy.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        module = _bf16_moving_module(mode, epochs)
         calls = []
         real = module_file.SelfGuideModule.token_logprobs
         monkeypatch.setattr(module_file.SelfGuideModule, "token_logprobs",
@@ -348,22 +357,12 @@ def test_a_step_cut_short_passes_the_correction_again_in_the_next_epoch(tmp_path
     """The first micro-batch's loss is not finite in the first PPO epoch: the update is skipped (the weights stay), no
     partial statistics are logged from it, and the second epoch, on the same weights, takes the correction from its
     own first pass: the step logs what an uncut step logs."""
-    from tiny import tiny_module, tiny_trainer
+    from tiny import tiny_trainer
 
     import sglightning.module as module_file
-    from sglightning.grpo import GRPOConfig
 
     def fit(cut: bool):
-        torch.manual_seed(0)
-        module = tiny_module(policy=PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8,
-                                                 dtype="bfloat16"),
-                             grpo=GRPOConfig(kl_coef=0.01, rollout_correction="token", ppo_epochs=2))
-        module.configure_model()
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for name, p in module.policy.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        module = _bf16_moving_module("token", 2)
         calls = []
         real = module_file.microbatch_objective
 

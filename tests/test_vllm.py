@@ -90,11 +90,19 @@ def _trainer_logprobs(model, ids: list[int], temperature: float = 1.0) -> torch.
     return torch.log_softmax(logits[:-1] / temperature, dim=-1)
 
 
-def _sync(engine: VLLMEngine, model, tok, version: int) -> float:
-    probe = tok.encode(PROBE_TEXT)
+def _probe_reference(model, probe: list[int]) -> list[float | None]:
+    """The trainer's log π of each probe token given the ones before it (None first), as a sync compares them."""
     rows = _trainer_logprobs(model, probe)
-    reference = [None] + [float(rows[i, probe[i + 1]]) for i in range(len(probe) - 1)]
-    return engine.sync(version, lambda folder: model.save_pretrained(folder), lambda ids: reference, probe)
+    return [None] + [float(rows[i, probe[i + 1]]) for i in range(len(probe) - 1)]
+
+
+def _sync(engine: VLLMEngine, model, tok, version: int, served=None) -> float:
+    """A sync to ``model``'s adapter, checked against ``model``'s log-probs; ``served``: write that model's adapter
+    instead (weights that are not the trainer's)."""
+    probe = tok.encode(PROBE_TEXT)
+    reference = _probe_reference(model, probe)
+    written = served if served is not None else model
+    return engine.sync(version, lambda folder: written.save_pretrained(folder), lambda ids: reference, probe)
 
 
 def _restricted(rows: torch.Tensor, ids: list[int], restrictions: list) -> torch.Tensor:
@@ -223,27 +231,18 @@ def test_a_bf16_engine_passes_its_sync_and_weights_not_the_trainers_do_not():
         assert engine.cfg.tolerance == 0.15
         probe = tok.encode(PROBE_TEXT)
         gap = _sync(engine, model, tok, version=1)
-        rows = _trainer_logprobs(model, probe)
-        trainer = torch.tensor([float(rows[i, probe[i + 1]]) for i in range(len(probe) - 1)])
+        trainer = torch.tensor(_probe_reference(model, probe)[1:])
         served_lp = torch.tensor(engine.prompt_logprobs(engine.adapter_name, probe)[1:])
         each = (served_lp - trainer).abs()
         assert 1e-3 < gap < 0.1 and gap == pytest.approx(float(each.mean()), abs=1e-6)  # bf16 on both sides
         name = engine.adapter_name
         with pytest.raises(EngineError, match=r"on average over the probe, \S+ at most \(model\.engine\.sync_tolerance "
                                               r"0\.15 bounds the mean"):
-            _sync_reference(engine, other, model, tok, version=2)  # serves `other`, the trainer holds `model`
+            _sync(engine, model, tok, version=2, served=other)  # serves `other`, the trainer holds `model`
         assert engine.adapter_name == name and engine.version == 1
         assert not any(n.startswith("policy-v2.") for n in engine.client.models())
     finally:
         engine.close()
-
-
-def _sync_reference(engine: VLLMEngine, served_model_, trainer_model, tok, version: int) -> float:
-    """A sync that writes ``served_model_``'s adapter but checks it against ``trainer_model``'s log-probs."""
-    probe = tok.encode(PROBE_TEXT)
-    rows = _trainer_logprobs(trainer_model, probe)
-    reference = [None] + [float(rows[i, probe[i + 1]]) for i in range(len(probe) - 1)]
-    return engine.sync(version, lambda folder: served_model_.save_pretrained(folder), lambda ids: reference, probe)
 
 
 def test_ddp_ranks_share_one_engine(tmp_path, served):
