@@ -1,9 +1,10 @@
 """Run by tests/test_distributed.py as a script: the tiny config under DDP, FSDP2 or FSDP1 on 2 CPU processes (gloo).
 
-    python tests/ddp_run.py OUT_DIR ddp|fsdp2|fsdp1 [bf16]
+    python tests/ddp_run.py OUT_DIR ddp|fsdp2|fsdp1 [bf16] [dropout]
 
 ``bf16``: the base model in bfloat16 (LoRA weights stay fp32) with ``precision="bf16-mixed"``, as the multi-GPU configs
-run it (mixed dtypes inside one sharded unit).
+run it (mixed dtypes inside one sharded unit).  ``dropout``: LoRA dropout 0.1 (the rollout correction then runs its
+own no-grad pass, a collective under FSDP).
 
 Lightning re-launches this script for rank 1.  Each rank writes ``OUT_DIR/rank{r}.pt``: its trainable parameters after
 training (rank 0 also exports the peft adapter to ``OUT_DIR/adapter``), and per step its task seeds, its episodes'
@@ -44,13 +45,15 @@ class Record(Callback):
             "logged_success": pl_module.history[-1]["rollout/success_rate"],
             "logged_episodes": pl_module.history[-1]["rollout/episodes"],
             "logprob_gap": pl_module.history[-1].get("policy/logprob_gap_sampler_trainer", float("nan")),
+            "correction_s": pl_module.history[-1].get("time/update_correction_s"),  # the separate pass's time
+            "is_weight_mean": pl_module.history[-1].get("policy/is_weight_mean"),
         })
 
 
-def main(out: Path, strategy: str, bf16: bool = False) -> None:
+def main(out: Path, strategy: str, bf16: bool = False, dropout: bool = False) -> None:
     torch.manual_seed(0)
-    policy = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8,
-                        dtype="bfloat16" if bf16 else "float32")
+    policy = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=0.1 if dropout else 0.0,
+                          dtype="bfloat16" if bf16 else "float32")
     module = tiny_module(  # the test suite's tiny setup, with longer episodes, one-sample micro-batches, 5 eval tasks
         policy=policy,
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3),
@@ -88,5 +91,7 @@ def main(out: Path, strategy: str, bf16: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "ddp", bf16="bf16" in sys.argv[3:])
+    flags = sys.argv[3:]
+    strategy = sys.argv[2] if len(sys.argv) > 2 else "ddp"
+    main(Path(sys.argv[1]), strategy, bf16="bf16" in flags, dropout="dropout" in flags)
     exit_process(0)  # as the CLI ends a distributed run: gloo's threads left to teardown can abort the process

@@ -1,7 +1,8 @@
 """Two CPU processes (gloo) under Lightning's DDP, FSDP2 (ModelParallelStrategy + fully_shard) and FSDP1 (FSDPStrategy,
 through the CPU-allowed subclass in cpu_fsdp.py): disjoint task seeds, identical adapters on both ranks after training,
 logged success = the mean over both ranks' episodes, validation played once across ranks and merged; FSDP2 and FSDP1
-(generation included) train to the same adapters as DDP; a bf16 base with fp32 adapters trains under both FSDPs."""
+(generation included) train to the same adapters as DDP; a bf16 base with fp32 adapters trains under both FSDPs, and
+with LoRA dropout (the rollout correction's own pass) under FSDP2."""
 
 from __future__ import annotations
 
@@ -90,6 +91,20 @@ def test_fsdp_bf16_base_keeps_fp32_adapters(tmp_path, strategy):
     assert any(not torch.equal(r0["params"][n], r0["initial"][n]) for n in r0["params"])
     gaps = [s["logprob_gap"] for s in r0["steps"]]
     assert all(0.0 <= g < 0.02 for g in gaps), gaps  # bf16 rounding, not a different policy
+
+
+def test_fsdp2_runs_the_corrections_own_pass_on_every_rank(tmp_path):
+    """bf16 with LoRA dropout: the rollout correction runs its own no-grad pass before the update (the first training
+    pass drops out, so it cannot serve).  Under FSDP each forward is a collective, and ranks hold different rows: the
+    run ends, the pass ran at every step, and both ranks end with the same adapters."""
+    r0, r1, _ = _run(tmp_path, "fsdp2", "bf16", "dropout")
+    assert len(r0["steps"]) == len(r1["steps"]) == 3
+    for step in r0["steps"]:
+        assert step["correction_s"] is not None and step["correction_s"] > 0  # the separate pass, timed
+        assert step["is_weight_mean"] == pytest.approx(1.0, abs=0.05)  # bf16 rounding, not a different policy
+    for name in r0["params"]:
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
+    assert any(not torch.equal(r0["params"][n], r0["initial"][n]) for n in r0["params"])
 
 
 def _cli_cmd(tmp_path: Path, *args: str, command: str = "fit", devices: int = 2) -> tuple[list[str], dict]:

@@ -267,10 +267,11 @@ def test_trust_keeps_the_checkpoints_horizon_unless_total_steps_is_set():
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])
 def test_the_correction_in_pass_gives_the_recomputes_weights_and_statistics(mode):
-    """Without Lightning: micro-batches' trainer log-probs fed to :class:`CorrectionInPass` in any order give the
-    weights and statistics :func:`rollout_correction` gives for the whole step at once, keep the sampler's log-probs,
-    and leave the rows for later PPO epochs (a row not yet passed keeps weight 1 on its policy tokens)."""
-    from sglightning.update import CorrectionInPass, rollout_correction
+    """Without Lightning: micro-batches' trainer log-probs fed to :class:`RolloutCorrection` in any order give the
+    weights and statistics of the whole step at once (:func:`grpo.rollout_correction_weights`), keep the sampler's
+    log-probs, and leave the rows for later PPO epochs (a row not yet passed keeps weight 1 on its policy tokens)."""
+    from sglightning.grpo import rollout_correction_weights
+    from sglightning.update import RolloutCorrection, rollout_correction_stats
 
     gen = torch.Generator().manual_seed(0)
     S, L = 5, 7
@@ -281,14 +282,15 @@ def test_the_correction_in_pass_gives_the_recomputes_weights_and_statistics(mode
     sampler_copy = sampler.clone()
     steps = torch.arange(L).repeat(S, 1) // 3  # three turns per row
     data = {"old_logp": sampler, "mask": mask, "steps": steps}
-    expected, expected_stats = rollout_correction(dict(data), trainer, mode, cap=1.5)
-    corr = CorrectionInPass(data, mode, cap=1.5)
+    weights, kl = rollout_correction_weights(trainer, sampler, mask, mode, 1.5, segments=steps)  # the whole step
+    expected_stats = rollout_correction_stats(weights, mask, 1.5, float(kl))
+    corr = RolloutCorrection(data, mode, cap=1.5)
     d = corr.data
     for rows, width in ((slice(3, 5), 7), (slice(0, 3), 5)):  # the later micro-batch first; one cut narrower
         mb = {k: d[k][rows, :width] for k in ("old_logp", "sampler_logp", "mask", "steps")}
         out = corr.apply(mb, trainer[rows, :width].clone().requires_grad_(), rows)
         assert not out["old_logp"].requires_grad
-        torch.testing.assert_close(out["is_weight"], expected["is_weight"][rows, :width])
+        torch.testing.assert_close(out["is_weight"], weights[rows, :width])
         torch.testing.assert_close(out["old_logp"], trainer[rows, :width])
         if rows.start == 3:  # rows 0-2 not passed yet: the sampler's log-probs, weight 1 on policy tokens
             torch.testing.assert_close(d["old_logp"][:3], sampler[:3])
@@ -296,5 +298,5 @@ def test_the_correction_in_pass_gives_the_recomputes_weights_and_statistics(mode
     assert corr.complete and data["old_logp"] is sampler and torch.equal(sampler, sampler_copy)  # caller's untouched
     torch.testing.assert_close(d["sampler_logp"], sampler)
     torch.testing.assert_close(d["old_logp"], trainer)
-    torch.testing.assert_close(d["is_weight"], expected["is_weight"])
+    torch.testing.assert_close(d["is_weight"], weights)
     assert corr.stats() == pytest.approx(expected_stats) and expected_stats["policy/engine_mismatch_kl"] > 0

@@ -56,13 +56,12 @@ from sglightning.models import (
 from sglightning.profiling import phase, phase_logs, timing
 from sglightning.rewards import RewardTerm
 from sglightning.update import (
-    CorrectionInPass,
+    RolloutCorrection,
     StepStats,
     UpdateBatch,
     UpdateConfig,
     microbatch_objective,
     prepare_update,
-    rollout_correction,
     rollout_correction_mode,
 )
 
@@ -331,13 +330,12 @@ class SelfGuideModule(LightningModule):
         pad = distributed.most_over_ranks(len(rows), self.device) - len(rows) if self._sharded() else 0
         out: dict[str, float] = {}
         mode = self.correction_mode()  # its old log-probs from the first epoch's forward, or one pass with dropout
-        in_pass = bool(mode) and not drops_out(self.policy)
-        if mode and not in_pass and (data is not None or self._sharded()):  # FSDP: every rank runs its collectives
-            with phase("update/correction"):
-                data, stats = self._rollout_correction(data, rows, pad, mode)
-            out.update(stats)
-        correct = CorrectionInPass(data, mode, self.grpo_cfg.rollout_correction_cap) if in_pass and data else None
+        correct = RolloutCorrection(data, mode, self.grpo_cfg.rollout_correction_cap) if mode and data else None
         data = correct.data if correct else data
+        if mode and drops_out(self.policy) and (correct or self._sharded()):  # FSDP: every rank runs its collectives
+            with phase("update/correction"):
+                out.update(self._rollout_correction(correct, rows, pad))
+            correct = None  # every row passed: the epochs read its data
         for epoch in range(self.grpo_cfg.ppo_epochs):
             out.update(self._optimiser_step(data, adv, rows, pad, totals, prepared.rows_left_out, self.optimizers(),
                                             first_epoch=epoch == 0, correct=correct))
@@ -354,23 +352,25 @@ class SelfGuideModule(LightningModule):
                                        engine_backend=self.engine_cfg.backend, engine_dtype=self.engine_cfg.dtype)
 
     @torch.no_grad()
-    def _rollout_correction(self, step_data: dict[str, torch.Tensor] | None, rows: list[slice], pad: int, mode: str
-                            ) -> tuple[dict[str, torch.Tensor] | None, dict[str, float]]:
-        """The rollout correction by one no-grad pass, where the model drops out (eval mode, as the sampler ran):
-        the data with the trainer's ``old_logp``, the sampler's ``sampler_logp`` and ``is_weight``, and the statistics
-        (:func:`sglightning.update.rollout_correction`).  ``pad``: the empty forwards this rank adds under FSDP."""
+    def _rollout_correction(self, correct: RolloutCorrection | None, rows: list[slice], pad: int) -> dict[str, float]:
+        """The rollout correction by one no-grad pass, where the model drops out (eval mode, as the sampler ran): each
+        micro-batch's log-probs feed ``correct`` as the first epoch's would; returns its statistics.  ``pad``: the
+        empty forwards this rank adds under FSDP; ``correct`` None: this rank has no rows."""
         temp = self.rollout_cfg.temperature
         with eval_mode(self.policy):
             distributed.empty_forwards(pad, lambda i, a, m: self.token_logprobs(i, a, m, temp), self.device)
-            if step_data is None:
-                return None, {}
-            trainer_old = scoring.recompute_logprobs(step_data, rows, lambda mb: self.token_logprobs(
-                mb["ids"], mb["attn"], mb["mask"], temp, restrict=mb["restrict"])[0])  # [S, L]
-        return rollout_correction(step_data, trainer_old, mode, self.grpo_cfg.rollout_correction_cap)
+            if correct is None:
+                return {}
+            no_adv = torch.zeros_like(correct.data["old_logp"])  # [S, L] (scoring reads no advantage)
+            for r in rows:
+                mb = scoring.microbatch(correct.data, no_adv, r)  # [B, W] each
+                correct.apply(mb, self.token_logprobs(mb["ids"], mb["attn"], mb["mask"], temp,
+                                                      restrict=mb["restrict"])[0], r)
+        return correct.stats()
 
     def _optimiser_step(self, step_data: dict[str, torch.Tensor] | None, tok_adv: torch.Tensor | None,
                         rows: list[slice], pad: int, totals: StepCounts, skipped: bool, opt, first_epoch: bool,
-                        correct: CorrectionInPass | None = None) -> dict[str, float]:
+                        correct: RolloutCorrection | None = None) -> dict[str, float]:
         """One optimiser step on the whole step's batch: per micro-batch the forward passes here, its objective from
         :func:`sglightning.update.microbatch_objective` (pure), its backward here (gradients accumulate; under DDP one
         sum over ranks; under FSDP every rank runs as many micro-batches); then the gradient's norm and the optimiser.

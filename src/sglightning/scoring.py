@@ -23,7 +23,7 @@ Masking in Policy Gradient Algorithms", 2020).  Unrestricted tokens have A = the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -134,17 +134,6 @@ def microbatch_rows(data: dict[str, Tensor] | None, size: int, max_tokens: int |
     if lengths:
         out.append(slice(start, len(lengths)))
     return [rows for rows in out if any(has_policy[rows])]
-
-
-def recompute_logprobs(data: dict[str, Tensor], rows: list[slice], score: Callable[[dict], Tensor]) -> Tensor:
-    """The log-probs of every policy token of ``data`` [S, L] under ``score`` (one :func:`microbatch` in, its
-    log-probs [B, W] out), micro-batch by micro-batch over ``rows``; 0 elsewhere."""
-    out = torch.zeros_like(data["old_logp"])  # [S, L]
-    no_adv = torch.zeros_like(out)  # [S, L] (a micro-batch carries advantages; scoring reads none)
-    for r in rows:
-        logp = score(microbatch(data, no_adv, r))  # [B, W]
-        out[r, : logp.shape[1]] = logp
-    return out
 
 
 def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[str, Tensor]:

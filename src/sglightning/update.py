@@ -252,21 +252,10 @@ def rollout_correction_mode(setting: str | None, *, weights_dtype: torch.dtype, 
     return "token" if half else None
 
 
-def rollout_correction(data: dict[str, Tensor], trainer_old: Tensor, mode: str, cap: float
-                       ) -> tuple[dict[str, Tensor], dict[str, float]]:
-    """The collated ``data`` corrected for the sampler's deviation from the trainer: ``old_logp`` becomes the
-    trainer's recomputed log-probs ``trainer_old`` [S, L], ``sampler_logp`` keeps the sampler's, ``is_weight`` holds
-    the truncated weights (:func:`sglightning.grpo.rollout_correction_weights`); with the statistics it logs."""
-    weights, mismatch = grpo.rollout_correction_weights(trainer_old, data["old_logp"], data["mask"], mode, cap,
-                                                        segments=data.get("steps"))  # sequence: per turn
-    out = dict(data, old_logp=trainer_old, sampler_logp=data["old_logp"], is_weight=weights)
-    return out, rollout_correction_stats(weights, data["mask"], cap, float(mismatch))
-
-
-class CorrectionInPass:
-    """The rollout correction taken from the update's first forward, where it computes what a no-grad pass would
-    (nothing drops out): the weights have not moved yet this step, so the trainer's old log-probs are that pass's,
-    detached.  The same weights and statistics as :func:`rollout_correction`, one forward fewer per micro-batch.
+class RolloutCorrection:
+    """The rollout correction, fed micro-batch by micro-batch with the trainer's log-probs of the step's rows: by the
+    update's first forward where it computes what a no-grad pass would (nothing drops out: the weights have not moved
+    yet this step, so that pass, detached, is the old policy), else by one no-grad pass in eval mode before it.
 
     ``data`` (the step's collated rows, the caller's tensors untouched) keeps the sampler's log-probs as
     ``sampler_logp``; each micro-batch's pass writes its rows' ``old_logp`` and ``is_weight`` (1 until then), which
@@ -298,7 +287,9 @@ class CorrectionInPass:
     def stats(self) -> dict[str, float]:
         """What the correction logs, once every micro-batch has passed (:func:`rollout_correction_stats`)."""
         d = self.data
-        return rollout_correction(dict(d, old_logp=d["sampler_logp"]), d["old_logp"], self.mode, self.cap)[1]
+        _, mismatch = grpo.rollout_correction_weights(d["old_logp"], d["sampler_logp"], d["mask"], self.mode, self.cap,
+                                                      segments=d.get("steps"))  # the KL over the whole step
+        return rollout_correction_stats(d["is_weight"], d["mask"], self.cap, float(mismatch))
 
 
 def rollout_correction_stats(weights: Tensor, mask: Tensor, cap: float, mismatch: float) -> dict[str, float]:
