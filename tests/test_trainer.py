@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import warnings
 from pathlib import Path
@@ -181,6 +182,11 @@ def test_cli_fit_logs_everything_and_exports_the_adapter(cli_run, capsys):
     assert not missing, missing
     assert any("trajectory" in t for t in tensors), tensors  # text panel
     assert (run_dir / "config.yaml").is_file()
+    # the last validation's report, as `validate` writes it: the same numbers the module logged, the run's settings
+    written = json.loads((run_dir / "validation_report.json").read_text())
+    assert written["step"] == cli.model.val_report["step"] == 2 and written["config"]["checkpoint"] is None
+    assert written["config"]["model"] == "embedded:tiny" and set(written["modes"]) == {"sg", "nosg"}
+    assert (run_dir / "validation_report.md").read_text().startswith("#")
     adapter = run_dir / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
 
@@ -250,6 +256,9 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.rollout.max_steps=0"], "max_steps"),
         (["--model.evaluation.self_guidance=maybe"], "self_guidance"),
         (["--model.grpo.clip_high=0"], "clip_high"),
+        # a config class's own check names the key as the command line spells it
+        (["--model.update.micro_batch_size=-1"], "error: model.update.micro_batch_size: must be >= 1, got -1"),
+        (["--model.env.init_args.difficulty=9"], "error: model.env.init_args.difficulty: must be one of"),
         (["--model.grpo.kl_kind=k9"], "kl_kind"),
         (["--model.grpo.trust_breakpoints=[0.4,0.5,0.7,1.5]"], "trust_breakpoints"),
         (["--model.rollout.temperature=0"], "temperature"),
@@ -269,7 +278,11 @@ def test_every_shipped_config_parses(cfg, capsys):
           "--model.env.init_args.task_names=[boil-the-sea]"],
          "env.init_args.task_names: unknown task"),
         # mistakes a newcomer makes (each used to print a usage dump, a traceback, or retry a download for a minute)
-        (["--model.rollout.grup_size=4"], "--model.rollout.grup_size"),
+        (["--model.rollout.grup_size=4"], "--model.rollout.grup_size=4; did you mean --model.rollout.group_size?"),
+        # a key's start is not the key (argparse would take it): refused, the key named
+        (["--trainer.max_step=2"], "unrecognized arguments: --trainer.max_step=2; did you mean --trainer.max_steps?"),
+        (["--model.rollout.group_siz", "2"], "--model.rollout.group_siz 2; did you mean --model.rollout.group_size?"),
+        (["--ckpt_path=/no/such.ckpt"], "checkpoint /no/such.ckpt: no such file"),  # before any "resuming from"
         (["--model.grpo.guidance_advantage_scale=-0.5"], "grpo.guidance_advantage_scale: must be a finite number >= 0"),
         (["--model.rollout.group_size=four"], 'model.rollout.group_size": Expected a <class \'int\'>. Got value: four'),
         (["--config", "/no/such/config.yaml"], "File does not exist: '/no/such/config.yaml'"),
@@ -310,6 +323,32 @@ def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys, tmp
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("sglightning fit: error: "), lines  # one line, no usage dump
     assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))  # a run that never started leaves no folder
+
+
+def test_a_misspelt_key_in_a_config_file_is_one_line_naming_the_nearest_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  update:\n    micro_batch_sise: 4\n")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", TINY, "--config", str(bad)])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("sglightning fit: error: ") and "micro_batch_sise'" in line
+    assert "did you mean model.update.micro_batch_size?" in line and line.endswith("(see: sglightning fit --help)")
+
+
+def test_a_bad_omp_num_threads_is_our_line_alone():
+    """The command checks OMP_NUM_THREADS before torch loads: the OpenMP runtime torch loads would print its own
+    complaint first (and a blank line)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="abc")
+    res = subprocess.run([sys.executable, "-m", "sglightning", "validate", "--config", TINY], env=env,
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == ["sglightning validate: error: OMP_NUM_THREADS: 'abc' is not a positive integer "
+                                       "(unset it, or give the threads per process; --threads auto leaves a core free "
+                                       "by itself) (see: sglightning validate --help)"]
 
 
 @pytest.mark.parametrize("subcommand", ["fit", "validate"])

@@ -1,5 +1,5 @@
 """``python -m sglightning fit | validate …``: the same as the ``sglightning`` command."""
 
-from sglightning.cli import main
+from sglightning.entry import main
 
 raise SystemExit(main())

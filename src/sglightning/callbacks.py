@@ -40,7 +40,7 @@ from sglightning.memory import PhasePeak
 from sglightning.models import PolicyConfig, base_signature
 from sglightning.preemption import PreemptionCheckpoint, agree_on_sigterm, sigterm_check
 from sglightning.profiling import markdown, phase, prepare_for_cuda_graphs, recording, summarise
-from sglightning.report import fit_summary, trajectory_markdown
+from sglightning.report import fit_summary, run_settings, trajectory_markdown, write_validation_report
 from sglightning.rollout import Rollout, RolloutAborted
 
 
@@ -262,13 +262,18 @@ class AdapterExport(Callback):
 
 class FitSummary(Callback):
     """Prints :func:`sglightning.report.fit_summary` when fit ends (rank 0): the module's per-step logs, its
-    validations before and after training, where TensorBoard and the adapter are."""
+    validations before and after training, where TensorBoard and the adapter are.  The last validation's report goes
+    to the run folder (``validation_report.json`` and ``.md``, as ``sglightning validate`` writes it)."""
 
     @rank_zero_only
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         export = next((c for c in trainer.callbacks if isinstance(c, AdapterExport)), None)
+        report = getattr(pl_module, "val_report", None)
+        path = None
+        if report is not None:  # the last validation of this fit (the one before training is val_report_before)
+            path, _ = write_validation_report(dict(report, config=run_settings(pl_module)), run_dir(trainer))
         print(fit_summary(pl_module.history, pl_module.skipped_updates, pl_module.val_report_before,
-                          pl_module.val_report, run_dir(trainer), export.last_export if export else None))
+                          pl_module.val_report, run_dir(trainer), export.last_export if export else None, path))
 
 
 class StepProfile(Callback):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -124,9 +125,16 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", req
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        with warnings.catch_warnings(record=True) as said:  # a file that fails: its line alone, not torch's guesses
+            warnings.simplefilter("always")
+            ckpt = torch.load(path, map_location=map_location, weights_only=True)
+        for w in said:  # a file that loads: what torch said, as it would have
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     except Exception as err:  # noqa: BLE001 - torch raises many types for bad files (IndexError for some text files)
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = str(err).strip()
+        if "WeightsUnpickler error:" in text:  # torch's paragraph on weights_only first, then the reason
+            text = text.split("WeightsUnpickler error:", 1)[1].split("Check the documentation")[0]
+        first = " ".join(text.split()).split(". ")[0] if text.strip() else type(err).__name__
         raise CheckpointError(
             f"checkpoint {path}: cannot be read ({type(err).__name__}: {first[:300]}); it is truncated, corrupt, "
             "or not a torch checkpoint that loads with weights_only=True"

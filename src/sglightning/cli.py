@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import difflib
 import os
 import re
 import sys
@@ -30,7 +30,7 @@ from sglightning.errors import ConfigError, EngineError, OutOfMemory
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
 from sglightning.preemption import PreemptionCheckpoint
-from sglightning.report import report_markdown
+from sglightning.report import run_settings, write_validation_report
 from sglightning.strategies import recover_swapped_checkpoints
 
 quiet()
@@ -109,11 +109,43 @@ def union_in_words(message: str) -> str:
     return f"{key}: {m['value']!r} is not {', '.join(allowed[:-1]) + ' or ' if len(allowed) > 1 else ''}{allowed[-1]}"
 
 
+#: the sections of ``model`` whose checks name their keys from the section down (``update.micro_batch_size``)
+_MODEL_SECTION = re.compile(r"^(policy|env|rollout|guidance|grpo|update|evaluation|engine|optimizer|adapter_path)"
+                            r"(?=[.:])")
+
+
+def full_key(message: str) -> str:
+    """``message`` with the key it starts with as the command line spells it: ``update.micro_batch_size: …`` (a
+    config class's own check, which knows no ``model``) becomes ``model.update.micro_batch_size: …``."""
+    return _MODEL_SECTION.sub(r"model.\1", message, count=1)
+
+
 def moved_key_hint(message: str) -> str:
     """``message`` preceded by where a moved key went, when it names one (``--model.grpo.micro_batch_size=4`` or a
     config file's ``model.grpo.micro_batch_size``)."""
     hints = [f"{old} is now {new}" for old, new in MOVED_KEYS.items() if old in message]
     return "; ".join(hints) + " — " + message if hints else message
+
+
+_UNKNOWN = re.compile(r"unrecognized arguments: (?P<args>.*)|(?:Group '(?P<group>[^']+)' )?does not accept "
+                      r"(?:nested )?(?:option|key) '(?P<key>[^']+)'")
+
+
+def close_key_hint(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` with the nearest real key for each unknown one it names (``--model.update.micro_batch_sise`` or a
+    config file's ``model.update.micro_batch_sise``: "did you mean --model.update.micro_batch_size?")."""
+    m = _UNKNOWN.search(message)
+    if not m:
+        return message
+    options = {o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    leaves = [k for k in options if not any(o.startswith(k + ".") for o in options)]  # keys, not whole sections
+    if m["args"] is not None:
+        unknown, dash = re.findall(r"(?:^|\s)--([\w.\-]+)", m["args"]), "--"
+    else:
+        unknown, dash = [f"{m['group']}.{m['key']}" if m["group"] else m["key"]], ""
+    hints = [dash + close[0] for key in unknown
+             if (close := difflib.get_close_matches(key.split("=")[0], leaves, n=1, cutoff=0.75))]
+    return f"{message}; did you mean {' or '.join(hints)}?" if hints else message
 
 
 #: what ``--help`` says about the options sglightning gives its own meaning (Lightning's text describes its loader)
@@ -149,7 +181,12 @@ class OneLineParser(LightningArgumentParser):
 
     ``--help`` reads top down: the options, then sglightning's keys (``model.*``, section by section, each headed by
     its key), then Lightning's Trainer keys; ``--data`` (a LightningDataModule: this trainer makes its own data) is
-    left out."""
+    left out.  No key may be abbreviated (argparse's default would read ``--trainer.max_step`` as ``max_steps``, and
+    a key added later could make a command line that worked ambiguous)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def format_help(self, *args, **kwargs) -> str:
         saved = self._action_groups, {g: (g.title, list(g._group_actions)) for g in self._action_groups}
@@ -187,8 +224,14 @@ class OneLineParser(LightningArgumentParser):
         if not self.exit_on_error:
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
+        subs = [p for a in parser._actions if isinstance(getattr(a, "choices", None), dict)
+                for p in a.choices.values() if isinstance(p, argparse.ArgumentParser)]
+        parser = subs[0] if len(subs) == 1 else parser  # a config file's key, reported by the root: its subcommand's
         prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
-        sys.stderr.write(f"{prog}: error: {one_line(moved_key_hint(union_in_words(message)))} (see: {prog} --help)\n")
+        message = moved_key_hint(union_in_words(message))
+        if " is now " not in message:
+            message = close_key_hint(message, parser)
+        sys.stderr.write(f"{prog}: error: {one_line(message)} (see: {prog} --help)\n")
         self.exit(2)
 
 
@@ -252,7 +295,7 @@ class SGLightningCLI(LightningCLI):
     def _error(self, message: str):
         """One line from the subcommand's parser (``sglightning fit: error: …``), exit 2."""
         parser = getattr(self, "_subcommand_parsers", {}).get(self.subcommand, self.parser)
-        parser.error(message)
+        parser.error(full_key(message))
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_argument(
@@ -327,12 +370,15 @@ class SGLightningCLI(LightningCLI):
         if not path or path in ("last", "best", "hpc"):
             return  # resolved later (last: before_instantiate_classes; the others: Lightning)
         p = Path(str(path))
+        if not p.exists() and "://" not in str(path):  # before a line announces it (fsspec URLs: Lightning's to load)
+            print(f"sglightning {sub}: error: checkpoint {p}: no such file", file=sys.stderr)
+            sys.exit(2)
         if p.is_dir() and not (p / "meta.pt").is_file() and not (p / ".metadata").is_file():
             print(f"sglightning {sub}: error: --ckpt_path: {p} is a folder, not a checkpoint (give a .ckpt file such "
                   f"as {p / 'last.ckpt'}, a distributed checkpoint folder, or last)", file=sys.stderr)
             sys.exit(2)
         if not p.is_file():
-            return  # a distributed checkpoint (a folder); a missing file is reported when it is loaded
+            return  # a distributed checkpoint (a folder) or a URL
         try:
             load_checkpoint_file(path)
         except CheckpointError as err:
@@ -364,7 +410,7 @@ class SGLightningCLI(LightningCLI):
             raise
         except (CheckpointError, ConfigError) as err:  # one line naming the file / config key, no traceback wall
             _remove_unstarted_run(self.trainer)
-            print(f"sglightning {subcommand}: error: {one_line(str(err))}", file=sys.stderr)
+            print(f"sglightning {subcommand}: error: {one_line(full_key(str(err)))}", file=sys.stderr)
             sys.exit(2)
         except EngineError as err:  # the generation engine died mid-run: the step was abandoned, one line says so
             _remove_unstarted_run(self.trainer)
@@ -398,24 +444,11 @@ class SGLightningCLI(LightningCLI):
         report = getattr(self.model, "val_report", None)
         if report is None or self.trainer.global_rank != 0:
             return
-        out = run_dir(self.trainer)
-        out.mkdir(parents=True, exist_ok=True)
-        report = dict(report, config={
-            "env": self.model.env_name(),
-            "model": self.model.policy_cfg.name_or_path,
-            "adapter": self.model.adapter_path,
-            "checkpoint": self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None,
-            "episodes_per_mode": self.model.eval_cfg.num_tasks * self.model.eval_cfg.episodes_per_task,
-            "temperature": self.model.eval_cfg.temperature,
-            "max_steps": self.model.rollout_cfg.max_steps,
-            "guidance": {k: getattr(self.model.guidance_cfg, k)
-                         for k in ("prompt_mode", "decoding", "action_decoding", "actor_format")},
-        })
-        text = report_markdown(report)
-        (out / "validation_report.json").write_text(json.dumps(report, indent=2, default=str))
-        (out / "validation_report.md").write_text(text)
+        checkpoint = self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None
+        path, text = write_validation_report(dict(report, config=run_settings(self.model, checkpoint)),
+                                             run_dir(self.trainer))
         print(text)
-        print(f"report: {out / 'validation_report.json'}")
+        print(f"report: {path}")
 
 
 def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:

@@ -54,7 +54,9 @@ _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "H
           "CUDA_VISIBLE_DEVICES: [", "that has Tensor Cores. To properly utilize them",
           # DDP / FSDP: each rank's "Initializing distributed" line and the banner that all joined (the strategy and
           # the processes are in the config; FSDP2 prints them on one device too)
-          "Initializing distributed: GLOBAL_RANK", "All distributed processes registered")
+          "Initializing distributed: GLOBAL_RANK", "All distributed processes registered",
+          # SIGTERM: sglightning says in its own line what it saved and how to resume
+          "Received SIGTERM: ")
 
 #: warnings that say nothing about a ``validate`` run: it saves no checkpoint, so the checkpoint callback's state in
 #: the file it loads (best scores, kept paths of the training run's folder) is of no use to it, wherever it writes
@@ -73,7 +75,7 @@ def quiet() -> None:
         warnings.filterwarnings("ignore", message=message, category=category)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
                  "lightning.fabric.utilities.seed", "lightning.pytorch.accelerators.cuda",
-                 "lightning.fabric.utilities.distributed"):
+                 "lightning.fabric.utilities.distributed", "lightning.pytorch.trainer.connectors.signal_connector"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())

@@ -9,6 +9,7 @@ episodes (:mod:`sglightning.diagnostics`) and every episode as plain data; plus 
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 from pathlib import Path
@@ -295,10 +296,38 @@ def _phase_time_lines(hist: list[dict[str, float]], mean) -> list[str]:
     return [f"  by phase (s)      {' | '.join(parts)}"] if parts else []
 
 
+def run_settings(module, checkpoint: str | None = None) -> dict[str, Any]:
+    """What a validation report records of the run that played it: the environment, the model and adapter, the
+    ``checkpoint`` validated (None: the weights in memory), the episodes per mode and how they were played.
+    ``module``: the :class:`~sglightning.module.SelfGuideModule`."""
+    return {
+        "env": module.env_name(),
+        "model": module.policy_cfg.name_or_path,
+        "adapter": module.adapter_path,
+        "checkpoint": checkpoint,
+        "episodes_per_mode": module.eval_cfg.num_tasks * module.eval_cfg.episodes_per_task,
+        "temperature": module.eval_cfg.temperature,
+        "max_steps": module.rollout_cfg.max_steps,
+        "guidance": {k: getattr(module.guidance_cfg, k)
+                     for k in ("prompt_mode", "decoding", "action_decoding", "actor_format")},
+    }
+
+
+def write_validation_report(report: dict[str, Any], folder: Path) -> tuple[Path, str]:
+    """Writes ``report`` to ``folder`` as ``validation_report.json`` and ``.md``; returns the JSON's path and the
+    Markdown."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = report_markdown(report)
+    (folder / "validation_report.json").write_text(json.dumps(report, indent=2, default=str))
+    (folder / "validation_report.md").write_text(text)
+    return folder / "validation_report.json", text
+
+
 def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict | None, after: dict | None,
-                run_dir: Path, adapter_dir: Path | None) -> str:
+                run_dir: Path, adapter_dir: Path | None, report_path: Path | None = None) -> str:
     """The end-of-fit summary: the per-step logs ``hist`` averaged (all steps, first and last third), the validation
-    reports before and after training (``evaluation.before_fit``), where TensorBoard and the adapter are."""
+    reports before and after training (``evaluation.before_fit``), where TensorBoard, the adapter and the last
+    validation's report (``report_path``) are."""
     if not hist:
         return "sglightning: no training step ran"
 
@@ -325,6 +354,8 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
     lines += _validation_lines(before, after)
     lines.append(f"  TensorBoard       tensorboard --logdir {shlex.quote(str(run_dir))}")  # pastes into a shell
     lines.append(f"  adapter           {adapter_dir or run_dir / 'adapter'}")
+    if report_path is not None:
+        lines.append(f"  report            {report_path}")
     return "\n".join(lines)
 
 

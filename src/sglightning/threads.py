@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
 Threads = int | Literal["auto"] | None
 
 
@@ -64,6 +62,8 @@ def local_processes(trainer: dict[str, Any] | None) -> int:
     if isinstance(devices, int) and devices > 0:
         return devices
     accelerator = str(trainer.get("accelerator", "auto"))
+    import torch  # here, not at the top: the command checks OMP_NUM_THREADS through this file before torch loads
+
     if accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available():
         return max(1, torch.cuda.device_count())
     return 1
@@ -143,6 +143,8 @@ def resolve(setting: Threads, processes: int = 1, cpus: int | None = None, load:
 
 def apply(setting: Threads, trainer: dict[str, Any] | None = None) -> int:
     """Set torch's intra-op threads for this process; returns the count in force."""
+    import torch
+
     n = resolve(setting, local_processes(trainer))
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)

@@ -134,7 +134,7 @@ class VLLMServer:
         python = Path(self.command[0])
         if not (python.is_file() and os.access(python, os.X_OK)):
             raise ConfigError(f"model.engine.python: {self.command[0]} is not an executable python (the vLLM "
-                              "environment: see the README's vLLM set-up, or set model.engine.url to a running "
+                              "environment: the set-up is in docs/vllm.md, or set model.engine.url to a running "
                               "server)")
         log = open(self.log_path, "ab")  # noqa: SIM115 (closed when the process ends)
         self.proc = subprocess.Popen(self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,

@@ -248,7 +248,7 @@ class VLLMEngine(Engine):
             python = Path(e.python).expanduser()
             if not (python.is_file() and os.access(python, os.X_OK)):
                 raise ConfigError(f"model.engine.python: {e.python} is not an executable python (the environment vLLM "
-                                  "is installed in; see the README's vLLM set-up), or set model.engine.url to a "
+                                  "is installed in; the set-up is in docs/vllm.md), or set model.engine.url to a "
                                   "running server")
             head = head_dim_of(policy)
             if not torch.cuda.is_available() and head is not None and head not in CPU_HEAD_SIZES:

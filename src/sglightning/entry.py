@@ -1,0 +1,28 @@
+"""The ``sglightning`` command and ``python -m sglightning``: what must be checked before torch loads, then the CLI.
+
+Why apart from :mod:`sglightning.cli`: the OpenMP runtime that torch loads reads ``OMP_NUM_THREADS`` as it loads, and
+prints its own complaint about a bad value.  Checked here, before any import of torch, a bad value ends in one line of
+ours (exit 2), as every other bad input does.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sglightning.errors import ConfigError
+from sglightning.threads import check_environment
+
+
+def main() -> int:
+    """Console-script entry point: exit code 2 with one line for a bad ``OMP_NUM_THREADS``, else
+    :func:`sglightning.cli.main`'s."""
+    try:
+        check_environment()
+    except ConfigError as err:
+        sub = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in ("fit", "validate") else ""
+        prog = f"sglightning {sub}".strip()
+        print(f"{prog}: error: {err} (see: {prog} --help)", file=sys.stderr)
+        return 2
+    from sglightning.cli import main as cli_main
+
+    return cli_main()
