@@ -17,6 +17,8 @@ taken within a repeat, then the median):
   stages where the rows' lengths jump (``BuiltinEngine(staged_prefill=False)``) — the same tokens up to float rounding;
 * ``all_rows``: ``shared`` with every row fed to the end of each turn, instead of the last few rows running alone once
   at most a quarter still write (``BuiltinEngine(few_rows_alone=False)``) — the same tokens up to float rounding;
+* ``static``: ``shared`` on the static slot cache (``model.engine.compile: static``, the GPU's path, uncompiled):
+  keys and values written in place at each step's slot, a 4-D mask, instead of a cache that grows by concatenation;
 * ``shared_bf16``: ``shared`` with the frozen base weights in bf16 (``model.policy.dtype: bfloat16``; the adapter
   stays fp32, as in training): fast only where the CPU multiplies bf16 in hardware (AMX, AVX512-BF16);
 * ``vllm_nolora``: the fp32 server's requests addressed to the base model (no adapter; the adapter is a no-op at
@@ -53,6 +55,7 @@ import torch
 from sglightning.chat import ChatFormat
 from sglightning.console import quiet
 from sglightning.data import RolloutConfig
+from sglightning.engines import EngineConfig
 from sglightning.engines.builtin import BuiltinEngine
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig, parse_action, stream_first_messages, stream_next_user
@@ -102,11 +105,11 @@ def make_rollout(model, tok, env_factory, group, steps, max_new, engine, help_ev
 
 
 def batched(model, tok, env_factory, seeds, group, steps, max_new, share=True,
-            help_every_turn=True, staged=True, constrained=False, engine=None, few_rows_alone=True
+            help_every_turn=True, staged=True, constrained=False, engine=None, few_rows_alone=True, decode="off"
             ) -> tuple[int, int, float, int]:
-    r = make_rollout(model, tok, env_factory, group, steps, max_new,
-                     engine or BuiltinEngine(share_prefix=share, staged_prefill=staged, few_rows_alone=few_rows_alone),
-                     help_every_turn, constrained)
+    engine = engine or BuiltinEngine(EngineConfig(compile=decode), share_prefix=share, staged_prefill=staged,
+                                     few_rows_alone=few_rows_alone)
+    r = make_rollout(model, tok, env_factory, group, steps, max_new, engine, help_every_turn, constrained)
     t0 = time.perf_counter()
     try:
         b = r.run(seeds, generator=torch.Generator().manual_seed(0))
@@ -163,6 +166,7 @@ ARMS = {
     "help_once": functools.partial(batched, share=True, help_every_turn=False),
     "one_pass": functools.partial(batched, share=True, staged=False),
     "all_rows": functools.partial(batched, share=True, few_rows_alone=False),
+    "static": functools.partial(batched, share=True, decode="static"),
     "shared_bf16": functools.partial(batched, share=True),  # given the bf16 policy
     "vllm": batched,  # given engine= (fp32 server)
     "vllm_nolora": batched,  # given the fp32 server under the base model's name: no adapter (diagnosis)
@@ -253,7 +257,8 @@ def main() -> None:
                       f"{n_ep / sec:10.3f}", flush=True)
         ratios = {}
         pairs = [("shared", "naive"), ("batched", "naive"), ("shared", "batched"), ("help_once", "shared"),
-                 ("shared", "one_pass"), ("shared", "all_rows"), ("vllm", "shared"), ("vllm_bf16", "shared"),
+                 ("shared", "one_pass"), ("shared", "all_rows"), ("static", "shared"), ("vllm", "shared"),
+                 ("vllm_bf16", "shared"),
                  ("shared_bf16", "shared"), ("vllm_bf16", "shared_bf16"), ("vllm_nolora", "shared"),
                  ("vllm", "vllm_nolora")]
         for a, b in pairs:

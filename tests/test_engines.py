@@ -318,6 +318,27 @@ def test_the_correction_taken_from_the_first_pass_is_the_recomputes(tmp_path, mo
     assert after_calls < before_calls  # the recompute's forwards are gone (rollouts and the update's own remain)
 
 
+def test_the_rollout_benchmark_plays_the_same_episodes_on_both_caches(tmp_path, monkeypatch):
+    """benchmarks/rollout_throughput.py, its dynamic-cache arm against the slot cache's: every round the same tokens
+    and episodes, and the ratio written to its JSON."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import rollout_throughput
+
+    out = tmp_path / "r.json"
+    monkeypatch.setattr("sys.argv", ["rollout_throughput.py", "--models", "tiny", "--arms", "shared", "static",
+                                     "--tasks", "2", "--group", "2", "--steps", "2", "--max-new", "8", "--repeats", "2",
+                                     "--decoding", "constrained", "--json", str(out)])
+    rollout_throughput.main()
+    report = json.loads(out.read_text())
+    runs = {(r["arm"], r["round"]): r for r in report["runs"]}
+    for rnd in (0, 1):
+        a, b = runs[("shared", rnd)], runs[("static", rnd)]
+        assert a["tokens"] == b["tokens"] > 0 and a["episodes"] == b["episodes"] == 4
+    assert report["ratios"]["tiny"]["static_vs_shared"] > 0
+
+
 def test_the_host_time_benchmark_never_runs_the_model(monkeypatch):
     """benchmarks/engine_host.py times the engine's host work around its decode steps: the rollout plays on the
     static path with stored logits, so the model's own forward never runs, and every step is counted."""
