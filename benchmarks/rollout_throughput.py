@@ -105,7 +105,7 @@ def make_rollout(model, tok, env_factory, group, steps, max_new, engine, help_ev
 
 
 def batched(model, tok, env_factory, seeds, group, steps, max_new, share=True,
-            help_every_turn=True, staged=True, constrained=False, engine=None, few_rows_alone=True, decode="off"
+            help_every_turn=True, staged=True, constrained=False, engine=None, few_rows_alone=True, decode="auto"
             ) -> tuple[int, int, float, int]:
     engine = engine or BuiltinEngine(EngineConfig(compile=decode), share_prefix=share, staged_prefill=staged,
                                      few_rows_alone=few_rows_alone)

@@ -17,6 +17,6 @@ _libc.__cxa_atexit(ctypes.cast(_libc.abort, ctypes.c_void_p), None, None)
 _rank = os.environ.get("LOCAL_RANK", "0")
 atexit.register(lambda: (Path(os.environ["SGL_EXIT_PROBE"]) / f"hooks{_rank}").write_text("hooks"))
 
-from sglightning.cli import main  # noqa: E402  (the probes first)
+from sglightning.entry import main  # noqa: E402  (the probes first)
 
 sys.exit(main())

@@ -323,7 +323,7 @@ def test_the_rollout_benchmark_plays_the_same_episodes_on_both_caches(tmp_path, 
     and episodes, and the ratio written to its JSON."""
     import json
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import rollout_throughput
 
     out = tmp_path / "r.json"

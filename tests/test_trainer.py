@@ -283,6 +283,8 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--trainer.max_step=2"], "unrecognized arguments: --trainer.max_step=2; did you mean --trainer.max_steps?"),
         (["--model.rollout.group_siz", "2"], "--model.rollout.group_siz 2; did you mean --model.rollout.group_size?"),
         (["--ckpt_path=/no/such.ckpt"], "checkpoint /no/such.ckpt: no such file"),  # before any "resuming from"
+        (["--trainer.loger=false"], "did you mean --trainer.logger?"),  # a class key (it has a --KEY.help child)
+        (["--model.evn=HouseholdEnv"], "did you mean --model.env?"),
         (["--model.grpo.guidance_advantage_scale=-0.5"], "grpo.guidance_advantage_scale: must be a finite number >= 0"),
         (["--model.rollout.group_size=four"], 'model.rollout.group_size": Expected a <class \'int\'>. Got value: four'),
         (["--config", "/no/such/config.yaml"], "File does not exist: '/no/such/config.yaml'"),
@@ -349,6 +351,9 @@ def test_a_bad_omp_num_threads_is_our_line_alone():
     assert res.stderr.splitlines() == ["sglightning validate: error: OMP_NUM_THREADS: 'abc' is not a positive integer "
                                        "(unset it, or give the threads per process; --threads auto leaves a core free "
                                        "by itself) (see: sglightning validate --help)"]
+    helped = subprocess.run([sys.executable, "-m", "sglightning", "validate", "--help"], env=env, capture_output=True,
+                            text=True, timeout=120, cwd=ROOT)
+    assert helped.returncode == 0 and "model.evaluation" in helped.stdout  # the help the line points to still shows
 
 
 @pytest.mark.parametrize("subcommand", ["fit", "validate"])
@@ -474,6 +479,18 @@ def test_an_adapter_from_another_model_is_one_error_line(cli_run, tmp_path, caps
     lines = [x for x in err.strip().splitlines() if "error" in x]
     assert len(lines) == 1 and "model.adapter_path: the adapter in" in lines[0] and needle in lines[0], err
     assert "Traceback" not in err and not any(tmp_path.rglob("*.yaml"))
+
+
+def test_a_fit_reports_its_own_validations_only(tmp_path):
+    """A validation, then a fit of the same module that validates nothing: the fit writes no report of the earlier
+    validation into its folder, and its summary shows none."""
+    module = tiny_module()
+    tiny_trainer(tmp_path / "v", limit_val_batches=1.0).validate(module)
+    assert module.val_report is not None
+    trainer = tiny_trainer(tmp_path / "f", steps=1)
+    trainer.fit(module)
+    assert module.val_report is None and module.val_report_before is None
+    assert not list((tmp_path / "f").rglob("validation_report.json"))
 
 
 def test_validate_with_last_and_no_run_is_one_error_line(tmp_path, capsys):

@@ -266,7 +266,7 @@ def test_trust_keeps_the_checkpoints_horizon_unless_total_steps_is_set():
 
 
 @pytest.mark.parametrize("mode", ["token", "sequence"])
-def test_the_correction_in_pass_gives_the_recomputes_weights_and_statistics(mode):
+def test_the_correction_fed_by_micro_batches_gives_the_whole_steps_weights_and_statistics(mode):
     """Without Lightning: micro-batches' trainer log-probs fed to :class:`RolloutCorrection` in any order give the
     weights and statistics of the whole step at once (:func:`grpo.rollout_correction_weights`), keep the sampler's
     log-probs, and leave the rows for later PPO epochs (a row not yet passed keeps weight 1 on its policy tokens)."""

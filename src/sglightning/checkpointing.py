@@ -119,6 +119,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
+#: the warnings a checkpoint load said, by place (each once per process, as Python's default filter shows them)
+_LOAD_WARNINGS: dict = {}
+
+
 def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", require_sglightning: bool = True) -> dict:
     """Load a checkpoint with ``weights_only=True``; ``CheckpointError`` naming the file when it cannot be used."""
     path = Path(path)
@@ -128,8 +132,8 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", req
         with warnings.catch_warnings(record=True) as said:  # a file that fails: its line alone, not torch's guesses
             warnings.simplefilter("always")
             ckpt = torch.load(path, map_location=map_location, weights_only=True)
-        for w in said:  # a file that loads: what torch said, as it would have
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        for w in said:  # a file that loads: what torch said, as it would have (once per place, as by default)
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_LOAD_WARNINGS)
     except Exception as err:  # noqa: BLE001 - torch raises many types for bad files (IndexError for some text files)
         text = str(err).strip()
         if "WeightsUnpickler error:" in text:  # torch's paragraph on weights_only first, then the reason

@@ -5,7 +5,8 @@
     sglightning fit --config configs/tiny.yaml --print_config
 
 ``--config`` can be given several times (later files override earlier ones).  The resolved config is saved as
-``config.yaml`` in the run directory.  ``validate`` also writes ``validation_report.json`` and ``.md`` there.
+``config.yaml`` in the run directory.  ``validate`` also writes ``validation_report.json`` and ``.md`` there (``fit``
+writes its last validation's).
 """
 
 from __future__ import annotations
@@ -137,7 +138,8 @@ def close_key_hint(message: str, parser: argparse.ArgumentParser) -> str:
     m = _UNKNOWN.search(message)
     if not m:
         return message
-    options = {o[2:] for a in parser._actions for o in a.option_strings if o.startswith("--")}
+    options = {o[2:] for a in parser._actions for o in a.option_strings
+               if o.startswith("--") and not o.endswith(".help")}  # a class key's --KEY.help is not a key to name
     leaves = [k for k in options if not any(o.startswith(k + ".") for o in options)]  # keys, not whole sections
     if m["args"] is not None:
         unknown, dash = re.findall(r"(?:^|\s)--([\w.\-]+)", m["args"]), "--"
@@ -165,8 +167,8 @@ SEED_HELP = ("seed set before the classes are built (the LoRA initialisation); t
 USAGE = "sglightning {sub} [-h] [-c CONFIG ...] [--print_config] [--KEY VALUE ...]"
 #: the subcommands, as ``sglightning --help`` lists them and each one's ``--help`` describes it
 SUBCOMMANDS = {
-    "fit": "Train the adapters with self-guided GRPO (a run folder with config.yaml, TensorBoard events, checkpoints "
-           "and the adapter).",
+    "fit": "Train the adapters with self-guided GRPO (a run folder with config.yaml, TensorBoard events, checkpoints, "
+           "the adapter and the last validation's report).",
     "validate": "Validate a model on the evaluation episodes (validation_report.json and .md in its run folder).",
 }
 
@@ -367,7 +369,7 @@ class SGLightningCLI(LightningCLI):
         hyper-parameters, so there is nothing to merge into the config (the config file is the source of truth)."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if not path or path in ("last", "best", "hpc"):
+        if not path or path in ("last", "best", "hpc") or str(path).lower().split(":")[0] == "registry":
             return  # resolved later (last: before_instantiate_classes; the others: Lightning)
         p = Path(str(path))
         if not p.exists() and "://" not in str(path):  # before a line announces it (fsspec URLs: Lightning's to load)

@@ -55,8 +55,9 @@ _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "H
           # DDP / FSDP: each rank's "Initializing distributed" line and the banner that all joined (the strategy and
           # the processes are in the config; FSDP2 prints them on one device too)
           "Initializing distributed: GLOBAL_RANK", "All distributed processes registered",
-          # SIGTERM: sglightning says in its own line what it saved and how to resume
-          "Received SIGTERM: ")
+          # SIGTERM: sglightning says in its own line what it saved and how to resume; on SLURM, the handlers'
+          # set-up at every start
+          "Received SIGTERM: ", "SLURM auto-requeueing enabled")
 
 #: warnings that say nothing about a ``validate`` run: it saves no checkpoint, so the checkpoint callback's state in
 #: the file it loads (best scores, kept paths of the training run's folder) is of no use to it, wherever it writes

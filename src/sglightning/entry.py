@@ -17,7 +17,8 @@ def main() -> int:
     """Console-script entry point: exit code 2 with one line for a bad ``OMP_NUM_THREADS``, else
     :func:`sglightning.cli.main`'s."""
     try:
-        check_environment()
+        if not {"-h", "--help"} & set(sys.argv[1:]):  # help needs no threads (and its line points to it)
+            check_environment()
     except ConfigError as err:
         sub = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in ("fit", "validate") else ""
         prog = f"sglightning {sub}".strip()

@@ -125,8 +125,8 @@ class SelfGuideModule(LightningModule):
         self.history: list[dict[str, float]] = []  # per-step summary for the end-of-run report
         self.train_metrics = EpisodeMetrics()
         self.validation = report.Validation()  # one validation's episodes, by self-guidance mode
-        self.val_report: dict[str, Any] | None = None
-        self.val_report_before: dict[str, Any] | None = None  # evaluation.before_fit
+        # the reports of the last validation and of the one before training (evaluation.before_fit): dict | None
+        self.val_report = self.val_report_before = None
         self.trust = rewards.Trust(self.grpo_cfg)  # λ(u): the schedule, its horizon, the labels' reliability
         self._checkpoint_step = 0  # the global step of the checkpoint loaded (validate reports it)
 
@@ -189,6 +189,7 @@ class SelfGuideModule(LightningModule):
 
     def on_fit_start(self) -> None:
         warn_low_precision_adapters(self.policy)  # after the precision plugin converted the model (bf16-true does)
+        self.val_report = self.val_report_before = None  # this fit's validations only (not an earlier validate's)
 
     def generation_weights(self):
         """Context for rollouts: whole weights for the whole rollout under FSDP
@@ -317,9 +318,8 @@ class SelfGuideModule(LightningModule):
         self.log("lam", lam, on_step=True, prog_bar=True, logger=False)
 
     def update(self, prepared: UpdateBatch) -> dict[str, float]:
-        """``grpo.ppo_epochs`` optimiser steps on the prepared rows (one per epoch, with or without rows on this rank:
-        under DDP every rank takes part in the same collectives and keeps the same step count).  Returns the
-        token-weighted loss statistics."""
+        """``grpo.ppo_epochs`` optimiser steps on the prepared rows, one per epoch, with or without rows on this rank
+        (every rank takes part in the same collectives).  Returns the token-weighted loss statistics."""
         # this step's policy tokens and sequences over all ranks: the loss is one mean over all of them
         totals = StepCounts.from_tensor(distributed.all_reduce(prepared.counts.to_tensor(self.device)))
         data = {k: v.to(self.device) for k, v in prepared.data.items()} if prepared.data is not None else None
