@@ -1,10 +1,11 @@
 """Run by tests/test_distributed.py as a script: the tiny config under DDP, FSDP2 or FSDP1 on 2 CPU processes (gloo).
 
-    python tests/ddp_run.py OUT_DIR ddp|fsdp2|fsdp1 [bf16] [dropout]
+    python tests/ddp_run.py OUT_DIR ddp|fsdp2|fsdp1 [bf16] [dropout [idle1]]
 
 ``bf16``: the base model in bfloat16 (LoRA weights stay fp32) with ``precision="bf16-mixed"``, as the multi-GPU configs
 run it (mixed dtypes inside one sharded unit).  ``dropout``: LoRA dropout 0.1 (the rollout correction then runs its
-own no-grad pass, a collective under FSDP).
+own no-grad pass, a collective under FSDP).  ``idle1``: rank 1 scores no rows (its rows left out, as zero-advantage rows
+are), so under FSDP it must run as many forwards as rank 0 with nothing of its own.
 
 Lightning re-launches this script for rank 1.  Each rank writes ``OUT_DIR/rank{r}.pt``: its trainable parameters after
 training (rank 0 also exports the peft adapter to ``OUT_DIR/adapter``), and per step its task seeds, its episodes'
@@ -46,12 +47,44 @@ class Record(Callback):
             "logged_episodes": pl_module.history[-1]["rollout/episodes"],
             "logprob_gap": pl_module.history[-1].get("policy/logprob_gap_sampler_trainer", float("nan")),
             "correction_s": pl_module.history[-1].get("time/update_correction_s"),  # the separate pass's time
-            "is_weight_mean": pl_module.history[-1].get("policy/is_weight_mean"),
+            "is_weight_mean": pl_module.history[-1].get("policy/is_weight_mean"),  # merged over ranks
+            "is_weight_rank": PASSES[-1].get("policy/is_weight_mean") if PASSES else None,  # this rank's own
+            "passes": len(PASSES),
         })
 
 
-def main(out: Path, strategy: str, bf16: bool = False, dropout: bool = False) -> None:
+#: what each of this rank's separate rollout-correction passes returned (its statistics; {} with no rows)
+PASSES: list[dict] = []
+
+
+def _rank1_scores_nothing() -> None:
+    """``prepare_update`` on rank 1 leaves every row out (its counts stay: the loss is one mean over both ranks); every
+    rank notes what its correction passes return."""
+    import dataclasses
+
+    import sglightning.module
+
+    real, passed = sglightning.module.prepare_update, sglightning.module.SelfGuideModule._rollout_correction
+
+    def correction(self, *args, **kwargs):
+        PASSES.append(passed(self, *args, **kwargs))
+        return PASSES[-1]
+
+    sglightning.module.SelfGuideModule._rollout_correction = correction
+
+    def prepare(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if torch.distributed.get_rank() == 1:
+            out = dataclasses.replace(out, data=None, adv=None, rows_left_out=True)
+        return out
+
+    sglightning.module.prepare_update = prepare
+
+
+def main(out: Path, strategy: str, bf16: bool = False, dropout: bool = False, idle1: bool = False) -> None:
     torch.manual_seed(0)
+    if idle1:
+        _rank1_scores_nothing()
     policy = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=0.1 if dropout else 0.0,
                           dtype="bfloat16" if bf16 else "float32")
     module = tiny_module(  # the test suite's tiny setup, with longer episodes, one-sample micro-batches, 5 eval tasks
@@ -93,5 +126,5 @@ def main(out: Path, strategy: str, bf16: bool = False, dropout: bool = False) ->
 if __name__ == "__main__":
     flags = sys.argv[3:]
     strategy = sys.argv[2] if len(sys.argv) > 2 else "ddp"
-    main(Path(sys.argv[1]), strategy, bf16="bf16" in flags, dropout="dropout" in flags)
+    main(Path(sys.argv[1]), strategy, bf16="bf16" in flags, dropout="dropout" in flags, idle1="idle1" in flags)
     exit_process(0)  # as the CLI ends a distributed run: gloo's threads left to teardown can abort the process

@@ -95,13 +95,16 @@ def test_fsdp_bf16_base_keeps_fp32_adapters(tmp_path, strategy):
 
 def test_fsdp2_runs_the_corrections_own_pass_on_every_rank(tmp_path):
     """bf16 with LoRA dropout: the rollout correction runs its own no-grad pass before the update (the first training
-    pass drops out, so it cannot serve).  Under FSDP each forward is a collective, and ranks hold different rows: the
-    run ends, the pass ran at every step, and both ranks end with the same adapters."""
-    r0, r1, _ = _run(tmp_path, "fsdp2", "bf16", "dropout")
+    pass drops out, so it cannot serve).  Under FSDP each forward is a collective, and here rank 1 scores no rows at
+    all: it runs empty forwards as rank 0 scores.  The run ends, the pass ran at every step on rank 0 (rank 1 has no
+    weights to log), and both ranks end with the same adapters."""
+    r0, r1, _ = _run(tmp_path, "fsdp2", "bf16", "dropout", "idle1")
     assert len(r0["steps"]) == len(r1["steps"]) == 3
-    for step in r0["steps"]:
-        assert step["correction_s"] is not None and step["correction_s"] > 0  # the separate pass, timed
-        assert step["is_weight_mean"] == pytest.approx(1.0, abs=0.05)  # bf16 rounding, not a different policy
+    for step, (mine, idle) in enumerate(zip(r0["steps"], r1["steps"]), 1):
+        assert mine["passes"] == idle["passes"] == step  # the separate pass, on both ranks, every step
+        assert mine["correction_s"] is not None and mine["correction_s"] > 0
+        assert mine["is_weight_rank"] == pytest.approx(1.0, abs=0.05)  # bf16 rounding, not a different policy
+        assert idle["is_weight_rank"] is None  # rank 1 scored nothing
     for name in r0["params"]:
         assert torch.equal(r0["params"][name], r1["params"][name]), name
     assert any(not torch.equal(r0["params"][n], r0["initial"][n]) for n in r0["params"])
