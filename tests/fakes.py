@@ -154,6 +154,20 @@ class EmptyDevSplitEnv(HouseholdEnv):
         return super().reset(seed, split)
 
 
+class NeedsAFileEnv(HouseholdEnv):
+    """A household env whose constructor reads a file that is not there (an error neither TypeError nor ValueError)."""
+
+    def __init__(self, layout: str = "/no/such/layout.json", **kw):
+        with open(layout) as f:
+            f.read()
+        super().__init__(**kw)
+
+
+def per_episode_advantages(x):
+    """An advantage estimator with a mistake: one value per episode ([N]), not per token ([S, L])."""
+    return x.returns - x.returns.mean()
+
+
 class TextLengthBonus(RewardTerm):
     """A reward that differs between the episodes of a group whatever the policy does (the characters it wrote, /
     1000): a tiny random model's returns are otherwise often all equal, leaving nothing to train on."""

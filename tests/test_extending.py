@@ -69,6 +69,18 @@ def test_an_unknown_advantage_estimator_is_named_in_one_line():
         grpo.GRPOConfig(advantage="no_such_module:fn")
 
 
+def test_an_estimator_of_the_wrong_shape_is_one_line_naming_the_key(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=1",
+                  "--model.grpo.advantage=fakes:per_episode_advantages", f"--trainer.default_root_dir={tmp_path}",
+                  f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.limit_val_batches=0"])
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("sglightning fit: error: model.grpo.advantage: 'fakes:per_episode_advantages' returned (")
+    assert "expected token advantages of shape [S, L]" in line
+
+
 def test_countdown_env_expert_wins():
     from countdown_env import CountdownEnv
 

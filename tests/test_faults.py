@@ -52,6 +52,9 @@ def test_each_fault_fails_its_episodes_only_and_training_goes_on(tmp_path, kind)
     assert first["rollout/dropped_groups"] == 0.0  # kept by default
     assert second["rollout/env_error_rate"] == 0.0  # the rebuilt workers are healthy
     assert module.rollouts_done == 2
+    from sglightning.report import fit_summary  # the summary says a share of the episodes failed in the env
+
+    assert "episodes failed in the env 0.250" in fit_summary(module.history, 0, None, None, tmp_path, None)
 
 
 def test_drop_group_leaves_the_failed_group_out_of_the_update(tmp_path):

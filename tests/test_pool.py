@@ -57,7 +57,8 @@ class HangingEnv(HouseholdEnv):
 
 
 class GarbageStepEnv(HouseholdEnv):
-    """Returns a StepResult whose reward is not a number, or a plain string, for seed 1."""
+    """For seed 1, a StepResult with one field wrong (``kind``: a reward that is no number, or NaN; admissible actions
+    as one string, which a rollout would read letter by letter; no observation), or a plain string (``type``)."""
 
     def __init__(self, kind: str = "field", **kw):
         super().__init__(**kw)
@@ -70,10 +71,11 @@ class GarbageStepEnv(HouseholdEnv):
     def step(self, action: str) -> StepResult:
         res = super().step(action)
         if self._seed == 1:
-            if self.kind == "field":
-                res.reward = "lots"  # type: ignore[assignment]
-            else:
+            if self.kind == "type":
                 return "garbage"  # type: ignore[return-value]
+            bad = {"field": ("reward", "lots"), "nan": ("reward", float("nan")),
+                   "letters": ("admissible_actions", "go"), "no_observation": ("observation", None)}[self.kind]
+            setattr(res, *bad)
         return res
 
 
@@ -158,15 +160,17 @@ def test_a_hanging_step_times_out_and_fails_only_its_episode(tok):
     r.close()
 
 
-@pytest.mark.parametrize("kind", ["field", "type"])
-def test_garbage_step_results_fail_the_episode_with_a_reason(tok, kind):
+@pytest.mark.parametrize("kind, reason", [
+    ("field", "reward 'lots' is not a finite number"), ("nan", "reward nan is not a finite number"),
+    ("letters", "admissible_actions 'go' is not a list of str"), ("no_observation", "observation None is not a str"),
+    ("type", "expected StepResult")])
+def test_garbage_step_results_fail_the_episode_with_a_reason(tok, kind, reason):
     factory = functools.partial(GarbageStepEnv, kind=kind, difficulty=0, info_actions=False)
     r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(),
                 RolloutConfig(group_size=2, max_steps=2))
     batch = r.run([1, 2])
     bad = [e for e in batch.episodes if e.seed == 1]
-    expected = "malformed StepResult" if kind == "field" else "expected StepResult"
-    assert all(e.error and expected in e.error for e in bad), [e.error for e in bad]
+    assert bad and all(e.error and reason in e.error for e in bad), [e.error for e in bad]
     assert all(e.error is None for e in batch.episodes if e.seed == 2)
     r.close()
 

@@ -270,6 +270,7 @@ def test_every_shipped_config_parses(cfg, capsys):
         # found at setup (env built, splits checked, model loaded): still one line naming the key, exit 2
         (["--model.evaluation.split=valid_unseen"], "evaluation.split: 'valid_unseen' is not a split of HouseholdEnv"),
         (["--model.env.init_args.difficulty=7"], "difficulty"),
+        (["--model.env=fakes.NeedsAFileEnv"], "model.env: cannot create the environment: FileNotFoundError: "),
         (["--model.policy.quantization=4bit"], "model.policy.quantization: 4bit is not supported for embedded:tiny"),
         (["--model.env=sglightning.envs.webshop.WebShopEnv"], "web_agent_site"),  # the extra is not installed
         (["--model.env=sglightning.envs.textworld_express.TextWorldExpressEnv", "--model.env.init_args.game=chess"],

@@ -423,7 +423,8 @@ def resolve_advantage(name: str) -> Callable[[AdvantageInputs], Tensor]:
         if callable(fn):
             return fn
     raise ValueError(f"grpo.advantage: {name!r} is not one of {', '.join(ADVANTAGE_ESTIMATORS)} "
-                     f"and not an importable 'package.module:function'")
+                     f"and not an importable 'package.module:function' (a name registered in a module of yours "
+                     f"counts once the run imports that module: give package.module:function instead)")
 
 
 @register_advantage("grpo")

@@ -346,7 +346,9 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
         f"  mean env return   {mean('rollout/env_return'):.3f}"
         + (f"   internal sum {mean('reward/internal_sum'):+.3f}" if guided else ""),
         *(_guidance_lines(hist, mean) if guided else []),
-        f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {skipped_updates}",
+        f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {skipped_updates}"
+        + (f"   episodes failed in the env {env_errors:.3f}" if (env_errors := mean("rollout/env_error_rate")) > 0
+           else ""),
         f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
         *_phase_time_lines(hist, mean),
         *_memory_lines(hist),

@@ -36,6 +36,7 @@ from torch import Tensor
 
 from sglightning import distributed, grpo, rewards, scoring
 from sglightning.episodes import KIND_GUIDANCE, RolloutBatch
+from sglightning.errors import ConfigError
 from sglightning.guidance import LABELS
 
 
@@ -132,8 +133,13 @@ def prepare_update(
     # the grpo estimator: every policy token of every call of episode i carries Â_i (guidance and action tokens, every
     # step); another estimator may give each step its own
     inputs = rewards.advantage_inputs(episodes, returns, lam, terms, data, cfg)
-    adv = grpo.resolve_advantage(cfg.advantage)(inputs).to(data["mask"].device)  # [S, L]
+    adv = grpo.resolve_advantage(cfg.advantage)(inputs)  # [S, L]
     mask = data["mask"]  # [S, L]
+    if not isinstance(adv, Tensor) or adv.shape != mask.shape:
+        got = tuple(adv.shape) if isinstance(adv, Tensor) else type(adv).__name__
+        raise ConfigError(f"grpo.advantage: {cfg.advantage!r} returned {got}, expected token advantages of shape "
+                          f"[S, L] = {tuple(mask.shape)} (rows scored x their tokens; 0 off the policy tokens)")
+    adv = adv.to(mask.device)
     guidance_tokens = mask & (data["kinds"] == KIND_GUIDANCE)  # [S, L]
     adv = grpo.scale_guidance_advantages(adv, guidance_tokens, cfg.guidance_advantage_scale)  # [S, L]
     stats["tokens/policy"] = float(mask.sum())

@@ -47,8 +47,8 @@ def check_env(factory: Any, splits: dict[str, str]) -> None:
 
     try:
         probe = factory()
-    except (TypeError, ValueError) as err:
-        msg = str(err)
+    except Exception as err:  # noqa: BLE001 - the env's own code: whatever it raises, one line naming the key
+        msg = str(err) if isinstance(err, (TypeError, ValueError)) else f"{type(err).__name__}: {err}"
         raise ConfigError(msg if msg.startswith("env") else f"env: cannot create the environment: {msg}") from err
     try:
         allowed = tuple(getattr(probe, "splits", ()) or ())

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import os
 import queue
 import threading
@@ -136,6 +137,9 @@ def _reset(env: TextEnv, seed: int, split: str) -> ResetResult:
         raise ValueError(f"{type(env).__name__}.reset takes no split argument, so it cannot play split {split!r}")
     if not isinstance(res, ResetResult):
         raise TypeError(f"reset returned {type(res).__name__}, expected ResetResult")
+    _check_fields(res, ("observation", "task"))
+    if res.score is not None and not _finite(res.score):
+        raise ValueError(f"malformed ResetResult: score {res.score!r} is not a finite number")
     return res
 
 
@@ -143,7 +147,30 @@ def _step(env: TextEnv, action: str) -> StepResult:
     res = env.step(action)
     if not isinstance(res, StepResult):
         raise TypeError(f"step returned {type(res).__name__}, expected StepResult")
+    _check_fields(res, ("observation",))
+    if not _finite(res.reward):  # a NaN would reach the advantages and stop the run
+        raise ValueError(f"malformed StepResult: reward {res.reward!r} is not a finite number")
     return res
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_fields(res: ResetResult | StepResult, texts: tuple[str, ...]) -> None:
+    """The fields a rollout reads as text are text, and the admissible actions a list of them (a string would be read
+    letter by letter): else the episode fails, naming the field."""
+    what = f"malformed {type(res).__name__}"
+    for name in texts:
+        if not isinstance(getattr(res, name), str):
+            raise TypeError(f"{what}: {name} {getattr(res, name)!r} is not a str")
+    actions = res.admissible_actions
+    if actions is not None and (isinstance(actions, (str, bytes)) or not isinstance(actions, (list, tuple))
+                                or not all(isinstance(a, str) for a in actions)):
+        raise TypeError(f"{what}: admissible_actions {str(actions)[:80]!r} is not a list of str or None")
 
 
 class EnvPool:
@@ -280,7 +307,7 @@ class EnvPool:
 
     def _failed(self, slot: int, reason: str, retire: bool) -> CallOutcome:
         self.errors += 1
-        log.warning("env slot %d: %s", slot, reason)
+        log.debug("env slot %d: %s", slot, reason)  # the rollout says it, once per kind of failure
         if retire:
             self.retire(slot)
         return CallOutcome(error=reason[:500])
