@@ -266,7 +266,9 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.rollout.failed_episodes=retry"], "failed_episodes"),
         (["--model.policy.lora_r=0"], "lora_r"),
         (["--model.policy.name_or_path=./no/such/folder"], "does not exist"),
-        (["--model.env.init_args.bogus=1"], "bogus"),
+        (["--model.env.init_args.bogus=1"], "model.env.init_args.bogus: HouseholdEnv takes no argument 'bogus' "
+                                             "(it takes difficulty, "),
+        (["--model.env.init_args.difficuly=1"], "did you mean model.env.init_args.difficulty?"),
         # found at setup (env built, splits checked, model loaded): still one line naming the key, exit 2
         (["--model.evaluation.split=valid_unseen"], "evaluation.split: 'valid_unseen' is not a split of HouseholdEnv"),
         (["--model.env.init_args.difficulty=7"], "difficulty"),
