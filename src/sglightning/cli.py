@@ -396,16 +396,15 @@ class SGLightningCLI(LightningCLI):
         if not path or path in ("last", "best", "hpc") or str(path).lower().split(":")[0] == "registry":
             return  # resolved later (last: before_instantiate_classes; the others: Lightning)
         p = Path(str(path))
-        if not p.exists() and "://" not in str(path):  # before a line announces it (fsspec URLs: Lightning's to load)
-            print(f"sglightning {sub}: error: checkpoint {p}: no such file", file=sys.stderr)
-            sys.exit(2)
-        if p.is_dir() and not (p / "meta.pt").is_file() and not (p / ".metadata").is_file():
-            print(f"sglightning {sub}: error: --ckpt_path: {p} is a folder, not a checkpoint (give a .ckpt file such "
-                  f"as {p / 'last.ckpt'}, a distributed checkpoint folder, or last)", file=sys.stderr)
-            sys.exit(2)
-        if not p.is_file():
-            return  # a distributed checkpoint (a folder) or a URL
-        try:
+        if "://" in str(path):
+            return  # an fsspec URL: Lightning's to load
+        if p.is_dir():
+            if not (p / "meta.pt").is_file() and not (p / ".metadata").is_file():
+                print(f"sglightning {sub}: error: --ckpt_path: {p} is a folder, not a checkpoint (give a .ckpt file "
+                      f"such as {p / 'last.ckpt'}, a distributed checkpoint folder, or last)", file=sys.stderr)
+                sys.exit(2)
+            return  # a distributed checkpoint
+        try:  # a missing file too: before any line announces it
             load_checkpoint_file(path)
         except CheckpointError as err:
             print(f"sglightning {sub}: error: {err}", file=sys.stderr)
