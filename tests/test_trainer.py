@@ -269,6 +269,8 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.env.init_args.bogus=1"], "model.env.init_args.bogus: HouseholdEnv takes no argument 'bogus' "
                                              "(it takes difficulty, "),
         (["--model.env.init_args.difficuly=1"], "did you mean model.env.init_args.difficulty?"),
+        (["--model.reward_terms+=sglightning.rewards.ScoreGain", "--model.reward_terms.wieght=0.5"],
+         "model.reward_terms: ScoreGain takes no argument 'wieght'; did you mean weight?"),
         # found at setup (env built, splits checked, model loaded): still one line naming the key, exit 2
         (["--model.evaluation.split=valid_unseen"], "evaluation.split: 'valid_unseen' is not a split of HouseholdEnv"),
         (["--model.env.init_args.difficulty=7"], "difficulty"),
@@ -774,6 +776,17 @@ def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):
     assert "2 GRPO steps, 32 episodes" in plain and "success rate      all 0.250" in plain
     for line in ("labels ", "label calibration", "by trust phase", "internal sum"):
         assert line not in plain and line in guided
+
+
+def test_summary_has_a_line_for_the_configured_reward_terms(tmp_path):
+    """A user's reward term (``model.reward_terms``) is part of the return: the summary says its mean, and its rise."""
+    from sglightning.report import fit_summary
+
+    hist = [{"rollout/success_rate": 0.0, "rollout/episodes": 4, "reward/score_gain": g} for g in (0.1, 0.2, 0.6)]
+    line = [ln for ln in fit_summary(hist, 0, None, None, tmp_path, None, terms=["score_gain"]).splitlines()
+            if "reward terms" in ln]
+    assert line == ["  reward terms      score_gain +0.300 (first third +0.100, last third +0.600)"]
+    assert "reward terms" not in fit_summary(hist, 0, None, None, tmp_path, None)
 
 
 def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, monkeypatch):

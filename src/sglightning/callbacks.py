@@ -273,7 +273,8 @@ class FitSummary(Callback):
         if report is not None:  # the last validation of this fit (the one before training is val_report_before)
             path, _ = write_validation_report(dict(report, config=run_settings(pl_module)), run_dir(trainer))
         print(fit_summary(pl_module.history, pl_module.skipped_updates, pl_module.val_report_before,
-                          pl_module.val_report, run_dir(trainer), export.last_export if export else None, path))
+                          pl_module.val_report, run_dir(trainer), export.last_export if export else None, path,
+                          list(dict.fromkeys(t.name for t in pl_module.reward_terms))))
 
 
 class StepProfile(Callback):

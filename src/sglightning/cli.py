@@ -152,23 +152,26 @@ def close_key_hint(message: str, parser: argparse.ArgumentParser) -> str:
     return f"{message}; did you mean {' or '.join(hints)}?" if hints else message
 
 
-_INIT_ARG = re.compile(r'^Parser key "(?P<key>[^"]+)":.*Option \'(?P<arg>[^\']+)\' is not accepted\..*'
-                       r"class_path='(?P<cls>[\w.]+)'", re.DOTALL)
+_INIT_ARG = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?(?:class_path \'(?P<listed>[\w.]+)\':\s*)?'
+                       r"Option '(?P<arg>[^']+)' is not accepted.*?(?:class_path='(?P<cls>[\w.]+)'|$)", re.DOTALL)
 
 
 def unknown_init_arg(message: str) -> str:
-    """The parser's dump for an argument a class does not take (``--model.env.init_args.difficuly=1``) as one sentence
-    naming the key, with the nearest argument the class takes."""
+    """The parser's dump for an argument a class does not take (``--model.env.init_args.difficuly=1``, or a reward
+    term's ``init_args: {wieght: 1}``) as one sentence naming the key, with the nearest argument the class takes."""
     m = _INIT_ARG.search(message)
-    if not m:
+    if not m or not (m["cls"] or m["listed"]):
         return message
-    module, _, name = m["cls"].rpartition(".")
+    module, _, name = (m["cls"] or m["listed"]).rpartition(".")
     try:
         params = [p.name for p in inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
                   if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     except (ImportError, AttributeError, TypeError, ValueError):
         params = []
     close = difflib.get_close_matches(m["arg"], params, n=1, cutoff=0.6)
+    if not m["cls"]:  # an element of a list (model.reward_terms) has no key of its own: the list's, and the class
+        hint = f"; did you mean {close[0]}?" if close else f" (it takes {', '.join(params)})" if params else ""
+        return f"{m['key']}: {name} takes no argument {m['arg']!r}{hint}"
     hint = (f"; did you mean {m['key']}.init_args.{close[0]}?" if close
             else f" (it takes {', '.join(params)})" if params else "")
     return f"{m['key']}.init_args.{m['arg']}: {name} takes no argument {m['arg']!r}{hint}"
@@ -254,7 +257,7 @@ class OneLineParser(LightningArgumentParser):
                 for p in a.choices.values() if isinstance(p, argparse.ArgumentParser)]
         parser = subs[0] if len(subs) == 1 else parser  # a config file's key, reported by the root: its subcommand's
         prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
-        message = moved_key_hint(unknown_init_arg(union_in_words(message)))
+        message = moved_key_hint(union_in_words(unknown_init_arg(message)))
         if " is now " not in message:
             message = close_key_hint(message, parser)
         sys.stderr.write(f"{prog}: error: {one_line(message)} (see: {prog} --help)\n")

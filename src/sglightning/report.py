@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shlex
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -324,10 +325,12 @@ def write_validation_report(report: dict[str, Any], folder: Path) -> tuple[Path,
 
 
 def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict | None, after: dict | None,
-                run_dir: Path, adapter_dir: Path | None, report_path: Path | None = None) -> str:
+                run_dir: Path, adapter_dir: Path | None, report_path: Path | None = None,
+                terms: Sequence[str] = ()) -> str:
     """The end-of-fit summary: the per-step logs ``hist`` averaged (all steps, first and last third), the validation
     reports before and after training (``evaluation.before_fit``), where TensorBoard, the adapter and the last
-    validation's report (``report_path``) are."""
+    validation's report (``report_path``) are.  ``terms``: the names of ``model.reward_terms`` (each logged as
+    ``reward/<name>``, weighted), one line for them."""
     if not hist:
         return "sglightning: no training step ran"
 
@@ -346,6 +349,9 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
         f"  mean env return   {mean('rollout/env_return'):.3f}"
         + (f"   internal sum {mean('reward/internal_sum'):+.3f}" if guided else ""),
         *(_guidance_lines(hist, mean) if guided else []),
+        *(["  reward terms      " + "   ".join(
+            f"{t} {mean(f'reward/{t}'):+.3f} (first third {mean(f'reward/{t}', hist[:third]):+.3f}, last third "
+            f"{mean(f'reward/{t}', hist[-third:]):+.3f})" for t in terms)] if terms else []),
         f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {skipped_updates}"
         + (f"   episodes failed in the env {env_errors:.3f}" if (env_errors := mean("rollout/env_error_rate")) > 0
            else ""),
