@@ -306,6 +306,16 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--ckpt_path=tests"], "--ckpt_path: tests is a folder, not a checkpoint"),
         (["--model.adapter_path=/no/such/adapter"], "model.adapter_path: /no/such/adapter does not exist"),
         (["--model.adapter_path=tests"], "model.adapter_path: tests is not a peft adapter folder"),
+        # Lightning flags this trainer cannot honour (they failed inside fit with a traceback, or did nothing)
+        (["--trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches: 2 is not supported"),
+        (["--trainer.gradient_clip_val=0.5"], "set model.grpo.max_grad_norm"),
+        (["--trainer.overfit_batches=1"], "trainer.overfit_batches: not supported: every step plays new tasks"),
+        (["--trainer.precision=16-true"], "trainer.precision: 16-true trains float16 weights"),
+        (["--trainer.barebones=true"], "trainer.barebones: not supported"),
+        (["--trainer.max_steps=-1"], "trainer.max_steps: must be set (or model.grpo.total_steps)"),  # found in fit
+        (["--trainer.max_steps=3", "--model.grpo.ppo_epochs=2"],
+         "trainer.max_steps: 3 is not a multiple of model.grpo.ppo_epochs (2)"),
+        (["--trainer.limit_val_batches=0.5"], "error: trainer: You requested to check 0.5 of the `val_dataloader`"),
         # keys that moved: the message says where to
         (["--model.grpo.micro_batch_size=4"], "model.grpo.micro_batch_size is now model.update.micro_batch_size"),
         (["--model.rollout.invalid_action_penalty=0.1"],

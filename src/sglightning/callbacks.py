@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -229,7 +229,7 @@ class AdapterExport(Callback):
         self.last_export: Path | None = None  # where the adapter was last written (rank 0)
 
     def export(self, trainer: Trainer, pl_module: LightningModule) -> Path | None:
-        if pl_module.policy is None:
+        if pl_module.policy is None or trainer.fast_dev_run:  # fast_dev_run writes nothing
             return None
         if trainer.global_rank != 0 and pl_module.sharding is None:
             return None  # only rank 0 writes; under FSDP the others still take part in the gather below
@@ -270,10 +270,11 @@ class FitSummary(Callback):
         export = next((c for c in trainer.callbacks if isinstance(c, AdapterExport)), None)
         report = getattr(pl_module, "val_report", None)
         path = None
-        if report is not None:  # the last validation of this fit (the one before training is val_report_before)
+        if report is not None and not trainer.fast_dev_run:  # the last validation of this fit (fast_dev_run: none)
             path, _ = write_validation_report(dict(report, config=run_settings(pl_module)), run_dir(trainer))
+        board = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         print(fit_summary(pl_module.history, pl_module.skipped_updates, pl_module.val_report_before,
-                          pl_module.val_report, run_dir(trainer), export.last_export if export else None, path,
+                          pl_module.val_report, board and Path(board), export.last_export if export else None, path,
                           list(dict.fromkeys(t.name for t in pl_module.reward_terms))))
 
 
@@ -453,17 +454,36 @@ def _strip_wrapper_names(path: Path, adapter: str) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
+class LastCheckpoint(Checkpoint):
+    """``last.ckpt`` in the run's ``checkpoints`` folder after every step, beside a user's own ModelCheckpoint that
+    keeps none (monitoring a metric, say).  Not a ModelCheckpoint: one returned by the module would replace the
+    user's (Lightning's rule for callbacks of one type)."""
+
+    save_last, dirpath = True, None  # read as a ModelCheckpoint's: this one keeps last.ckpt, in the run's folder
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.path = trainer.strategy.broadcast(str(run_dir(trainer) / "checkpoints" / "last.ckpt"))  # rank 0's
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args) -> None:
+        if not trainer.fast_dev_run and not trainer.sanity_checking:
+            trainer.save_checkpoint(self.path, weights_only=False)
+
+
 def default_callbacks(trainer: Trainer | None, rollout: RolloutCallback) -> list[Callback]:
     """The callbacks every run gets (``SelfGuideModule.configure_callbacks``; the one list, for the CLI and for a
     plain ``Trainer`` alike): ``rollout``, adapter export, preemption checkpoints and the summary — those the trainer
-    does not have yet (e.g. ``validate`` after ``fit``: kept) — and, in place of Lightning's defaults (never a user's
-    own): ``last.ckpt`` after every step (adapters + optimiser + counters: a killed or preempted run loses at most one
-    step; ``--ckpt_path last`` resumes).  (The CLI also gives the Trainer its one progress bar,
-    :class:`sglightning.console.StepProgressBar`.)"""
+    does not have yet (e.g. ``validate`` after ``fit``: kept) — and ``last.ckpt`` after every step (adapters,
+    optimiser, counters: a killed or preempted run loses at most one step; ``--ckpt_path last`` resumes): a
+    ModelCheckpoint in place of Lightning's default, or :class:`LastCheckpoint` beside a user's own that keeps no
+    ``last.ckpt``; none in ``fast_dev_run``.  (The CLI also gives the Trainer its one progress bar,
+    :class:`sglightning.console.StepProgressBar`, unless the user gives one.)"""
     present = {type(c) for c in trainer.callbacks} if trainer is not None else set()
     callbacks: list[Callback] = [rollout] if RolloutCallback not in present else []
     callbacks += [cb() for cb in (AdapterExport, PreemptionCheckpoint, FitSummary) if cb not in present]
-    ckpt = trainer.checkpoint_callback if trainer is not None else None
-    if type(ckpt) is ModelCheckpoint and ckpt.save_last is None and ckpt.dirpath is None and ckpt.monitor is None:
-        callbacks.append(ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1))
+    ckpts = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)] if trainer is not None else []
+    if ckpts and not any(c.save_last for c in ckpts) and not trainer.fast_dev_run:  # fast_dev_run saves nothing
+        lightnings = len(ckpts) == 1 and type(ckpts[0]) is ModelCheckpoint and ckpts[0].dirpath is None \
+            and ckpts[0].monitor is None  # Lightning's default: replaced (a ModelCheckpoint here replaces all)
+        callbacks.append(ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1) if lightnings
+                         else LastCheckpoint())  # beside a user's own, which keeps no last.ckpt
     return callbacks

@@ -79,6 +79,18 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be used (the message names the file)."""
 
 
+def check_shapes(checkpoint: dict, own: dict[str, Any]) -> None:
+    """Each tensor of ``checkpoint``'s state_dict that ``own`` (the module's parameters by name) also holds has its
+    shape: else ``CheckpointError`` naming the first that differs (a checkpoint of another ``model.policy``)."""
+    for key, value in checkpoint.get("state_dict", {}).items():
+        mine = own.get(key)
+        if mine is not None and hasattr(value, "shape") and tuple(value.shape) != tuple(mine.shape):
+            raise CheckpointError(
+                f"--ckpt_path: the checkpoint's {key} is {list(value.shape)}, this config's is {list(mine.shape)}: "
+                "it was trained with another model.policy (model, lora_r, lora_target_modules); use that run's "
+                "config.yaml (in its run folder)")
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to ``path`` atomically (temp file in the same folder + fsync + ``os.replace``)."""
     path = Path(path)

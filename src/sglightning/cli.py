@@ -16,6 +16,7 @@ import difflib
 import importlib
 import inspect
 import os
+import random
 import re
 import sys
 import traceback
@@ -24,7 +25,10 @@ from typing import Any, Literal
 
 from jsonargparse import set_parsing_settings
 from jsonargparse.typing import PositiveInt
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import CSVLogger
 
 from sglightning import distributed, threads
 from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
@@ -346,6 +350,8 @@ class SGLightningCLI(LightningCLI):
         except ConfigError as err:
             self._error(str(err))
         threads.apply(cfg.get("threads", "auto"), cfg.get("trainer"))
+        if (refused := refused_trainer_flag(cfg.get("trainer") or {})) is not None:
+            self._error(refused)
         if self.subcommand == "validate":
             quiet_validate()
             self._resolve_validate_checkpoint(cfg)
@@ -356,6 +362,10 @@ class SGLightningCLI(LightningCLI):
             # Lightning's sanity check over every validation batch is the "before" validation (the module keeps its
             # report; Lightning itself discards what a sanity check logs)
             cfg["trainer"]["num_sanity_val_steps"] = -1
+        if not cfg.get("ckpt_path") and (earlier := earlier_run_without_logger(cfg.get("trainer") or {})):
+            self._error(f"trainer.default_root_dir: {earlier} holds an earlier run, which this one would overwrite "
+                        "(without a logger every run uses that folder): resume it with --ckpt_path last, or give "
+                        "another trainer.default_root_dir")
         if cfg.get("ckpt_path") != "last":
             if cfg.get("ckpt_path"):
                 print(f"sglightning: resuming from {cfg['ckpt_path']}", file=sys.stderr)
@@ -368,10 +378,8 @@ class SGLightningCLI(LightningCLI):
             return
         ckpt, version = found
         cfg["ckpt_path"] = str(ckpt)
-        logger = cfg.get("trainer", {}).get("logger")
-        if version is not None and logger is not None and not isinstance(logger, bool):
-            init = logger.get("init_args") if hasattr(logger, "get") else None
-            if init is not None:
+        if version is not None:
+            for init in logger_inits(cfg.get("trainer", {}).get("logger")):  # every logger continues in that folder
                 init["version"] = version
         print(f"sglightning: resuming from {ckpt}", file=sys.stderr)
 
@@ -413,13 +421,26 @@ class SGLightningCLI(LightningCLI):
             print(f"sglightning {sub}: error: {err}", file=sys.stderr)
             sys.exit(2)
 
+    def _set_seed(self) -> None:
+        """Lightning's, but ``seed_everything: true`` draws a random seed, as its help says (Lightning's
+        ``seed_everything(None)`` now sets 0); the seed drawn is recorded in the run's ``config.yaml``.  The other
+        processes Lightning launches for DDP inherit rank 0's (``PL_GLOBAL_SEED``)."""
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        if cfg.get("seed_everything") is True:
+            inherited = os.environ.get("PL_GLOBAL_SEED") if os.environ.get("LOCAL_RANK", "0") != "0" else None
+            cfg["seed_everything"] = int(inherited) if inherited else random.SystemRandom().randrange(2**31)
+        super()._set_seed()
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list):
-        """Lightning's, but the progress bar stays out when ``trainer.enable_progress_bar`` is false (the Trainer
-        refuses a progress-bar callback then)."""
-        if config.get("enable_progress_bar") is False:
+        """Lightning's, but sglightning's progress bar stays out when ``trainer.enable_progress_bar`` is false (the
+        Trainer refuses a progress-bar callback then) or the user gives one of their own (the Trainer takes one);
+        a CSVLogger resuming in its folder keeps its earlier metrics (:func:`keep_csv_metrics`)."""
+        given = [c for c in (config.get("callbacks") or []) + list(callbacks or []) if isinstance(c, ProgressBar)]
+        if config.get("enable_progress_bar") is False or given:
             defaults = self.trainer_defaults.get("callbacks") or []
             self.trainer_defaults = dict(self.trainer_defaults, callbacks=[
                 c for c in defaults if not isinstance(c, StepProgressBar)])
+        keep_csv_metrics(config.get("logger"))
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -440,6 +461,11 @@ class SGLightningCLI(LightningCLI):
             _remove_unstarted_run(self.trainer)
             print(f"sglightning {subcommand}: error: {one_line(full_key(str(err)))}", file=sys.stderr)
             sys.exit(2)
+        except MisconfigurationException as err:  # a Trainer setting or callback Lightning refuses inside fit
+            _remove_unstarted_run(self.trainer)
+            print(f"sglightning {subcommand}: error: trainer: {one_line(str(err))}{self._last_whole_step()}",
+                  file=sys.stderr)
+            sys.exit(2)
         except EngineError as err:  # the generation engine died mid-run: the step was abandoned, one line says so
             _remove_unstarted_run(self.trainer)
             print(f"sglightning {subcommand}: error: {one_line(str(err))}", file=sys.stderr)
@@ -448,6 +474,12 @@ class SGLightningCLI(LightningCLI):
             _remove_unstarted_run(self.trainer)
             print(f"sglightning {subcommand}: error: {one_line(str(err))}{self._last_whole_step()}", file=sys.stderr)
             sys.exit(1)
+        except RuntimeError as err:  # after EngineError and OutOfMemory, which are RuntimeErrors too
+            if not str(err).startswith("Early stopping conditioned on metric"):  # a callback's monitor: no such key
+                raise
+            print(f"sglightning {subcommand}: error: trainer.callbacks: {unknown_monitor(str(err))}"
+                  f"{self._last_whole_step()}", file=sys.stderr)
+            sys.exit(2)
 
     def _last_whole_step(self) -> str:
         """Where the last whole step is, for an error that abandoned the step in progress (fit only)."""
@@ -479,15 +511,81 @@ class SGLightningCLI(LightningCLI):
         print(f"report: {path}")
 
 
+def unknown_monitor(message: str) -> str:
+    """EarlyStopping's complaint about a metric never logged (Lightning lists every logged key) as one short line:
+    the key, and the nearest logged one."""
+    names = re.findall(r"`([^`]+)`", message)
+    if not names:
+        return one_line(message)
+    close = difflib.get_close_matches(names[0], names[1:], n=1, cutoff=0.5)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return (f"EarlyStopping monitors {names[0]!r}, which is not logged{hint} (every logged key: docs/metrics.md; "
+            "a validation metric: val/sg/success_rate)")
+
+
+def refused_trainer_flag(trainer) -> str | None:
+    """The first Trainer setting this trainer cannot honour, as one line naming the key and what to use instead (else
+    Lightning would fail inside ``fit`` with a traceback, or silently do something else); None when all can be."""
+    get = trainer.get if hasattr(trainer, "get") else (lambda key, default=None: default)
+    accumulate, clip = get("accumulate_grad_batches", 1), get("gradient_clip_val")
+    if accumulate not in (None, 1):
+        return (f"trainer.accumulate_grad_batches: {accumulate} is not supported: one optimiser step is one rollout's "
+                "update, its micro-batches already accumulated (model.update.micro_batch_size sets their size; "
+                "model.rollout.groups_per_step the episodes per step)")
+    if clip not in (None, 0, 0.0):
+        return f"trainer.gradient_clip_val: {clip} is not used: set model.grpo.max_grad_norm (the norm clipped to)"
+    if get("overfit_batches") not in (None, 0, 0.0):
+        return ("trainer.overfit_batches: not supported: every step plays new tasks (model.rollout.seed); to train "
+                "on a fixed set of tasks, give the environment one")
+    if str(get("precision")) == "16-true":
+        return ("trainer.precision: 16-true trains float16 weights, and AdamW's steps turn them into inf/NaN (its "
+                "eps of 1e-8 is 0 in float16); use bf16-mixed, 16-mixed or 32-true")
+    if get("barebones"):
+        return ("trainer.barebones: not supported (a run keeps its logger, progress line and checkpoints); for the "
+                "fewest extras: --trainer.logger false --trainer.enable_progress_bar false "
+                "--trainer.enable_checkpointing false")
+    return None
+
+
+def logger_inits(logger) -> list:
+    """The ``init_args`` of the configured logger, or of each of a list of them (none for ``false``)."""
+    items = logger if isinstance(logger, list) else [logger]
+    return [i["init_args"] for i in items if hasattr(i, "get") and i.get("init_args") is not None]
+
+
+def keep_csv_metrics(loggers) -> None:
+    """A CSVLogger given a version folder that holds a ``metrics.csv`` (a resume) deletes that file (Lightning's
+    behaviour): move it aside first, to ``metrics.1.csv`` (then ``.2``, …), so that no logged step is lost.
+    ``loggers``: the Trainer's ``logger`` argument, built.  Rank 0 only (the one that writes)."""
+    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+        return
+    for lg in loggers if isinstance(loggers, (list, tuple)) else [loggers]:
+        if not isinstance(lg, CSVLogger) or getattr(lg, "_version", None) is None:
+            continue
+        folder = Path(lg.log_dir)
+        if (folder / "metrics.csv").is_file():
+            n = next(k for k in range(1, 10_000) if not (folder / f"metrics.{k}.csv").exists())
+            os.replace(folder / "metrics.csv", folder / f"metrics.{n}.csv")
+
+
+def earlier_run_without_logger(trainer) -> Path | None:
+    """With no logger (``trainer.logger: false``) a run's folder is ``trainer.default_root_dir`` itself, the same for
+    every run: that folder when it holds an earlier run's checkpoint or adapter, else None."""
+    logger = trainer.get("logger")
+    if (logger is not False and logger != []) or trainer.get("fast_dev_run"):
+        return None
+    folder = Path(str(trainer.get("default_root_dir") or "."))
+    return folder if any((folder / "checkpoints").glob("last*.ckpt")) or (folder / "adapter").is_dir() else None
+
+
 def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
     """The newest ``last.ckpt`` of this config's runs, with the version folder name to continue in: with a logger
     that has a ``save_dir``, only under ``save_dir/name/version_*/checkpoints/`` (another run's checkpoints — another
     logger name in the same folder — are never taken); without one, under ``trainer.default_root_dir`` (its
     ``checkpoints/`` and ``<logger name>/version_*/checkpoints/``, not deeper)."""
     trainer = cfg.get("trainer") or {}
-    logger = trainer.get("logger")
-    mapping = logger is not None and not isinstance(logger, (bool, list)) and hasattr(logger, "get")
-    init = logger.get("init_args") if mapping else None
+    inits = logger_inits(trainer.get("logger"))
+    init = inits[0] if inits else None  # the first logger's folder is the run's (checkpoints, adapter, reports)
     if init is not None and init.get("save_dir") is not None:
         root = Path(str(init.get("save_dir"))) / str(init.get("name") or "lightning_logs")
         patterns = [("version_*/checkpoints", True)]

@@ -35,6 +35,11 @@ _EXPECTED_WARNINGS = (
     # our loaders yield an index per step; the work is the rollout in the main process, which workers cannot do
     # (printed on boxes with more than 2 cores, twice: train and validation)
     (r"The '.*' does not have many workers", Warning),
+    # a CSVLogger resuming in its folder: the earlier metrics.csv is kept as metrics.<n>.csv
+    # (sglightning.cli.keep_csv_metrics), not deleted as the warning says
+    (r"Experiment logs directory .* exists and is not empty", UserWarning),
+    # a user's ModelCheckpoint in a resumed run's folder: the folder is the run's own (--ckpt_path last continues it)
+    (r"Checkpoint directory .* exists and is not empty", UserWarning),
 )
 
 #: Lightning's info lines that say nothing about this run: advertisements for its cloud products, accelerators that are

@@ -31,7 +31,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from sglightning import data, distributed, report, rewards, scoring, strategies
 from sglightning.callbacks import RolloutCallback, default_callbacks
 from sglightning.chat import pad_token_id
-from sglightning.checkpointing import run_dir, use_atomic_io
+from sglightning.checkpointing import check_shapes, run_dir, use_atomic_io
 from sglightning.console import quiet
 from sglightning.data import EvalConfig, RolloutConfig
 from sglightning.engines import EngineConfig, make_engine
@@ -192,8 +192,7 @@ class SelfGuideModule(LightningModule):
         self.val_report = self.val_report_before = None  # this fit's validations only (not an earlier validate's)
 
     def generation_weights(self):
-        """Context for rollouts: whole weights for the whole rollout under FSDP
-        (:func:`distributed.generation_weights`)."""
+        """Rollouts: whole weights for the whole rollout under FSDP (:func:`distributed.generation_weights`)."""
         return distributed.generation_weights(self.policy, self.sharding)
 
     def env_factory(self) -> TextEnv:
@@ -232,16 +231,16 @@ class SelfGuideModule(LightningModule):
         """Steps of this run: ``grpo.total_steps``, else ``trainer.max_steps / grpo.ppo_epochs``."""
         if self.grpo_cfg.total_steps:
             return self.grpo_cfg.total_steps
-        max_steps = self.trainer.max_steps if self._trainer is not None else -1
-        if max_steps is None or max_steps < 0:
-            raise ValueError("trainer.max_steps must be set (or grpo.total_steps) for the trust schedule")
-        return max(1, max_steps // self.grpo_cfg.ppo_epochs)
+        max_steps, epochs = self.trainer.max_steps if self._trainer is not None else -1, self.grpo_cfg.ppo_epochs
+        if max_steps is None or max_steps < 0 or max_steps % epochs:  # else the last rollout would run past it
+            raise ConfigError(f"trainer.max_steps: {max_steps} is not a multiple of model.grpo.ppo_epochs ({epochs}), "
+                              "each rollout's optimiser steps" if max_steps and max_steps > 0 else
+                              "trainer.max_steps: must be set (or model.grpo.total_steps) for the trust schedule")
+        return max(1, max_steps // epochs)
 
     def schedule_horizon(self) -> int:
-        """The trust schedule's horizon: the checkpoint's on a resume (:class:`sglightning.rewards.Trust`), else
-        :meth:`total_steps`."""
-        saved = self.trust.saved_horizon
-        return saved if saved is not None else self.total_steps()
+        """The trust schedule's horizon: the checkpoint's on a resume (:class:`rewards.Trust`), else total_steps."""
+        return self.trust.saved_horizon if self.trust.saved_horizon is not None else self.total_steps()
 
     def _world(self) -> tuple[int, int]:
         """(rank, world size): (0, 1) without a trainer or outside distributed runs."""
@@ -452,11 +451,10 @@ class SelfGuideModule(LightningModule):
         step = max(int(self.global_step), self._checkpoint_step)
         built = report.build_report(step, self._world()[1], self.eval_cfg.split,
                                     self.package_versions(), modes)
-        if self.trainer.sanity_checking:
-            # evaluation.before_fit: Lightning discards what a sanity check logs, so the "before" validation goes to
-            # the loggers directly, at the step it evaluated (0, or the resumed step)
-            self.val_report_before = built
-            for logger in self.trainer.loggers:
+        if self.trainer.sanity_checking:  # a sanity check (trainer.num_sanity_val_steps) is not evaluation.before_fit
+            # Lightning discards what a sanity check logs: the "before" validation goes to the loggers, at its step
+            self.val_report_before = built if self.eval_cfg.before_fit else None
+            for logger in self.trainer.loggers if self.eval_cfg.before_fit else []:
                 logger.log_metrics(report.scalars(built), step=int(self.global_step))
             return
         self.val_report = built
@@ -489,6 +487,8 @@ class SelfGuideModule(LightningModule):
         return distributed.adapter_state_dict(self.policy, self.sharding, tree_names)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.sharding is None:  # a checkpoint of another model.policy: one line, not a wall of size mismatches
+            check_shapes(checkpoint, dict(self.named_parameters()))
         state = checkpoint.get("sglightning", {})
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
         self.rollouts_done = int(state.get("rollouts_done", 0))

@@ -105,14 +105,21 @@ class PreemptionCheckpoint(Callback):
         install_sigterm_notifier(trainer)
 
     @staticmethod
-    def _last_path(trainer: Trainer) -> Path:
-        """Where ``--ckpt_path last`` finds ``last.ckpt``: ModelCheckpoint's folder, else the run's ``checkpoints``."""
-        dirpath = getattr(trainer.checkpoint_callback, "dirpath", None)
+    def _keeper(trainer: Trainer):
+        """The ModelCheckpoint that keeps ``last.ckpt`` (``save_last``), or None."""
+        return next((c for c in trainer.checkpoint_callbacks if getattr(c, "save_last", None)), None)
+
+    @classmethod
+    def _last_path(cls, trainer: Trainer) -> Path:
+        """Where ``--ckpt_path last`` finds ``last.ckpt``: its ModelCheckpoint's folder, else the run's
+        ``checkpoints``."""
+        dirpath = getattr(cls._keeper(trainer), "dirpath", None)
         return (Path(dirpath) if dirpath else run_dir(trainer) / "checkpoints") / "last.ckpt"
 
     def _save_last(self, trainer: Trainer) -> None:
-        """Rewrite ``last.ckpt`` (only when ModelCheckpoint keeps one: ``save_last``)."""
-        if getattr(trainer.checkpoint_callback, "save_last", None):
+        """Rewrite ``last.ckpt`` (only when a ModelCheckpoint keeps one, and never in ``fast_dev_run``, which saves
+        nothing)."""
+        if self._keeper(trainer) is not None and not trainer.fast_dev_run:
             trainer.save_checkpoint(self._last_path(trainer), weights_only=False)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -325,12 +325,12 @@ def write_validation_report(report: dict[str, Any], folder: Path) -> tuple[Path,
 
 
 def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict | None, after: dict | None,
-                run_dir: Path, adapter_dir: Path | None, report_path: Path | None = None,
+                tensorboard_dir: Path | None, adapter_dir: Path | None, report_path: Path | None = None,
                 terms: Sequence[str] = ()) -> str:
     """The end-of-fit summary: the per-step logs ``hist`` averaged (all steps, first and last third), the validation
-    reports before and after training (``evaluation.before_fit``), where TensorBoard, the adapter and the last
-    validation's report (``report_path``) are.  ``terms``: the names of ``model.reward_terms`` (each logged as
-    ``reward/<name>``, weighted), one line for them."""
+    reports before and after training (``evaluation.before_fit``), and where the TensorBoard logs, the adapter and the
+    last validation's report (``report_path``) are (a None is a line left out: no TensorBoard logger, nothing
+    written).  ``terms``: the names of ``model.reward_terms`` (each logged as ``reward/<name>``, weighted)."""
     if not hist:
         return "sglightning: no training step ran"
 
@@ -360,8 +360,10 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
         *_memory_lines(hist),
     ]
     lines += _validation_lines(before, after)
-    lines.append(f"  TensorBoard       tensorboard --logdir {shlex.quote(str(run_dir))}")  # pastes into a shell
-    lines.append(f"  adapter           {adapter_dir or run_dir / 'adapter'}")
+    if tensorboard_dir is not None:  # pastes into a shell
+        lines.append(f"  TensorBoard       tensorboard --logdir {shlex.quote(str(tensorboard_dir))}")
+    if adapter_dir is not None:
+        lines.append(f"  adapter           {adapter_dir}")
     if report_path is not None:
         lines.append(f"  report            {report_path}")
     return "\n".join(lines)

@@ -1,0 +1,133 @@
+"""The Lightning tools a user knows, on this trainer: their own ModelCheckpoint, loggers (CSV, several, none),
+fast_dev_run, a progress bar of their own, EarlyStopping, seed_everything true, a sanity check; each either works as
+in Lightning or is refused in one line (exit 2) naming the key.  Tiny config, in-process, a few seconds a run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sglightning.cli import cli_main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+MONITOR = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+           "--trainer.callbacks.monitor=val/sg/success_rate", "--trainer.callbacks.mode=max",
+           "--trainer.callbacks.save_top_k=1"]
+
+
+def fit(root: Path, *args: str, steps: int = 2):
+    return cli_main(["fit", "--config", TINY, f"--trainer.logger.init_args.save_dir={root}",
+                     f"--trainer.default_root_dir={root}", f"--trainer.max_steps={steps}", *args])
+
+
+def refused(capsys, *args: str, before: str | None = None) -> str:
+    """The one stderr line of a command that must exit 2 (after a line starting with ``before``, if given)."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(list(args))
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    if before is not None:
+        assert lines[0].startswith(before), lines
+        lines = lines[1:]
+    assert len(lines) == 1 and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+def test_a_users_own_model_checkpoint_keeps_its_top_k_and_the_run_still_resumes(tmp_path, capsys):
+    """A ModelCheckpoint monitoring a metric keeps no last.ckpt: the run's own joins it (it used to be left out, so
+    --ckpt_path last resumed an older run, and a SIGTERM saved nothing)."""
+    run = Path(fit(tmp_path, *MONITOR).trainer.log_dir)
+    names = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "last.ckpt" in names and any(n.startswith("epoch=") for n in names), names
+    fit(tmp_path, *MONITOR, steps=3)  # a second, fresh run: the newest last.ckpt is now its own
+    capsys.readouterr()
+    cli = fit(tmp_path, *MONITOR, "--ckpt_path=last", steps=4)
+    assert "resuming from " + str(tmp_path / "tiny" / "version_1" / "checkpoints" / "last.ckpt") in \
+        capsys.readouterr().err
+    assert cli.model.rollouts_done == 4 and Path(cli.trainer.log_dir).name == "version_1"
+
+
+def test_fast_dev_run_writes_nothing(tmp_path, capsys):
+    """Lightning says logging and checkpointing are off in fast_dev_run: no checkpoint, adapter or report either."""
+    fit(tmp_path, "--trainer.fast_dev_run=true")
+    assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))
+    out = capsys.readouterr().out
+    assert "1 GRPO steps" in out and "TensorBoard" not in out and "adapter " not in out
+
+
+def test_a_run_without_a_logger_does_not_overwrite_an_earlier_one(tmp_path, capsys):
+    args = ["fit", "--config", TINY, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=1"]
+    cli_main(args)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()}
+    line = refused(capsys, *args)
+    assert f"trainer.default_root_dir: {tmp_path} holds an earlier run" in line and "--ckpt_path last" in line
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing touched
+    assert cli_main([*args[:-1], "--trainer.max_steps=2", "--ckpt_path=last"]).model.rollouts_done == 2
+
+
+def test_a_csv_logger_resumed_keeps_its_earlier_metrics_and_no_tensorboard_line_is_printed(tmp_path, capsys):
+    csv = ["--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={tmp_path}",
+           "--trainer.logger.name=exp"]
+    cli_main(["fit", "--config", TINY, *csv, "--trainer.max_steps=2"])
+    assert "tensorboard --logdir" not in capsys.readouterr().out  # no TensorBoard logger: no command to open it
+    folder = tmp_path / "exp" / "version_0"
+    first = (folder / "metrics.csv").read_text()
+    cli_main(["fit", "--config", TINY, *csv, "--trainer.max_steps=3", "--ckpt_path=last"])
+    assert (folder / "metrics.1.csv").read_text() == first  # Lightning's CSVLogger would have deleted it
+    assert (folder / "metrics.csv").is_file() and "Previous log files" not in capsys.readouterr().err
+
+
+def test_several_loggers_resume_in_the_first_ones_folder(tmp_path):
+    config = tmp_path / "loggers.yaml"
+    config.write_text(yaml.safe_dump({"trainer": {"logger": [
+        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+         "init_args": {"save_dir": str(tmp_path / "tb"), "name": "exp"}},
+        {"class_path": "lightning.pytorch.loggers.CSVLogger",
+         "init_args": {"save_dir": str(tmp_path / "csv"), "name": "exp"}}]}}))
+    args = ["fit", "--config", TINY, "--config", str(config), f"--trainer.default_root_dir={tmp_path}"]
+    cli_main([*args, "--trainer.max_steps=2"])
+    cli = cli_main([*args, "--trainer.max_steps=3", "--ckpt_path=last"])
+    assert cli.model.rollouts_done == 3 and cli.model._checkpoint_step == 2  # resumed, not started afresh
+    assert [Path(lg.log_dir).name for lg in cli.trainer.loggers] == ["version_0", "version_0"]
+    assert sorted(p.name for p in (tmp_path / "tb" / "exp").iterdir()) == ["version_0"]
+
+
+def test_a_progress_bar_of_ones_own_replaces_sglightnings(tmp_path):
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    cli = fit(tmp_path, "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar", steps=1)
+    assert type(cli.trainer.progress_bar_callback) is TQDMProgressBar
+
+
+def test_seed_everything_true_draws_a_seed_and_records_it(tmp_path):
+    cli = fit(tmp_path, "--seed_everything=true", "--trainer.limit_val_batches=0", steps=1)
+    seed = yaml.safe_load((Path(cli.trainer.log_dir) / "config.yaml").read_text())["seed_everything"]
+    assert isinstance(seed, int) and seed != 0  # Lightning's seed_everything(None) sets 0 (1 in 2**31 to fail)
+
+
+def test_a_sanity_check_is_not_the_validation_before_training(tmp_path, capsys):
+    """trainer.num_sanity_val_steps plays a few validation batches; only model.evaluation.before_fit is "before"."""
+    cli = fit(tmp_path, "--trainer.num_sanity_val_steps=1", "--model.evaluation.tasks_per_batch=2")
+    out = capsys.readouterr().out
+    assert cli.model.val_report_before is None and "before training" not in out and " before " not in out
+
+
+def test_early_stopping_on_a_metric_never_logged_is_one_line_after_the_steps_are_saved(tmp_path, capsys):
+    line = refused(capsys, "fit", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   "--trainer.max_steps=1", "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
+                   "--trainer.callbacks.monitor=val/sg/succes_rate")
+    assert "EarlyStopping monitors 'val/sg/succes_rate', which is not logged; did you mean val/sg/success_rate?" \
+        in line and "holds the last whole step" in line
+
+
+def test_a_checkpoint_of_another_policy_is_one_line(tmp_path, capsys):
+    ckpt = Path(fit(tmp_path, steps=1).trainer.log_dir) / "checkpoints" / "last.ckpt"
+    capsys.readouterr()
+    line = refused(capsys, "validate", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   "--model.policy.lora_r=4", f"--ckpt_path={ckpt}", before="sglightning: validating ")
+    assert "lora_A.default.weight is [8, 64], this config's is [4, 64]: it was trained with another model.policy" \
+        in line
