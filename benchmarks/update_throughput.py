@@ -6,6 +6,7 @@
     python benchmarks/update_throughput.py --compare calibration   # the hindsight label loss on vs off
     python benchmarks/update_throughput.py --compare token_budget --micro 8 --budget 4096  # micro-batches by tokens
     python benchmarks/update_throughput.py --compare lm_head       # FSDP's whole-model path: LM head where read
+    python benchmarks/update_throughput.py --compare compile       # whole rows: eager vs compiled decoder layers
 
 One rollout is played with the quickstart's settings (household env, single-stream self-guidance, constrained label,
 admissible actions, LoRA r16 on every linear layer); its samples get fixed non-zero advantages, and one update
@@ -38,6 +39,7 @@ import time
 import torch
 
 from sglightning import grpo, scoring
+from sglightning.compiling import compiled_layers
 from sglightning.console import quiet
 from sglightning.data import RolloutConfig
 from sglightning.envs.household import HouseholdEnv
@@ -57,14 +59,14 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
 
 
 def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature: float,
-               calibration: float | None = None, budget: int | None = None, whole: str | None = None
-               ) -> tuple[float, int]:
+               calibration: float | None = None, budget: int | None = None, whole: str | None = None,
+               compiled: bool = False) -> tuple[float, int]:
     """Forward + backward of every micro-batch of ``samples`` (as the trainer orders them); returns (seconds, positions
     fed to the decoder).  ``calibration``: score as the trainer does (entropies too) and, when > 0, add the hindsight
     label loss α·Σ(−log q(y*)) / targets.  ``budget``: micro-batches of at most ``micro`` rows and ``budget`` fed
     positions, rows longest first (``update.micro_batch_tokens``).  ``whole``: call the whole model, as FSDP does,
     with the LM head at the positions some row reads (``"read"``, the trainer) or at every position (``"all"``, the
-    trainer before 2026-12-04)."""
+    trainer before 2026-12-04).  ``compiled``: the decoder layers compiled (``update.compile``)."""
     if share:
         samples = sorted(samples, key=lambda s: s.ids)
     elif budget:
@@ -74,9 +76,16 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
     # the trainer's denominators: every policy token and sequence, and every target at a policy token of the update
     n_targets = float(((data["target"] >= 0) & data["mask"]).sum()) if calibration else 0.0
     totals = grpo.StepCounts(*grpo.policy_counts(data["mask"]).tolist(), targets=n_targets)
-    fed = 0
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
+    with compiled_layers(model, compiled):
+        fed = _microbatches(model, data, adv, totals, micro, budget, share, temperature, calibration, whole)
+    return time.perf_counter() - t0, fed
+
+
+def _microbatches(model, data, adv, totals, micro, budget, share, temperature, calibration, whole) -> int:
+    """The forward and backward of each micro-batch of :func:`one_update`; returns the positions fed."""
+    fed = 0
     for rows in scoring.microbatch_rows(data, micro, budget):
         mb = scoring.microbatch(data, adv, rows)
         if share:
@@ -96,7 +105,7 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
             term, _ = grpo.calibration_term(ent["target_logq"], targets, mb["restrict"]["target_label"], totals)
             objective = objective + calibration * term
         objective.backward()
-    return time.perf_counter() - t0, fed
+    return fed
 
 
 def _every_position(model, mb: dict, temperature: float) -> torch.Tensor:
@@ -132,11 +141,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--json", help="write every measurement and the ratios here")
     ap.add_argument("--compare", default="share_prefix",
-                    choices=["share_prefix", "calibration", "token_budget", "lm_head"],
+                    choices=["share_prefix", "calibration", "token_budget", "lm_head", "compile"],
                     help="share_prefix: plain vs shared prefixes; calibration: the trainer's update without vs with "
                          "the hindsight label loss (alpha 1); token_budget: plain micro-batches of --micro rows vs "
                          "longest-first micro-batches of at most --budget positions; lm_head: the whole model "
-                         "called (as under FSDP) with the LM head at every position vs where a row reads it")
+                         "called (as under FSDP) with the LM head at every position vs where a row reads it; "
+                         "compile: the plain update with eager vs compiled decoder layers (update.compile)")
     ap.add_argument("--budget", type=int, default=4096, help="update.micro_batch_tokens for --compare token_budget")
     args = ap.parse_args()
     quiet()
@@ -178,6 +188,11 @@ def main() -> None:
         arms = {"all": dict(share=False, whole="all"), "read": dict(share=False, whole="read")}
     elif args.compare == "token_budget":  # same rows, same loss: fixed row counts vs a budget of fed positions
         arms = {"rows": dict(share=False), "budget": dict(share=False, budget=args.budget)}
+    elif args.compare == "compile":  # whole rows (share_prefix off), eager vs compiled layers; the compile untimed
+        arms = {"eager": dict(share=False), "compiled": dict(share=False, compiled=True)}
+        sec, _ = one_update(model, samples, pad, args.micro[0], False, 1.0, compiled=True)
+        report["compile_and_first_update_s"] = sec
+        print(f"compile and first compiled update: {sec:.1f} s")
     else:
         arms = {"plain": dict(share=False), "shared": dict(share=True)}
     first, second = arms
@@ -193,7 +208,7 @@ def main() -> None:
         per_round = [a / b for a, b in zip(secs[first], secs[second])]
         ratio = statistics.median(per_round)
         name = {"share_prefix": "shared_speedup", "calibration": "off_over_on", "token_budget": "budget_speedup",
-                "lm_head": "read_speedup"}
+                "lm_head": "read_speedup", "compile": "compiled_speedup"}
         report["ratios"][str(micro)] = {
             name[args.compare]: ratio,
             "range": [min(per_round), max(per_round)],
@@ -202,7 +217,8 @@ def main() -> None:
         what = {"share_prefix": "shared prefix {r:.2f}x faster than plain",
                 "calibration": "the update with the label loss takes {inv:.3f}x the time without it",
                 "token_budget": "the token budget {r:.2f}x faster than fixed rows",
-                "lm_head": "the LM head at the read positions {r:.2f}x faster than at every position"}[args.compare]
+                "lm_head": "the LM head at the read positions {r:.2f}x faster than at every position",
+                "compile": "compiled layers {r:.2f}x faster than eager"}[args.compare]
         print(f"micro {micro}: " + what.format(r=ratio, inv=1 / ratio) + f" (per-round range {min(per_round):.3f}-"
               f"{max(per_round):.3f} of {first}/{second}); "
               + ", ".join(f"{a} {report['ratios'][str(micro)][f'{a}_x_floor']:.2f}x the floor" for a in arms),

@@ -82,18 +82,22 @@ def test_a_csv_logger_resumed_keeps_its_earlier_metrics_and_no_tensorboard_line_
 
 
 def test_several_loggers_resume_in_the_first_ones_folder(tmp_path):
+    """The first logger's folder is the run's: a resume continues there, with any TensorBoard or CSV logger of the
+    same save_dir and name; a logger with a root of its own starts a version of its own (its version_0 may be
+    another run's)."""
+    def logger(kind: str, root: str) -> dict:
+        return {"class_path": f"lightning.pytorch.loggers.{kind}",
+                "init_args": {"save_dir": str(tmp_path / root), "name": "exp"}}
+
     config = tmp_path / "loggers.yaml"
     config.write_text(yaml.safe_dump({"trainer": {"logger": [
-        {"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
-         "init_args": {"save_dir": str(tmp_path / "tb"), "name": "exp"}},
-        {"class_path": "lightning.pytorch.loggers.CSVLogger",
-         "init_args": {"save_dir": str(tmp_path / "csv"), "name": "exp"}}]}}))
+        logger("TensorBoardLogger", "runs"), logger("CSVLogger", "runs"), logger("CSVLogger", "csv")]}}))
     args = ["fit", "--config", TINY, "--config", str(config), f"--trainer.default_root_dir={tmp_path}"]
     cli_main([*args, "--trainer.max_steps=2"])
     cli = cli_main([*args, "--trainer.max_steps=3", "--ckpt_path=last"])
     assert cli.model.rollouts_done == 3 and cli.model._checkpoint_step == 2  # resumed, not started afresh
-    assert [Path(lg.log_dir).name for lg in cli.trainer.loggers] == ["version_0", "version_0"]
-    assert sorted(p.name for p in (tmp_path / "tb" / "exp").iterdir()) == ["version_0"]
+    assert [Path(lg.log_dir).name for lg in cli.trainer.loggers] == ["version_0", "version_0", "version_1"]
+    assert (tmp_path / "runs" / "exp" / "version_0" / "metrics.csv").is_file()
 
 
 def test_a_progress_bar_of_ones_own_replaces_sglightnings(tmp_path):
@@ -130,4 +134,30 @@ def test_a_checkpoint_of_another_policy_is_one_line(tmp_path, capsys):
     line = refused(capsys, "validate", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
                    "--model.policy.lora_r=4", f"--ckpt_path={ckpt}", before="sglightning: validating ")
     assert "lora_A.default.weight is [8, 64], this config's is [4, 64]: it was trained with another model.policy" \
+        in line
+
+
+def test_a_model_checkpoint_of_ones_own_without_a_metric_is_kept_too(tmp_path):
+    """Not only one that monitors: any ModelCheckpoint a user set up (here every step, every file kept) stays, and
+    last.ckpt is written beside it (one that looks like Lightning's default is replaced by the run's own)."""
+    run = Path(fit(tmp_path, "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                   "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1",
+                   "--trainer.callbacks.filename={step}").trainer.log_dir)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step=1.ckpt", "step=2.ckpt"]
+
+
+def test_one_callback_given_alone_in_a_config_file(tmp_path):
+    config = tmp_path / "bar.yaml"
+    config.write_text("trainer:\n  callbacks:\n    class_path: lightning.pytorch.callbacks.TQDMProgressBar\n")
+    cli = fit(tmp_path, "--config", str(config), steps=1)
+    assert type(cli.trainer.progress_bar_callback).__name__ == "TQDMProgressBar"
+
+
+def test_a_checkpoint_with_other_lora_targets_is_one_line(tmp_path, capsys):
+    ckpt = Path(fit(tmp_path, steps=1).trainer.log_dir) / "checkpoints" / "last.ckpt"
+    capsys.readouterr()
+    line = refused(capsys, "validate", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   "--model.policy.lora_target_modules=[q_proj]", f"--ckpt_path={ckpt}",
+                   before="sglightning: validating ")
+    assert "k_proj.lora_A.default.weight is not in this config's model: it was trained with another model.policy" \
         in line

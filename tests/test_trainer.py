@@ -271,6 +271,11 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.env.init_args.difficuly=1"], "did you mean model.env.init_args.difficulty?"),
         (["--model.reward_terms+=sglightning.rewards.ScoreGain", "--model.reward_terms.wieght=0.5"],
          "model.reward_terms: ScoreGain takes no argument 'wieght'; did you mean weight?"),
+        (["--model.reward_terms=[{class_path: sglightning.rewards.ScoreGain}, {class_path: fakes.TextLengthBonus, "
+          "init_args: {wieght: 2}}]"], "model.reward_terms: TextLengthBonus takes no argument 'wieght'; did you mean "
+                                       "weight?"),  # the misspelt element named, not the first
+        (["--model.reward_terms=[{class_path: sglightning.rewards.ScoreGain}, "
+          "{class_path: sglightning.rewards.ScoreGain}]"], "model.reward_terms: two terms are named 'score_gain'"),
         # found at setup (env built, splits checked, model loaded): still one line naming the key, exit 2
         (["--model.evaluation.split=valid_unseen"], "evaluation.split: 'valid_unseen' is not a split of HouseholdEnv"),
         (["--model.env.init_args.difficulty=7"], "difficulty"),

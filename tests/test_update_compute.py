@@ -100,14 +100,14 @@ class _EveryGroupDegenerate(RewardTerm):
 
 def _fit(tmp_path, skip: bool, kl: float = 0.0, ppo_epochs: int = 1, term: RewardTerm | None = None,
          steps: int | None = None, share: bool | None = False, micro: int = 2, mode: str = "single_stream",
-         budget: int | None = None):
+         budget: int | None = None, compiled: bool = False):
     seed_everything(0)
     module = tiny_module(
         rollout=RolloutConfig(groups_per_step=4, group_size=2, max_steps=2, temperature=1.0),
         guidance=GuidanceConfig(max_guidance_tokens=4, max_action_tokens=4, prompt_mode=mode),
         grpo=GRPOConfig(kl_coef=kl, trust_constant=0.0, ppo_epochs=ppo_epochs),
         update=UpdateConfig(micro_batch_size=micro, skip_zero_advantage=skip, share_prefix=share,
-                            micro_batch_tokens=budget),
+                            micro_batch_tokens=budget, compile=compiled),
         reward_terms=[term or _HalfTheGroupsDegenerate()],
     )
     calls = {"rows": 0}
@@ -229,3 +229,51 @@ def test_shared_prefix_is_refused_where_it_cannot_hold():
         prefix_sharing(True, fsdp, False)
     with pytest.raises(ConfigError, match="update.share_prefix: true .*gradient checkpointing"):
         prefix_sharing(True, None, True)
+    assert not prefix_sharing(None, None, False, compiled=True)  # compiled layers take whole rows
+    with pytest.raises(ConfigError, match="update.share_prefix: true .*update.compile"):
+        prefix_sharing(True, None, False, compiled=True)
+
+
+def _compiled_against_eager(tmp_path, **kw):
+    """Two 2-step fits (a KL term: the reference pass runs the layers with the adapter off), the layers eager and
+    compiled: the losses and every gradient agree (fp32; inductor fuses, so sums may round differently)."""
+    eager, eager_grads, _ = _fit(tmp_path / "eager", skip=False, kl=0.01, steps=2, micro=4)
+    comp, comp_grads, _ = _fit(tmp_path / "compiled", skip=False, kl=0.01, steps=2, micro=4, compiled=True, **kw)
+    for he, hc in zip(eager.history, comp.history):
+        for key in ("loss/total", "loss/policy", "loss/kl", "policy/entropy", "policy/logprob_gap_sampler_trainer"):
+            assert hc[key] == pytest.approx(he[key], abs=1e-5, rel=1e-5), key
+    for ge, gc in zip(eager_grads, comp_grads):
+        scale = max(float(g.abs().max()) for g in ge.values())
+        assert ge.keys() == gc.keys() and scale > 0
+        for name in ge:
+            assert float((gc[name] - ge[name]).abs().max()) <= 1e-5 * scale, name
+    return comp
+
+
+def test_compiled_layers_give_the_same_update_and_the_rollout_runs_them_eager(tmp_path):
+    """update.compile: the decoder layers compiled for the update only (the engine's rollout and the next step's run
+    the eager forward: nothing is left swapped in)."""
+    from sglightning.compiling import decoder_layers
+
+    comp = _compiled_against_eager(tmp_path)
+    layers = decoder_layers(comp.policy)
+    assert layers and all("forward" not in layer.__dict__ for layer in layers)
+    assert all(callable(layer.__dict__.get("_sglightning_compiled_forward")) for layer in layers)  # made, kept
+
+
+def test_a_layer_torch_cannot_compile_runs_eager_and_says_so_once(tmp_path, monkeypatch):
+    import warnings
+
+    import sglightning.compiling
+
+    def broken(fn, **kw):
+        def fails(*a, **k):
+            raise torch._dynamo.exc.TorchDynamoException("inductor exploded")
+        return fails
+
+    monkeypatch.setattr(sglightning.compiling.torch, "compile", broken)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _compiled_against_eager(tmp_path)
+    said = [str(w.message) for w in seen if "model.update.compile" in str(w.message)]
+    assert len(said) == 1 and "(TorchDynamoException: inductor exploded)" in said[0], said

@@ -462,11 +462,20 @@ class LastCheckpoint(Checkpoint):
     save_last, dirpath = True, None  # read as a ModelCheckpoint's: this one keeps last.ckpt, in the run's folder
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.path = trainer.strategy.broadcast(str(run_dir(trainer) / "checkpoints" / "last.ckpt"))  # rank 0's
+        self.path = trainer.strategy.broadcast(str(PreemptionCheckpoint.last_path(trainer)))  # rank 0's
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args) -> None:
         if not trainer.fast_dev_run and not trainer.sanity_checking:
             trainer.save_checkpoint(self.path, weights_only=False)
+
+
+def _as_made(ckpt: Callback) -> bool:
+    """Whether ``ckpt`` is a ModelCheckpoint as ``ModelCheckpoint()`` makes it (Lightning's default), not one a user
+    set up (a metric, a folder, a cadence, a file name)."""
+    fresh = ModelCheckpoint()
+    keys = ("monitor", "dirpath", "filename", "save_last", "save_top_k", "save_weights_only", "mode",
+            "_every_n_train_steps", "_every_n_epochs", "_train_time_interval", "_save_on_train_epoch_end")
+    return type(ckpt) is ModelCheckpoint and all(getattr(ckpt, k, None) == getattr(fresh, k, None) for k in keys)
 
 
 def default_callbacks(trainer: Trainer | None, rollout: RolloutCallback) -> list[Callback]:
@@ -482,8 +491,7 @@ def default_callbacks(trainer: Trainer | None, rollout: RolloutCallback) -> list
     callbacks += [cb() for cb in (AdapterExport, PreemptionCheckpoint, FitSummary) if cb not in present]
     ckpts = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)] if trainer is not None else []
     if ckpts and not any(c.save_last for c in ckpts) and not trainer.fast_dev_run:  # fast_dev_run saves nothing
-        lightnings = len(ckpts) == 1 and type(ckpts[0]) is ModelCheckpoint and ckpts[0].dirpath is None \
-            and ckpts[0].monitor is None  # Lightning's default: replaced (a ModelCheckpoint here replaces all)
+        lightnings = len(ckpts) == 1 and _as_made(ckpts[0])  # a ModelCheckpoint here would replace every one
         callbacks.append(ModelCheckpoint(save_last=True, save_top_k=0, every_n_train_steps=1) if lightnings
                          else LastCheckpoint())  # beside a user's own, which keeps no last.ckpt
     return callbacks

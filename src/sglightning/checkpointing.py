@@ -80,15 +80,26 @@ class CheckpointError(ValueError):
 
 
 def check_shapes(checkpoint: dict, own: dict[str, Any]) -> None:
-    """Each tensor of ``checkpoint``'s state_dict that ``own`` (the module's parameters by name) also holds has its
-    shape: else ``CheckpointError`` naming the first that differs (a checkpoint of another ``model.policy``)."""
-    for key, value in checkpoint.get("state_dict", {}).items():
+    """``checkpoint``'s tensors are those ``own`` trains (the module's parameters by name, ``requires_grad`` ones
+    expected in the checkpoint), each of its shape: else ``CheckpointError`` naming the first that differs (a
+    checkpoint of another ``model.policy``: another model, LoRA rank or target modules)."""
+    state = checkpoint.get("state_dict", {})
+    for key, value in state.items():
         mine = own.get(key)
-        if mine is not None and hasattr(value, "shape") and tuple(value.shape) != tuple(mine.shape):
-            raise CheckpointError(
-                f"--ckpt_path: the checkpoint's {key} is {list(value.shape)}, this config's is {list(mine.shape)}: "
-                "it was trained with another model.policy (model, lora_r, lora_target_modules); use that run's "
-                "config.yaml (in its run folder)")
+        if mine is None:
+            problem = f"the checkpoint's {key} is not in this config's model"
+        elif hasattr(value, "shape") and tuple(value.shape) != tuple(mine.shape):
+            problem = f"the checkpoint's {key} is {list(value.shape)}, this config's is {list(mine.shape)}"
+        else:
+            continue
+        break
+    else:
+        missing = [k for k, p in own.items() if getattr(p, "requires_grad", False) and k not in state]
+        if not missing:
+            return
+        problem = f"this config's {missing[0]} is not in the checkpoint"
+    raise CheckpointError(f"--ckpt_path: {problem}: it was trained with another model.policy (model, lora_r, "
+                          "lora_target_modules); use that run's config.yaml (in its run folder)")
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:

@@ -12,6 +12,7 @@ writes its last validation's).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import inspect
@@ -20,6 +21,7 @@ import random
 import re
 import sys
 import traceback
+import zlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,7 +34,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from sglightning import distributed, threads
 from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
-from sglightning.console import StepProgressBar, quiet, quiet_validate
+from sglightning.console import StepProgressBar, quiet, quiet_resume, quiet_validate
 from sglightning.errors import ConfigError, EngineError, OutOfMemory
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
@@ -166,14 +168,15 @@ def unknown_init_arg(message: str) -> str:
     m = _INIT_ARG.search(message)
     if not m or not (m["cls"] or m["listed"]):
         return message
-    module, _, name = (m["cls"] or m["listed"]).rpartition(".")
+    listed = m["listed"] is not None  # an element of a list: its class is the one named beside the complaint
+    module, _, name = (m["listed"] or m["cls"]).rpartition(".")
     try:
         params = [p.name for p in inspect.signature(getattr(importlib.import_module(module), name)).parameters.values()
                   if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     except (ImportError, AttributeError, TypeError, ValueError):
         params = []
     close = difflib.get_close_matches(m["arg"], params, n=1, cutoff=0.6)
-    if not m["cls"]:  # an element of a list (model.reward_terms) has no key of its own: the list's, and the class
+    if listed:  # an element of a list (model.reward_terms) has no key of its own: the list's, and the class
         hint = f"; did you mean {close[0]}?" if close else f" (it takes {', '.join(params)})" if params else ""
         return f"{m['key']}: {name} takes no argument {m['arg']!r}{hint}"
     hint = (f"; did you mean {m['key']}.init_args.{close[0]}?" if close
@@ -350,7 +353,7 @@ class SGLightningCLI(LightningCLI):
         except ConfigError as err:
             self._error(str(err))
         threads.apply(cfg.get("threads", "auto"), cfg.get("trainer"))
-        if (refused := refused_trainer_flag(cfg.get("trainer") or {})) is not None:
+        if self.subcommand == "fit" and (refused := refused_trainer_flag(cfg.get("trainer") or {})) is not None:
             self._error(refused)
         if self.subcommand == "validate":
             quiet_validate()
@@ -368,6 +371,7 @@ class SGLightningCLI(LightningCLI):
                         "another trainer.default_root_dir")
         if cfg.get("ckpt_path") != "last":
             if cfg.get("ckpt_path"):
+                quiet_resume()
                 print(f"sglightning: resuming from {cfg['ckpt_path']}", file=sys.stderr)
             return
         found = find_last_checkpoint(cfg)
@@ -379,8 +383,9 @@ class SGLightningCLI(LightningCLI):
         ckpt, version = found
         cfg["ckpt_path"] = str(ckpt)
         if version is not None:
-            for init in logger_inits(cfg.get("trainer", {}).get("logger")):  # every logger continues in that folder
+            for init in resumed_logger_inits(cfg.get("trainer", {}).get("logger")):
                 init["version"] = version
+        quiet_resume()
         print(f"sglightning: resuming from {ckpt}", file=sys.stderr)
 
     def _resolve_validate_checkpoint(self, cfg) -> None:
@@ -424,23 +429,33 @@ class SGLightningCLI(LightningCLI):
     def _set_seed(self) -> None:
         """Lightning's, but ``seed_everything: true`` draws a random seed, as its help says (Lightning's
         ``seed_everything(None)`` now sets 0); the seed drawn is recorded in the run's ``config.yaml``.  The other
-        processes Lightning launches for DDP inherit rank 0's (``PL_GLOBAL_SEED``)."""
+        processes Lightning launches inherit rank 0's (``PL_GLOBAL_SEED``); under torchrun or srun, whose processes
+        start apart, the seed comes from the job's id, the same on every rank."""
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         if cfg.get("seed_everything") is True:
-            inherited = os.environ.get("PL_GLOBAL_SEED") if os.environ.get("LOCAL_RANK", "0") != "0" else None
-            cfg["seed_everything"] = int(inherited) if inherited else random.SystemRandom().randrange(2**31)
+            inherited = os.environ.get("PL_GLOBAL_SEED") if not first_process() else None
+            job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+            if inherited:  # a process Lightning launched: rank 0's seed
+                cfg["seed_everything"] = int(inherited)
+            elif job and int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))) > 1:
+                cfg["seed_everything"] = zlib.crc32(job.encode()) % 2**31  # torchrun, srun: one seed per job
+            else:
+                cfg["seed_everything"] = random.SystemRandom().randrange(2**31)
         super()._set_seed()
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list):
         """Lightning's, but sglightning's progress bar stays out when ``trainer.enable_progress_bar`` is false (the
         Trainer refuses a progress-bar callback then) or the user gives one of their own (the Trainer takes one);
         a CSVLogger resuming in its folder keeps its earlier metrics (:func:`keep_csv_metrics`)."""
-        given = [c for c in (config.get("callbacks") or []) + list(callbacks or []) if isinstance(c, ProgressBar)]
+        own = config.get("callbacks") or []
+        own = own if isinstance(own, list) else [own]  # one callback may be given alone
+        given = [c for c in own + list(callbacks or []) if isinstance(c, ProgressBar)]
         if config.get("enable_progress_bar") is False or given:
             defaults = self.trainer_defaults.get("callbacks") or []
             self.trainer_defaults = dict(self.trainer_defaults, callbacks=[
                 c for c in defaults if not isinstance(c, StepProgressBar)])
-        keep_csv_metrics(config.get("logger"))
+        if not config.get("fast_dev_run"):
+            keep_csv_metrics(config.get("logger"))
         return super()._instantiate_trainer(config, callbacks)
 
     def _run_subcommand(self, subcommand: str) -> None:
@@ -486,7 +501,7 @@ class SGLightningCLI(LightningCLI):
         trainer = getattr(self, "trainer", None)
         if trainer is None or self.subcommand != "fit":
             return ""
-        ckpt = run_dir(trainer) / "checkpoints" / "last.ckpt"
+        ckpt = PreemptionCheckpoint.last_path(trainer)
         return f"; {ckpt} holds the last whole step: resume with --ckpt_path last" if ckpt.is_file() else ""
 
     def _interruption_code(self) -> int:
@@ -517,7 +532,7 @@ def unknown_monitor(message: str) -> str:
     names = re.findall(r"`([^`]+)`", message)
     if not names:
         return one_line(message)
-    close = difflib.get_close_matches(names[0], names[1:], n=1, cutoff=0.5)
+    close = difflib.get_close_matches(names[0], names[2:], n=1, cutoff=0.5)  # names[1]: `EarlyStopping`
     hint = f"; did you mean {close[0]}?" if close else ""
     return (f"EarlyStopping monitors {names[0]!r}, which is not logged{hint} (every logged key: docs/metrics.md; "
             "a validation metric: val/sg/success_rate)")
@@ -557,7 +572,7 @@ def keep_csv_metrics(loggers) -> None:
     """A CSVLogger given a version folder that holds a ``metrics.csv`` (a resume) deletes that file (Lightning's
     behaviour): move it aside first, to ``metrics.1.csv`` (then ``.2``, …), so that no logged step is lost.
     ``loggers``: the Trainer's ``logger`` argument, built.  Rank 0 only (the one that writes)."""
-    if os.environ.get("LOCAL_RANK", "0") != "0" or os.environ.get("NODE_RANK", "0") != "0":
+    if not first_process():
         return
     for lg in loggers if isinstance(loggers, (list, tuple)) else [loggers]:
         if not isinstance(lg, CSVLogger) or getattr(lg, "_version", None) is None:
@@ -565,7 +580,16 @@ def keep_csv_metrics(loggers) -> None:
         folder = Path(lg.log_dir)
         if (folder / "metrics.csv").is_file():
             n = next(k for k in range(1, 10_000) if not (folder / f"metrics.{k}.csv").exists())
-            os.replace(folder / "metrics.csv", folder / f"metrics.{n}.csv")
+            with contextlib.suppress(FileNotFoundError):  # moved already (another process of this run)
+                os.replace(folder / "metrics.csv", folder / f"metrics.{n}.csv")
+
+
+def first_process() -> bool:
+    """Whether this is the run's first process (rank 0 of node 0), by the variables its launcher set: Lightning's
+    (LOCAL_RANK, NODE_RANK), torchrun (RANK, GROUP_RANK) or SLURM (SLURM_PROCID); before any process group."""
+    from lightning.fabric.utilities.rank_zero import _get_rank
+
+    return not _get_rank() and all(os.environ.get(k, "0") == "0" for k in ("NODE_RANK", "GROUP_RANK"))
 
 
 def earlier_run_without_logger(trainer) -> Path | None:
@@ -576,6 +600,20 @@ def earlier_run_without_logger(trainer) -> Path | None:
         return None
     folder = Path(str(trainer.get("default_root_dir") or "."))
     return folder if any((folder / "checkpoints").glob("last*.ckpt")) or (folder / "adapter").is_dir() else None
+
+
+def resumed_logger_inits(logger) -> list:
+    """The ``init_args`` of the loggers a resume continues in the run's folder: the first logger, and any other
+    TensorBoard or CSV logger with the same ``save_dir`` and ``name`` (that folder is the run's).  Others start a
+    version of their own (another folder's version_N may be another run's; MLflow, W&B have no version folder)."""
+    items = [i for i in (logger if isinstance(logger, list) else [logger]) if hasattr(i, "get")]
+    inits = [i.get("init_args") for i in items]
+    if not inits or inits[0] is None:
+        return []
+    key = (inits[0].get("save_dir"), inits[0].get("name"))
+    return [inits[0]] + [init for item, init in zip(items[1:], inits[1:]) if init is not None
+                         and str(item.get("class_path", "")).endswith(("TensorBoardLogger", "CSVLogger"))
+                         and (init.get("save_dir"), init.get("name")) == key]
 
 
 def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:

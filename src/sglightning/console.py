@@ -35,10 +35,13 @@ _EXPECTED_WARNINGS = (
     # our loaders yield an index per step; the work is the rollout in the main process, which workers cannot do
     # (printed on boxes with more than 2 cores, twice: train and validation)
     (r"The '.*' does not have many workers", Warning),
-    # a CSVLogger resuming in its folder: the earlier metrics.csv is kept as metrics.<n>.csv
-    # (sglightning.cli.keep_csv_metrics), not deleted as the warning says
+)
+
+#: warnings of a resumed fit only: it continues in its own run folder, which is not empty
+_RESUME_WARNINGS = (
+    # a CSVLogger: the earlier metrics.csv is kept as metrics.<n>.csv (sglightning.cli.keep_csv_metrics), not deleted
     (r"Experiment logs directory .* exists and is not empty", UserWarning),
-    # a user's ModelCheckpoint in a resumed run's folder: the folder is the run's own (--ckpt_path last continues it)
+    # a user's own ModelCheckpoint: its folder is the resumed run's
     (r"Checkpoint directory .* exists and is not empty", UserWarning),
 )
 
@@ -91,6 +94,12 @@ def quiet_validate() -> None:
     """The filters of :func:`quiet`, and those that hold for a ``validate`` run only."""
     quiet()
     for message, category in _VALIDATE_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def quiet_resume() -> None:
+    """The filters that hold for a resumed fit (``--ckpt_path``): its folder is its own, and not empty."""
+    for message, category in _RESUME_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 

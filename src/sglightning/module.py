@@ -32,6 +32,7 @@ from sglightning import data, distributed, report, rewards, scoring, strategies
 from sglightning.callbacks import RolloutCallback, default_callbacks
 from sglightning.chat import pad_token_id
 from sglightning.checkpointing import check_shapes, run_dir, use_atomic_io
+from sglightning.compiling import compiled_layers
 from sglightning.console import quiet
 from sglightning.data import EvalConfig, RolloutConfig
 from sglightning.engines import EngineConfig, make_engine
@@ -113,7 +114,7 @@ class SelfGuideModule(LightningModule):
         self.optimizer_factory = optimizer if optimizer is not None else default_optimizer
         self.adapter_path = adapter_path
         self.engine_cfg = engine
-        self.reward_terms = list(reward_terms or [])
+        self.reward_terms = rewards.distinct_terms(reward_terms)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the adapters only
         self.policy = self.tokenizer = None
@@ -167,7 +168,7 @@ class SelfGuideModule(LightningModule):
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
         strategy = strategy or (self._trainer.strategy if self._trainer is not None else None)
         return distributed.prefix_sharing(self.update_cfg.share_prefix, strategies.sharding_of(strategy),
-                                          self.policy_cfg.gradient_checkpointing)
+                                          self.policy_cfg.gradient_checkpointing, self.update_cfg.compile)
 
     def _check_env(self) -> None:
         if not self._env_checked:
@@ -225,8 +226,7 @@ class SelfGuideModule(LightningModule):
             raise RuntimeError("no trainable parameters: check model.policy.lora_target_modules")
         return self.optimizer_factory(params)
 
-    # ------------------------------------------------------------------------------------------------------------------
-    # data
+    # data ---------------------------------------------------------------------------------------------------------
     def total_steps(self) -> int:
         """Steps of this run: ``grpo.total_steps``, else ``trainer.max_steps / grpo.ppo_epochs``."""
         if self.grpo_cfg.total_steps:
@@ -292,7 +292,7 @@ class SelfGuideModule(LightningModule):
                                   drop_failed_groups=self.rollout_cfg.failed_episodes == "drop_group")
         # grpo.ppo_epochs optimiser steps on it (every rank, with or without rows: the same collectives)
         try:
-            with timing() as times, phase("update"):  # and each phase's wall time: time/update_<phase>_s
+            with timing() as times, phase("update"), compiled_layers(self.policy, self.update_cfg.compile):
                 update_logs = self.update(prepared)
         except torch.cuda.OutOfMemoryError as err:
             raise out_of_memory("update", err, self.rollouts_done + 1) from None

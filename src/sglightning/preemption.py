@@ -110,7 +110,7 @@ class PreemptionCheckpoint(Callback):
         return next((c for c in trainer.checkpoint_callbacks if getattr(c, "save_last", None)), None)
 
     @classmethod
-    def _last_path(cls, trainer: Trainer) -> Path:
+    def last_path(cls, trainer: Trainer) -> Path:
         """Where ``--ckpt_path last`` finds ``last.ckpt``: its ModelCheckpoint's folder, else the run's
         ``checkpoints``."""
         dirpath = getattr(cls._keeper(trainer), "dirpath", None)
@@ -120,7 +120,7 @@ class PreemptionCheckpoint(Callback):
         """Rewrite ``last.ckpt`` (only when a ModelCheckpoint keeps one, and never in ``fast_dev_run``, which saves
         nothing)."""
         if self._keeper(trainer) is not None and not trainer.fast_dev_run:
-            trainer.save_checkpoint(self._last_path(trainer), weights_only=False)
+            trainer.save_checkpoint(self.last_path(trainer), weights_only=False)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == "fit" and not trainer.sanity_checking:
@@ -148,7 +148,7 @@ class PreemptionCheckpoint(Callback):
                 self.exit_code = 128 + 15
             self._stopped_evaluating(trainer)
             return
-        path = self._last_path(trainer)
+        path = self.last_path(trainer)
         trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
         if trainer.is_global_zero:
             step = pl_module.rollouts_done
@@ -177,7 +177,7 @@ class PreemptionCheckpoint(Callback):
         completed step) is where ``--ckpt_path last`` resumes.  The CLI exits 130."""
         if not trainer.is_global_zero or trainer.state.fn != "fit":
             return
-        last = PreemptionCheckpoint._last_path(trainer)
+        last = PreemptionCheckpoint.last_path(trainer)
         if last.exists():
             msg = (f"interrupted after {pl_module.rollouts_done} completed steps; {last} holds the last of them. "
                    "Resume with the same command plus --ckpt_path last")

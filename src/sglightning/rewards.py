@@ -21,6 +21,7 @@ import torch
 from sglightning import grpo
 from sglightning.calibration import label_progress_moments
 from sglightning.episodes import Episode, StepRecord
+from sglightning.errors import ConfigError
 
 
 class RewardTerm(abc.ABC):
@@ -52,6 +53,17 @@ class ScoreGain(RewardTerm):
     def value(self, episode: Episode) -> float:
         gained = episode.score_gained
         return 0.0 if gained is None else gained / 100.0
+
+
+def distinct_terms(terms: Sequence[RewardTerm] | None) -> list[RewardTerm]:
+    """``terms`` as a list, each name once: a term's value is logged and added under its ``name``, so a second term
+    of the same name would be dropped from the return (``ConfigError`` naming ``model.reward_terms``)."""
+    names = [t.name for t in terms or []]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:
+        raise ConfigError(f"model.reward_terms: two terms are named {twice!r} (a term's value is added and logged "
+                          "under its name): give each class its own name attribute, or one term its weight")
+    return list(terms or [])
 
 
 def step_penalty(step: StepRecord, penalty: float) -> float:

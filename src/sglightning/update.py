@@ -61,6 +61,9 @@ class UpdateConfig:
     them too)"""
     max_consecutive_skips: int = 5
     """stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop"""
+    compile: bool = False
+    """compile each decoder layer for the update (torch.compile: fused norms, activations, LoRA adds); a one-off compile
+    of tens of seconds. Needs share_prefix off"""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
