@@ -1,11 +1,12 @@
 """Run by tests/test_distributed.py as a script: the tiny config under DDP, FSDP2 or FSDP1 on 2 CPU processes (gloo).
 
-    python tests/ddp_run.py OUT_DIR ddp|fsdp2|fsdp1 [bf16] [dropout [idle1]]
+    python tests/ddp_run.py OUT_DIR ddp|fsdp2|fsdp1 [bf16] [dropout [idle1]] [compiled]
 
 ``bf16``: the base model in bfloat16 (LoRA weights stay fp32) with ``precision="bf16-mixed"``, as the multi-GPU configs
 run it (mixed dtypes inside one sharded unit).  ``dropout``: LoRA dropout 0.1 (the rollout correction then runs its
 own no-grad pass, a collective under FSDP).  ``idle1``: rank 1 scores no rows (its rows left out, as zero-advantage rows
-are), so under FSDP it must run as many forwards as rank 0 with nothing of its own.
+are), so under FSDP it must run as many forwards as rank 0 with nothing of its own.  ``compiled``: the update's
+decoder layers compiled (``update.compile``), inside the sharded units.
 
 Lightning re-launches this script for rank 1.  Each rank writes ``OUT_DIR/rank{r}.pt``: its trainable parameters after
 training (rank 0 also exports the peft adapter to ``OUT_DIR/adapter``), and per step its task seeds, its episodes'
@@ -81,7 +82,8 @@ def _rank1_scores_nothing() -> None:
     sglightning.module.prepare_update = prepare
 
 
-def main(out: Path, strategy: str, bf16: bool = False, dropout: bool = False, idle1: bool = False) -> None:
+def main(out: Path, strategy: str, bf16: bool = False, dropout: bool = False, idle1: bool = False,
+         compiled: bool = False) -> None:
     torch.manual_seed(0)
     if idle1:
         _rank1_scores_nothing()
@@ -90,7 +92,7 @@ def main(out: Path, strategy: str, bf16: bool = False, dropout: bool = False, id
     module = tiny_module(  # the test suite's tiny setup, with longer episodes, one-sample micro-batches, 5 eval tasks
         policy=policy,
         rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3),
-        update=UpdateConfig(micro_batch_size=1),
+        update=UpdateConfig(micro_batch_size=1, compile=compiled),
         evaluation=EvalConfig(num_tasks=5, tasks_per_batch=2),
     )
     if strategy == "fsdp2":
@@ -126,5 +128,6 @@ def main(out: Path, strategy: str, bf16: bool = False, dropout: bool = False, id
 if __name__ == "__main__":
     flags = sys.argv[3:]
     strategy = sys.argv[2] if len(sys.argv) > 2 else "ddp"
-    main(Path(sys.argv[1]), strategy, bf16="bf16" in flags, dropout="dropout" in flags, idle1="idle1" in flags)
+    main(Path(sys.argv[1]), strategy, bf16="bf16" in flags, dropout="dropout" in flags, idle1="idle1" in flags,
+         compiled="compiled" in flags)
     exit_process(0)  # as the CLI ends a distributed run: gloo's threads left to teardown can abort the process

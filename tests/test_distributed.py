@@ -78,6 +78,17 @@ def test_fsdp_trains_to_the_same_adapters_as_ddp(runs, strategy):
         assert torch.allclose(p, fsdp["params"][name], atol=1e-5), name
 
 
+def test_fsdp2_with_compiled_layers_trains_to_the_same_adapters(runs, tmp_path):
+    """update.compile under FSDP2: each decoder layer compiled inside its sharded unit (FSDP's hooks gather the
+    weights around the compiled forward); the same adapters as the eager FSDP2 run, on both ranks."""
+    r0, r1, _ = _run(tmp_path, "fsdp2", "compiled")
+    eager = runs["fsdp2"][0]
+    assert [s["seeds"] for s in r0["steps"]] == [s["seeds"] for s in eager["steps"]]
+    for name, p in eager["params"].items():
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
+        assert torch.allclose(r0["params"][name], p, atol=1e-5), name
+
+
 @pytest.mark.parametrize("strategy", ["fsdp2", "fsdp1"])
 def test_fsdp_bf16_base_keeps_fp32_adapters(tmp_path, strategy):
     """The multi-GPU configs' setting: base weights bf16, LoRA weights fp32 (master weights small steps survive),

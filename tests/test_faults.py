@@ -159,6 +159,7 @@ def test_the_cli_releases_the_process_group_on_every_ending(monkeypatch, ending)
 
 _ENDING = """
 import atexit, ctypes, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import torch.distributed as dist
 from sglightning import cli, distributed
@@ -172,6 +173,10 @@ def run():  # a CLI run that made a process group (which the CLI then releases),
     distributed.release_process_group()
     atexit.register(lambda: (out / "hook").write_text("ran"))
     threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("ran"))).start()
+    # an idle pool worker (inductor's compile threads are one): non-daemon, it stops only when exit tells its pool
+    global pool  # kept: a pool collected as garbage would stop its workers itself
+    pool = ThreadPoolExecutor(2)
+    pool.submit(lambda: (out / "pool").write_text("ran")).result()
     print("last words", end="")
     if stop == "crash":
         raise RuntimeError("boom")
@@ -188,7 +193,8 @@ sys.exit(cli.main())
 def test_a_process_that_ran_a_group_exits_like_a_normal_exit(tmp_path, stop, code, err):
     """`sglightning` ends a process that ran a process group with os._exit (no teardown, where gloo's threads can
     abort it; a C exit handler aborts here if teardown is reached), after what a normal exit does: the same exit
-    status (a crash: its traceback, then 1), non-daemon threads joined, exit hooks run, the output flushed."""
+    status (a crash: its traceback, then 1), non-daemon threads joined (an idle thread pool's too: it hung, waiting
+    for workers that only exit's hooks stop), exit hooks run, the output flushed."""
     import subprocess
     import sys
 
@@ -197,6 +203,7 @@ def test_a_process_that_ran_a_group_exits_like_a_normal_exit(tmp_path, stop, cod
     assert (res.returncode, res.stdout) == (code, "last words"), res.stderr[-2000:]
     assert res.stderr.strip().endswith(err) and ("Traceback" in res.stderr) == (stop == "crash"), res.stderr[-2000:]
     assert (tmp_path / "hook").read_text() == "ran" and (tmp_path / "thread").read_text() == "ran"
+    assert (tmp_path / "pool").read_text() == "ran"
 
 
 def test_the_exit_status_of_a_distributed_run_follows_pythons_rule(capsys):

@@ -81,16 +81,15 @@ def exit_process(code: int) -> NoReturn:
     Destroying a group frees nothing while something still holds it: FSDP1 modules after a backward, and DTensor's
     sharding cache under FSDP2, keep theirs alive.  Its gloo threads then meet interpreter teardown, where a run that
     succeeded can abort (SIGABRT, "terminate called without an active exception"; a race, seen on slow machines).
-    So: non-daemon threads joined and exit hooks run, as ``sys.exit`` would, then logs and streams flushed, then exit
-    before teardown.
+    So: threading's exit hooks run and non-daemon threads joined, then exit hooks run, as ``sys.exit`` would, then logs
+    and streams flushed, then exit before teardown.
 
     Args:
         code: the process's exit status.
     """
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon and thread is not threading.current_thread():
-            thread.join()
+    # as the interpreter's exit does: the threading exit hooks (concurrent.futures' among them, which tells idle
+    # pool workers, e.g. inductor's compile threads, to stop), then every non-daemon thread joined
+    threading._shutdown()
     atexit._run_exitfuncs()  # every hook, last registered first, as at interpreter exit (logging's included)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
