@@ -320,7 +320,7 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--trainer.max_steps=-1"], "trainer.max_steps: must be set (or model.grpo.total_steps)"),  # found in fit
         (["--trainer.max_steps=3", "--model.grpo.ppo_epochs=2"],
          "trainer.max_steps: 3 is not a multiple of model.grpo.ppo_epochs (2)"),
-        (["--trainer.limit_val_batches=0.5"], "error: trainer: You requested to check 0.5 of the `val_dataloader`"),
+        (["--trainer.limit_val_batches=0.5"], "error: Lightning: You requested to check 0.5 of the `val_dataloader`"),
         # keys that moved: the message says where to
         (["--model.grpo.micro_batch_size=4"], "model.grpo.micro_batch_size is now model.update.micro_batch_size"),
         (["--model.rollout.invalid_action_penalty=0.1"],

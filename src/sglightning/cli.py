@@ -478,7 +478,7 @@ class SGLightningCLI(LightningCLI):
             sys.exit(2)
         except MisconfigurationException as err:  # a Trainer setting or callback Lightning refuses inside fit
             _remove_unstarted_run(self.trainer)
-            print(f"sglightning {subcommand}: error: trainer: {one_line(str(err))}{self._last_whole_step()}",
+            print(f"sglightning {subcommand}: error: Lightning: {one_line(str(err))}{self._last_whole_step()}",
                   file=sys.stderr)
             sys.exit(2)
         except EngineError as err:  # the generation engine died mid-run: the step was abandoned, one line says so
