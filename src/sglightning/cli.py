@@ -176,12 +176,10 @@ def unknown_init_arg(message: str) -> str:
     except (ImportError, AttributeError, TypeError, ValueError):
         params = []
     close = difflib.get_close_matches(m["arg"], params, n=1, cutoff=0.6)
-    if listed:  # an element of a list (model.reward_terms) has no key of its own: the list's, and the class
-        hint = f"; did you mean {close[0]}?" if close else f" (it takes {', '.join(params)})" if params else ""
-        return f"{m['key']}: {name} takes no argument {m['arg']!r}{hint}"
-    hint = (f"; did you mean {m['key']}.init_args.{close[0]}?" if close
-            else f" (it takes {', '.join(params)})" if params else "")
-    return f"{m['key']}.init_args.{m['arg']}: {name} takes no argument {m['arg']!r}{hint}"
+    # an element of a list (model.reward_terms) has no key of its own: the list's is named, and the bare argument
+    where, spelt = (m["key"], "") if listed else (f"{m['key']}.init_args.{m['arg']}", f"{m['key']}.init_args.")
+    hint = f"; did you mean {spelt}{close[0]}?" if close else f" (it takes {', '.join(params)})" if params else ""
+    return f"{where}: {name} takes no argument {m['arg']!r}{hint}"
 
 
 #: what ``--help`` says about the options sglightning gives its own meaning (Lightning's text describes its loader)
@@ -541,7 +539,7 @@ def unknown_monitor(message: str) -> str:
 def refused_trainer_flag(trainer) -> str | None:
     """The first Trainer setting this trainer cannot honour, as one line naming the key and what to use instead (else
     Lightning would fail inside ``fit`` with a traceback, or silently do something else); None when all can be."""
-    get = trainer.get if hasattr(trainer, "get") else (lambda key, default=None: default)
+    get = trainer.get
     accumulate, clip = get("accumulate_grad_batches", 1), get("gradient_clip_val")
     if accumulate not in (None, 1):
         return (f"trainer.accumulate_grad_batches: {accumulate} is not supported: one optimiser step is one rollout's "
@@ -560,12 +558,6 @@ def refused_trainer_flag(trainer) -> str | None:
                 "fewest extras: --trainer.logger false --trainer.enable_progress_bar false "
                 "--trainer.enable_checkpointing false")
     return None
-
-
-def logger_inits(logger) -> list:
-    """The ``init_args`` of the configured logger, or of each of a list of them (none for ``false``)."""
-    items = logger if isinstance(logger, list) else [logger]
-    return [i["init_args"] for i in items if hasattr(i, "get") and i.get("init_args") is not None]
 
 
 def keep_csv_metrics(loggers) -> None:
@@ -622,7 +614,7 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
     logger name in the same folder — are never taken); without one, under ``trainer.default_root_dir`` (its
     ``checkpoints/`` and ``<logger name>/version_*/checkpoints/``, not deeper)."""
     trainer = cfg.get("trainer") or {}
-    inits = logger_inits(trainer.get("logger"))
+    inits = resumed_logger_inits(trainer.get("logger"))
     init = inits[0] if inits else None  # the first logger's folder is the run's (checkpoints, adapter, reports)
     if init is not None and init.get("save_dir") is not None:
         root = Path(str(init.get("save_dir"))) / str(init.get("name") or "lightning_logs")
