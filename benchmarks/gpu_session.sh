@@ -24,8 +24,9 @@
 #   part 7, the same (<= 5 min): the probe in two_call with room for both calls' caches (the default limit) and with
 #       a limit so low that one cache serves both calls (model.engine.cache_memory: 0.001; caches handed over on
 #       CUDA, graphs kept: compare compiles and rollout s/step)
-#   part 8, the same (<= 5 min): part 4's Qwen3-1.7B update by token budget with its decoder layers compiled
-#       (model.update.compile: true; compare update tok/s and MFU with part 4's row, and with part 1's shared prefixes)
+#   part 8, the same (<= 8 min): part 4's Qwen3-1.7B update by token budget with its decoder layers compiled
+#       (model.update.compile: true; compare update tok/s and MFU with part 4's row), then part 1's shared prefixes
+#       with compiled layers (compare with part 1's Qwen3-1.7B row)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
 part=${1:-1}
@@ -101,6 +102,8 @@ elif [ "$part" = 8 ]; then
   check qwen3-1.7b_16x8_token_budget_compiled 220 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --set model.update.share_prefix=false --set model.update.micro_batch_size=16 \
     --set model.update.micro_batch_tokens=32768 --set model.update.compile=true
+  check qwen3-1.7b_16x8_shared_compiled 220 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
+    --set model.update.compile=true
 else
   stage engine_host 90 "$PY" benchmarks/engine_host.py --repeats 3 --json "$OUT/engine_host.json"
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off

@@ -7,6 +7,7 @@
     python benchmarks/update_throughput.py --compare token_budget --micro 8 --budget 4096  # micro-batches by tokens
     python benchmarks/update_throughput.py --compare lm_head       # FSDP's whole-model path: LM head where read
     python benchmarks/update_throughput.py --compare compile       # whole rows: eager vs compiled decoder layers
+    python benchmarks/update_throughput.py --compare compile_shared  # shared prefixes: eager vs compiled layers
 
 One rollout is played with the quickstart's settings (household env, single-stream self-guidance, constrained label,
 admissible actions, LoRA r16 on every linear layer); its samples get fixed non-zero advantages, and one update
@@ -141,7 +142,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--json", help="write every measurement and the ratios here")
     ap.add_argument("--compare", default="share_prefix",
-                    choices=["share_prefix", "calibration", "token_budget", "lm_head", "compile"],
+                    choices=["share_prefix", "calibration", "token_budget", "lm_head", "compile", "compile_shared"],
                     help="share_prefix: plain vs shared prefixes; calibration: the trainer's update without vs with "
                          "the hindsight label loss (alpha 1); token_budget: plain micro-batches of --micro rows vs "
                          "longest-first micro-batches of at most --budget positions; lm_head: the whole model "
@@ -188,11 +189,13 @@ def main() -> None:
         arms = {"all": dict(share=False, whole="all"), "read": dict(share=False, whole="read")}
     elif args.compare == "token_budget":  # same rows, same loss: fixed row counts vs a budget of fed positions
         arms = {"rows": dict(share=False), "budget": dict(share=False, budget=args.budget)}
-    elif args.compare == "compile":  # whole rows (share_prefix off), eager vs compiled layers; the compile untimed
-        arms = {"eager": dict(share=False), "compiled": dict(share=False, compiled=True)}
-        sec, _ = one_update(model, samples, pad, args.micro[0], False, 1.0, compiled=True)
-        report["compile_and_first_update_s"] = sec
-        print(f"compile and first compiled update: {sec:.1f} s")
+    elif args.compare in ("compile", "compile_shared"):  # eager vs compiled layers, rows whole or prefixes shared
+        share = args.compare == "compile_shared"
+        arms = {"eager": dict(share=share), "compiled": dict(share=share, compiled=True)}
+        sec, _ = one_update(model, samples, pad, args.micro[0], share, 1.0, compiled=True)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        report["compile_and_first_update_s"], report["graphs"] = sec, graphs
+        print(f"compile and first compiled update: {sec:.1f} s, {graphs} graphs")
     else:
         arms = {"plain": dict(share=False), "shared": dict(share=True)}
     first, second = arms
@@ -208,7 +211,7 @@ def main() -> None:
         per_round = [a / b for a, b in zip(secs[first], secs[second])]
         ratio = statistics.median(per_round)
         name = {"share_prefix": "shared_speedup", "calibration": "off_over_on", "token_budget": "budget_speedup",
-                "lm_head": "read_speedup", "compile": "compiled_speedup"}
+                "lm_head": "read_speedup", "compile": "compiled_speedup", "compile_shared": "compiled_speedup"}
         report["ratios"][str(micro)] = {
             name[args.compare]: ratio,
             "range": [min(per_round), max(per_round)],
@@ -218,7 +221,8 @@ def main() -> None:
                 "calibration": "the update with the label loss takes {inv:.3f}x the time without it",
                 "token_budget": "the token budget {r:.2f}x faster than fixed rows",
                 "lm_head": "the LM head at the read positions {r:.2f}x faster than at every position",
-                "compile": "compiled layers {r:.2f}x faster than eager"}[args.compare]
+                "compile": "compiled layers {r:.2f}x faster than eager",
+                "compile_shared": "compiled layers {r:.2f}x faster than eager, prefixes shared"}[args.compare]
         print(f"micro {micro}: " + what.format(r=ratio, inv=1 / ratio) + f" (per-round range {min(per_round):.3f}-"
               f"{max(per_round):.3f} of {first}/{second}); "
               + ", ".join(f"{a} {report['ratios'][str(micro)][f'{a}_x_floor']:.2f}x the floor" for a in arms),

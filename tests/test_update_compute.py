@@ -229,15 +229,12 @@ def test_shared_prefix_is_refused_where_it_cannot_hold():
         prefix_sharing(True, fsdp, False)
     with pytest.raises(ConfigError, match="update.share_prefix: true .*gradient checkpointing"):
         prefix_sharing(True, None, True)
-    assert not prefix_sharing(None, None, False, compiled=True)  # compiled layers take whole rows
-    with pytest.raises(ConfigError, match="update.share_prefix: true .*update.compile"):
-        prefix_sharing(True, None, False, compiled=True)
 
 
 def _compiled_against_eager(tmp_path, **kw):
     """Two 2-step fits (a KL term: the reference pass runs the layers with the adapter off), the layers eager and
     compiled: the losses and every gradient agree (fp32; inductor fuses, so sums may round differently)."""
-    eager, eager_grads, _ = _fit(tmp_path / "eager", skip=False, kl=0.01, steps=2, micro=4)
+    eager, eager_grads, _ = _fit(tmp_path / "eager", skip=False, kl=0.01, steps=2, micro=4, **kw)
     comp, comp_grads, _ = _fit(tmp_path / "compiled", skip=False, kl=0.01, steps=2, micro=4, compiled=True, **kw)
     for he, hc in zip(eager.history, comp.history):
         for key in ("loss/total", "loss/policy", "loss/kl", "policy/entropy", "policy/logprob_gap_sampler_trainer"):
@@ -259,6 +256,56 @@ def test_compiled_layers_give_the_same_update_and_the_rollout_runs_them_eager(tm
     layers = decoder_layers(comp.policy)
     assert layers and all("forward" not in layer.__dict__ for layer in layers)
     assert all(callable(layer.__dict__.get("_sglightning_compiled_forward")) for layer in layers)  # made, kept
+
+
+def test_compiled_layers_with_shared_prefixes_give_the_same_update(tmp_path, monkeypatch):
+    """update.compile with update.share_prefix: the continuations attend to their prefix through the KV cache, which
+    each compiled layer sees as its own layer's tensors; the same losses and gradients as the eager shared update."""
+    real, plans = scoring.shared_prefixes, []
+    monkeypatch.setattr(scoring, "shared_prefixes", lambda rows, min_shared=8: plans.append(real(rows, min_shared))
+                        or plans[-1])
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    _compiled_against_eager(tmp_path, share=True)
+    assert any(p is not None for p in plans)  # prefixes were shared, in both fits
+    assert counters["stats"]["unique_graphs"] >= 2  # compiled (a prefix's pass and its continuations' at least)
+
+
+def test_compiled_layers_take_a_kv_cache_in_one_graph_for_every_layer():
+    """A KV cache indexes its layers by number; traced as it is, torch would compile one graph per layer.  Each
+    compiled layer sees its own layer's keys and values instead: 6 layers, at most one graph per variant (no earlier
+    keys / earlier keys, first layer / later layers), hidden states and gradients as eager."""
+    from torch._dynamo.utils import counters
+
+    from sglightning.compiling import compiled_layers
+
+    torch.manual_seed(0)
+    model = build_tiny_model(TinyModelConfig(num_layers=6), 64).train()
+    rows = [[3, 9, 11, 5, 7, 21, 13, 30, 31, 32] + tail for tail in ([40], [41, 42, 43], [44, 45])]
+    rows.append([8, 6, 4, 2, 1, 3, 5, 7, 9, 11, 12])
+    ids = torch.zeros(len(rows), 13, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], attn[i, : len(r)] = torch.tensor(r), 1
+
+    def run(compiled: bool):
+        model.zero_grad()
+        with compiled_layers(model, compiled):
+            h = scoring.shared_prefix_hidden(model.model, ids, attn) * attn[..., None]  # [B, L, H]
+            h.pow(2).sum().backward()
+        return h.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager_h, eager_g = run(False)
+    torch._dynamo.reset()
+    counters.clear()
+    comp_h, comp_g = run(True)
+    graphs = counters["stats"]["unique_graphs"]
+    assert 1 <= graphs <= 4, graphs  # one per layer would be 12 (6 layers, two passes)
+    assert torch.allclose(comp_h, eager_h, atol=1e-5)
+    for ge, gc in zip(eager_g, comp_g):
+        assert torch.allclose(gc, ge, atol=1e-5 * max(float(g.abs().max()) for g in eager_g))
 
 
 def test_a_layer_torch_cannot_compile_runs_eager_and_says_so_once(tmp_path, monkeypatch):

@@ -7,10 +7,13 @@ as a third of an update, and on a GPU, where the matrix products run on tensor c
 (inductor) fuses them: one compile per layer *kind*, reused by every layer (their parameters are inputs of the graph,
 not constants), traced with dynamic shapes so that a new micro-batch length costs no new compile.
 
-Only where the rows are computed whole: with ``update.share_prefix`` a prefix's keys and values pass through
-transformers' cache object into each layer, and the layer index it carries would make a graph per layer.  The
-rollout is untouched: the layers are swapped in for the update and swapped back after it (the engine compiles its
-own decode step: ``model.engine.compile``).
+Shared prefixes (``update.share_prefix``) pass a prefix's keys and values to each layer through transformers' cache
+object.  Traced as it is, the cache's ``update(keys, values, layer_idx)`` indexes a list by the layer's index, so
+torch would guard on that index and compile one graph per layer.  Instead, each compiled layer sees a
+:class:`LayerCache`: its own layer's earlier keys and values as plain tensors, looked up before the call.  The layer's
+new keys and values go into the real cache after the call, outside the graph.  The rollout is untouched: the layers
+are swapped in for the update and swapped back after it (the engine compiles its own decode step:
+``model.engine.compile``).
 
 A compiler error (not an error of the layer) falls back to the eager layers for the rest of the run, with one
 warning naming the key: an update is not lost to a compiler bug.
@@ -19,6 +22,7 @@ warning naming the key: an update is not lost to a compiler bug.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 from collections.abc import Iterator
 
@@ -34,6 +38,89 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
+#: the keyword a decoder layer takes its cache by (transformers >= 5.20: ``cache``; before: ``past_key_values``)
+_CACHE_KEYWORDS = ("cache", "past_key_values")
+
+
+class LayerCache:
+    """One layer's view of a KV cache, as a compiled layer sees it: no layer index, no list of layers.
+
+    ``update(keys, values, layer_idx, ...)`` returns the earlier keys/values ``[B, kv heads, P, d]`` (None: none yet)
+    concatenated with the new ones ``[B, kv heads, T, d]`` along positions, as transformers' dynamic layer does, and
+    records the new ones in ``new`` for :func:`_cached_call` to append to the real cache.  The index is ignored, so a
+    trace never reads it and every layer reuses one graph."""
+
+    def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+        self.keys, self.values = keys, values
+        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        self.new = (keys, values)
+        if self.keys is None:
+            return keys, values
+        return torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+
+
+def _layer_index(layer: torch.nn.Module) -> int | None:
+    """The index the layer's attention passes to the cache (``self_attn.layer_idx`` in transformers)."""
+    for m in layer.modules():
+        idx = getattr(m, "layer_idx", None)
+        if isinstance(idx, int):
+            return idx
+    return None
+
+
+def _plain_layer(cache, idx: int):
+    """The cache's layer ``idx`` when it is transformers' plain dynamic layer (keys grow by concatenation), else
+    None: a sliding-window, quantised or offloaded layer keeps the eager path."""
+    layers = getattr(cache, "layers", None)
+    if getattr(cache, "offloading", False) or not isinstance(layers, list) or idx >= len(layers):
+        return None
+    layer = layers[idx]
+    return layer if type(layer).__name__ == "DynamicLayer" else None
+
+
+def _cache_keyword(layer: torch.nn.Module) -> str | None:
+    """The keyword the layer's forward takes a cache by, or None."""
+    params = inspect.signature(type(layer).forward).parameters
+    return next((k for k in _CACHE_KEYWORDS if k in params), None)
+
+
+#: graphs the layers' forward may compile (torch's default is 8): {first layer, later layers} × {no earlier keys,
+#: earlier keys} × {training, a no-grad pass} is 8 already, and a reference pass without the adapter adds its own
+_RECOMPILE_LIMIT = 16
+
+
+def _cached_call(layer: torch.nn.Module, compiled, eager):
+    """``layer``'s compiled forward, its cache passed as a :class:`LayerCache` of this layer; the new keys/values go
+    into the real cache after the call (eagerly).  Without a cache the layer still gets an empty view, so a whole row
+    and a shared prefix's first pass run one graph (not under activation checkpointing, which refuses any cache).  A
+    cache of another kind: the eager forward."""
+    idx, key = _layer_index(layer), _cache_keyword(layer)
+    if idx is None or key is None:
+        return compiled
+
+    def run(*args, **kwargs):
+        cache = kwargs.get(key)
+        if cache is None and getattr(layer, "gradient_checkpointing", False):
+            return compiled(*args, **kwargs)
+        if cache is None:
+            view = LayerCache(None, None)
+        else:
+            held = _plain_layer(cache, idx)
+            if held is None:
+                return eager(*args, **kwargs)
+            keys = getattr(held, "keys", None) if getattr(held, "is_initialized", True) else None
+            seen = keys is not None and keys.numel() > 0
+            view = LayerCache(keys if seen else None, held.values if seen else None)
+        out = compiled(*args, **{**kwargs, key: view})
+        if cache is not None and view.new is not None:
+            cache.update(*view.new, idx)
+        return out
+
+    return run
+
+
 class _Fallback:
     """Shared by one model's layers: after a compiler error every layer runs eagerly, and one warning says so."""
 
@@ -45,7 +132,9 @@ class _Fallback:
             if self.failed:
                 return eager(*args, **kwargs)
             try:
-                return compiled(*args, **kwargs)
+                limit = max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+                with torch._dynamo.config.patch(recompile_limit=limit):
+                    return compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as err:
                 self.failed = True
                 first = (str(err).strip().splitlines() or [""])[0][:200]
@@ -71,7 +160,8 @@ def compiled_layers(model: torch.nn.Module, on: bool) -> Iterator[None]:
     for layer in layers:
         if _COMPILED not in layer.__dict__:
             eager = type(layer).forward.__get__(layer)
-            layer.__dict__[_COMPILED] = fallback.wrap(torch.compile(eager, dynamic=True), eager)
+            compiled = fallback.wrap(torch.compile(eager, dynamic=True), eager)
+            layer.__dict__[_COMPILED] = _cached_call(layer, compiled, eager)
         layer.forward = layer.__dict__[_COMPILED]
     try:
         yield

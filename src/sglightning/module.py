@@ -168,7 +168,7 @@ class SelfGuideModule(LightningModule):
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
         strategy = strategy or (self._trainer.strategy if self._trainer is not None else None)
         return distributed.prefix_sharing(self.update_cfg.share_prefix, strategies.sharding_of(strategy),
-                                          self.policy_cfg.gradient_checkpointing, self.update_cfg.compile)
+                                          self.policy_cfg.gradient_checkpointing)
 
     def _check_env(self) -> None:
         if not self._env_checked:

@@ -63,7 +63,7 @@ class UpdateConfig:
     """stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop"""
     compile: bool = False
     """compile each decoder layer for the update (torch.compile: fused norms, activations, LoRA adds); a one-off compile
-    of tens of seconds. Needs share_prefix off"""
+    of tens of seconds"""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
