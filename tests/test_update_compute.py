@@ -236,6 +236,7 @@ def _compiled_against_eager(tmp_path, **kw):
     compiled: the losses and every gradient agree (fp32; inductor fuses, so sums may round differently)."""
     eager, eager_grads, _ = _fit(tmp_path / "eager", skip=False, kl=0.01, steps=2, micro=4, **kw)
     comp, comp_grads, _ = _fit(tmp_path / "compiled", skip=False, kl=0.01, steps=2, micro=4, compiled=True, **kw)
+    assert len(eager.history) == len(comp.history) == 2
     for he, hc in zip(eager.history, comp.history):
         for key in ("loss/total", "loss/policy", "loss/kl", "policy/entropy", "policy/logprob_gap_sampler_trainer"):
             assert hc[key] == pytest.approx(he[key], abs=1e-5, rel=1e-5), key
@@ -261,24 +262,27 @@ def test_compiled_layers_give_the_same_update_and_the_rollout_runs_them_eager(tm
 def test_compiled_layers_with_shared_prefixes_give_the_same_update(tmp_path, monkeypatch):
     """update.compile with update.share_prefix: the continuations attend to their prefix through the KV cache, which
     each compiled layer sees as its own layer's tensors; the same losses and gradients as the eager shared update."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
     real, plans = scoring.shared_prefixes, []
     monkeypatch.setattr(scoring, "shared_prefixes", lambda rows, min_shared=8: plans.append(real(rows, min_shared))
                         or plans[-1])
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
     counters.clear()
-    _compiled_against_eager(tmp_path, share=True)
-    assert any(p is not None for p in plans)  # prefixes were shared, in both fits
-    assert counters["stats"]["unique_graphs"] >= 2  # compiled (a prefix's pass and its continuations' at least)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        comp = _compiled_against_eager(tmp_path, share=True)
+    assert any(p is not None for p in plans)  # prefixes were shared
+    assert not [str(w.message) for w in seen if "model.update.compile" in str(w.message)]  # nothing fell back
+    fallback = comp.policy._sglightning_compile_fallback
+    assert not fallback.failed and not fallback.full
+    assert counters["stats"]["unique_graphs"] >= 2  # a prefix's pass and its continuations' at least
 
 
-def test_compiled_layers_take_a_kv_cache_in_one_graph_for_every_layer():
-    """A KV cache indexes its layers by number; traced as it is, torch would compile one graph per layer.  Each
-    compiled layer sees its own layer's keys and values instead: 6 layers, at most one graph per variant (no earlier
-    keys / earlier keys, first layer / later layers), hidden states and gradients as eager."""
-    from torch._dynamo.utils import counters
-
+def _six_layers_shared(compiled: bool):
+    """A 6-layer tiny model's hidden states and gradients for 4 rows, 3 of which share a 10-token prefix."""
     from sglightning.compiling import compiled_layers
 
     torch.manual_seed(0)
@@ -289,23 +293,50 @@ def test_compiled_layers_take_a_kv_cache_in_one_graph_for_every_layer():
     attn = torch.zeros_like(ids)
     for i, r in enumerate(rows):
         ids[i, : len(r)], attn[i, : len(r)] = torch.tensor(r), 1
+    with compiled_layers(model, compiled):
+        h = scoring.shared_prefix_hidden(model.model, ids, attn) * attn[..., None]  # [B, L, H]
+        h.pow(2).sum().backward()
+    return h.detach(), [p.grad.clone() for p in model.parameters()], model
 
-    def run(compiled: bool):
-        model.zero_grad()
-        with compiled_layers(model, compiled):
-            h = scoring.shared_prefix_hidden(model.model, ids, attn) * attn[..., None]  # [B, L, H]
-            h.pow(2).sum().backward()
-        return h.detach(), [p.grad.clone() for p in model.parameters()]
 
-    eager_h, eager_g = run(False)
+def _same_as_eager(comp, eager) -> None:
+    (comp_h, comp_g, _), (eager_h, eager_g, _) = comp, eager
+    assert torch.allclose(comp_h, eager_h, atol=1e-5)
+    scale = max(float(g.abs().max()) for g in eager_g)
+    for ge, gc in zip(eager_g, comp_g):
+        assert torch.allclose(gc, ge, atol=1e-5 * scale)
+
+
+def test_compiled_layers_take_a_kv_cache_in_one_graph_for_every_layer():
+    """A KV cache indexes its layers by number; traced as it is, torch would compile one graph per layer.  Each
+    compiled layer sees its own layer's keys and values instead: 6 layers, two passes, two graphs (one per layer would
+    be 12; the continuations run eagerly: 1), and the hidden states and gradients of the eager run."""
+    from torch._dynamo.utils import counters
+
+    eager = _six_layers_shared(False)
     torch._dynamo.reset()
     counters.clear()
-    comp_h, comp_g = run(True)
-    graphs = counters["stats"]["unique_graphs"]
-    assert 1 <= graphs <= 4, graphs  # one per layer would be 12 (6 layers, two passes)
-    assert torch.allclose(comp_h, eager_h, atol=1e-5)
-    for ge, gc in zip(eager_g, comp_g):
-        assert torch.allclose(gc, ge, atol=1e-5 * max(float(g.abs().max()) for g in eager_g))
+    comp = _six_layers_shared(True)
+    assert counters["stats"]["unique_graphs"] == 2
+    _same_as_eager(comp, eager)
+
+
+def test_compiled_layers_past_the_graph_limit_run_new_inputs_eager_and_say_so_once(monkeypatch):
+    """One graph allowed: the prefix pass compiles, the continuations run eagerly (the same result), one warning."""
+    import warnings
+
+    import sglightning.compiling
+
+    monkeypatch.setattr(sglightning.compiling, "_RECOMPILE_LIMIT", 1)
+    eager = _six_layers_shared(False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        comp = _six_layers_shared(True)
+    said = [str(w.message) for w in seen if "model.update.compile" in str(w.message)]
+    assert len(said) == 1 and "more kinds of input than 1 compiled graphs" in said[0], said
+    assert comp[2]._sglightning_compile_fallback.full and not comp[2]._sglightning_compile_fallback.failed
+    _same_as_eager(comp, eager)
 
 
 def test_a_layer_torch_cannot_compile_runs_eager_and_says_so_once(tmp_path, monkeypatch):
@@ -324,3 +355,22 @@ def test_a_layer_torch_cannot_compile_runs_eager_and_says_so_once(tmp_path, monk
         _compiled_against_eager(tmp_path)
     said = [str(w.message) for w in seen if "model.update.compile" in str(w.message)]
     assert len(said) == 1 and "(TorchDynamoException: inductor exploded)" in said[0], said
+
+
+def test_the_padding_benchmark_counts_what_the_update_feeds():
+    """benchmarks/padding_share.py: rows longest first feed no more than in played order, each at least the rows' own
+    positions; shared prefixes feed fewer than the rows hold (two_call shares each step's prompt)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import padding_share
+
+    report = padding_share.main(["--tasks", "2", "--group", "2", "--steps", "2", "--micro", "2", "8"])
+    own = report["positions"]
+    assert report["rows"] == 2 * 2 * 2 * 2 and own > 0  # 4 episodes × 2 steps × 2 calls
+    for micro in (2, 8):
+        played, longest, shared = (a for a in report["arms"] if a["micro"] == micro)
+        assert own <= longest["fed"] <= played["fed"]
+        assert 0 <= longest["pad_share"] <= played["pad_share"] < 1
+        assert 0 < shared["fed"] < own and shared["pad_share"] is None

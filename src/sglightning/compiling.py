@@ -4,19 +4,20 @@ In eager mode each decoder layer of a training forward and backward runs dozens 
 RMSNorms, the rotary embedding, SiLU times the up projection, LoRA's scale-and-add on every adapted projection, the
 residual adds.  Each reads and writes a whole ``[B, L, H]`` (or ``[B, L, I]``) tensor, so on a CPU they cost as much
 as a third of an update, and on a GPU, where the matrix products run on tensor cores, more.  ``torch.compile``
-(inductor) fuses them: one compile per layer *kind*, reused by every layer (their parameters are inputs of the graph,
-not constants), traced with dynamic shapes so that a new micro-batch length costs no new compile.
+(inductor) fuses them.  Every layer of a model reuses one graph per kind of call (their parameters are inputs of the
+graph, not constants), traced with dynamic shapes so that a new micro-batch length costs no new compile.
 
 Shared prefixes (``update.share_prefix``) pass a prefix's keys and values to each layer through transformers' cache
 object.  Traced as it is, the cache's ``update(keys, values, layer_idx)`` indexes a list by the layer's index, so
 torch would guard on that index and compile one graph per layer.  Instead, each compiled layer sees a
-:class:`LayerCache`: its own layer's earlier keys and values as plain tensors, looked up before the call.  The layer's
-new keys and values go into the real cache after the call, outside the graph.  The rollout is untouched: the layers
-are swapped in for the update and swapped back after it (the engine compiles its own decode step:
+:class:`LayerCache`: its own layer's earlier keys and values as plain tensors, looked up before the call.  The keys
+and values its attention used become the real cache's after the call, outside the graph.  The rollout is untouched:
+the layers are swapped in for the update and swapped back after it (the engine compiles its own decode step:
 ``model.engine.compile``).
 
 A compiler error (not an error of the layer) falls back to the eager layers for the rest of the run, with one
-warning naming the key: an update is not lost to a compiler bug.
+warning naming the key: an update is not lost to a compiler bug.  More kinds of call than ``_RECOMPILE_LIMIT`` graphs:
+the new kinds run eagerly, also said once.
 """
 
 from __future__ import annotations
@@ -47,18 +48,18 @@ class LayerCache:
 
     ``update(keys, values, layer_idx, ...)`` returns the earlier keys/values ``[B, kv heads, P, d]`` (None: none yet)
     concatenated with the new ones ``[B, kv heads, T, d]`` along positions, as transformers' dynamic layer does, and
-    records the new ones in ``new`` for :func:`_cached_call` to append to the real cache.  The index is ignored, so a
-    trace never reads it and every layer reuses one graph."""
+    keeps that result in ``full`` for :func:`_cached_call` to put in the real cache.  The index is ignored, so a trace
+    never reads it and every layer reuses one graph."""
 
     def __init__(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
         self.keys, self.values = keys, values
-        self.new: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.full: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        self.new = (keys, values)
-        if self.keys is None:
-            return keys, values
-        return torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+        if self.keys is not None:
+            keys, values = torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+        self.full = (keys, values)
+        return keys, values
 
 
 def _layer_index(layer: torch.nn.Module) -> int | None:
@@ -86,55 +87,65 @@ def _cache_keyword(layer: torch.nn.Module) -> str | None:
     return next((k for k in _CACHE_KEYWORDS if k in params), None)
 
 
-#: graphs the layers' forward may compile (torch's default is 8): {first layer, later layers} × {no earlier keys,
-#: earlier keys} × {training, a no-grad pass} is 8 already, and a reference pass without the adapter adds its own
-_RECOMPILE_LIMIT = 16
-
-
 def _cached_call(layer: torch.nn.Module, compiled, eager):
-    """``layer``'s compiled forward, its cache passed as a :class:`LayerCache` of this layer; the new keys/values go
-    into the real cache after the call (eagerly).  Without a cache the layer still gets an empty view, so a whole row
-    and a shared prefix's first pass run one graph (not under activation checkpointing, which refuses any cache).  A
-    cache of another kind: the eager forward."""
+    """``layer``'s compiled forward, its cache passed as a :class:`LayerCache` of this layer; what the layer's
+    attention made of it (earlier and new keys/values) becomes the real cache's layer after the call.  The tensors are
+    the ones attention keeps for the backward, so the cache costs no second copy.  A cache layer of another kind
+    (sliding window, quantised, offloaded): the eager forward."""
     idx, key = _layer_index(layer), _cache_keyword(layer)
     if idx is None or key is None:
         return compiled
 
     def run(*args, **kwargs):
         cache = kwargs.get(key)
-        if cache is None and getattr(layer, "gradient_checkpointing", False):
-            return compiled(*args, **kwargs)
         if cache is None:
-            view = LayerCache(None, None)
-        else:
-            held = _plain_layer(cache, idx)
-            if held is None:
-                return eager(*args, **kwargs)
-            keys = getattr(held, "keys", None) if getattr(held, "is_initialized", True) else None
-            seen = keys is not None and keys.numel() > 0
-            view = LayerCache(keys if seen else None, held.values if seen else None)
+            return compiled(*args, **kwargs)
+        held = _plain_layer(cache, idx)
+        if held is None:
+            return eager(*args, **kwargs)
+        keys = getattr(held, "keys", None) if getattr(held, "is_initialized", True) else None
+        seen = keys is not None and keys.numel() > 0
+        view = LayerCache(keys if seen else None, held.values if seen else None)
         out = compiled(*args, **{**kwargs, key: view})
-        if cache is not None and view.new is not None:
-            cache.update(*view.new, idx)
+        if view.full is not None:
+            if not getattr(held, "is_initialized", True):
+                held.lazy_initialization(*view.full)
+            held.keys, held.values = view.full
         return out
 
     return run
+
+
+#: graphs the layers' forward may compile (torch's default is 8).  Each kind of call is one: first layer or later
+#: (the first one's input needs no gradient), prefix or continuation, training or a no-grad pass, a batch of one row
+#: or more (torch specialises sizes 0 and 1)
+_RECOMPILE_LIMIT = 32
 
 
 class _Fallback:
     """Shared by one model's layers: after a compiler error every layer runs eagerly, and one warning says so."""
 
     def __init__(self) -> None:
-        self.failed = False
+        self.failed = False  # a compiler error: every layer eager from here
+        self.full = False  # the graph limit reached: new kinds of input eager (said once)
 
     def wrap(self, compiled, eager):
         def run(*args, **kwargs):
             if self.failed:
                 return eager(*args, **kwargs)
+            limit = max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
+            # past the limit torch runs new kinds of call uncompiled and prints a paragraph; here: one warning
+            loud = not torch._dynamo.config.suppress_errors
             try:
-                limit = max(_RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)
-                with torch._dynamo.config.patch(recompile_limit=limit):
+                with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=loud):
                     return compiled(*args, **kwargs)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                if not self.full:
+                    self.full = True
+                    warnings.warn(f"model.update.compile: the decoder layers met more kinds of input than {limit} "
+                                  "compiled graphs hold; inputs of new kinds run uncompiled", RuntimeWarning,
+                                  stacklevel=2)
+                return eager(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as err:
                 self.failed = True
                 first = (str(err).strip().splitlines() or [""])[0][:200]
