@@ -8,7 +8,8 @@ Why it exists: packing rows into one sequence removes pads, but torch's SDPA has
 row of total length ΣL attends with a block-diagonal mask over all of it, so attention costs (ΣL)² instead of ΣL².
 Packing pays only where pads are many.  This script counts them for the trainer's micro-batching
 (``scoring.microbatch_rows``): rows in played order, rows longest first (what ``update.micro_batch_tokens`` does
-without shared prefixes), and shared prefixes (rows ordered by their tokens; a prefix fed once, rests padded).
+without shared prefixes), and shared prefixes (a prefix fed once, rests padded), rows ordered by their tokens or as
+the trainer orders them (``prefixes.shared_prefix_order``).
 
 One rollout is played (free guidance and actions, so lengths vary as on a GPU config); nothing is timed.  Prints one
 line per arm: positions fed, the share of them that are pads, and fed over the rows' own positions (shared prefixes
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from sglightning import scoring
+from sglightning import prefixes, scoring
 from sglightning.console import quiet
 from sglightning.data import RolloutConfig
 from sglightning.envs.household import HouseholdEnv
@@ -46,9 +47,14 @@ def fed_whole_rows(samples, micro: int, budget: int | None, longest_first: bool)
     return sum(int(lengths[sl].numel() * lengths[sl].max()) for sl in scoring.microbatch_rows(data, micro, budget))
 
 
-def fed_shared(samples, micro: int) -> int:
-    """Positions the shared-prefix update feeds (rows ordered by their tokens, as the trainer orders them)."""
-    data = scoring.collate(sorted(samples, key=lambda s: s.ids), 0)
+def fed_shared(samples, micro: int, trainer_order: bool) -> int:
+    """Positions the shared-prefix update feeds: rows ordered by their tokens, or as the trainer orders them
+    (:func:`prefixes.shared_prefix_order`: families of rows, longest first, where that feeds fewer)."""
+    samples = sorted(samples, key=lambda s: s.ids)
+    if trainer_order:
+        blocks = [s.ids[: scoring.scored_length(s)] for s in samples]
+        samples = [samples[i] for i in prefixes.shared_prefix_order(blocks, micro)]
+    data = scoring.collate(samples, 0)
     return sum(_fed_positions(data["ids"][sl], data["attn"][sl]) for sl in scoring.microbatch_rows(data, micro))
 
 
@@ -83,16 +89,17 @@ def main(argv: list[str] | None = None) -> dict:
                     "length_min_median_max": [lengths[0], lengths[len(lengths) // 2], lengths[-1]], "arms": []}
     print(f"{args.model}, {args.mode}: {len(samples)} rows, lengths {lengths[0]}–{lengths[-1]} (median "
           f"{lengths[len(lengths) // 2]}), {own} positions of their own")
-    print(f"{'arm':34} {'micro':>5} {'fed':>9} {'pads':>6} {'fed/own':>7}")
+    print(f"{'arm':38} {'micro':>5} {'fed':>9} {'pads':>6} {'fed/own':>7}")
     for micro in args.micro:
         arms = {"whole rows, played order": fed_whole_rows(samples, micro, None, False),
                 f"whole rows, longest first, {args.budget}": fed_whole_rows(samples, micro, args.budget, True),
-                "shared prefixes": fed_shared(samples, micro)}
+                "shared prefixes, by ids": fed_shared(samples, micro, False),
+                "shared prefixes, the trainer's order": fed_shared(samples, micro, True)}
         for arm, fed in arms.items():
-            pads = None if arm == "shared prefixes" else 1 - own / fed  # shared: a prefix is fed once, so no share
+            pads = None if arm.startswith("shared") else 1 - own / fed  # shared: a prefix is fed once, so no share
             report["arms"].append({"arm": arm, "micro": micro, "fed": fed, "pad_share": pads,
                                    "fed_over_own": fed / own})
-            print(f"{arm:34} {micro:5d} {fed:9d} {'-' if pads is None else f'{pads:.3f}':>6} {fed / own:7.3f}")
+            print(f"{arm:38} {micro:5d} {fed:9d} {'-' if pads is None else f'{pads:.3f}':>6} {fed / own:7.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     return report

@@ -8,6 +8,7 @@
     python benchmarks/update_throughput.py --compare lm_head       # FSDP's whole-model path: LM head where read
     python benchmarks/update_throughput.py --compare compile       # whole rows: eager vs compiled decoder layers
     python benchmarks/update_throughput.py --compare compile_shared  # shared prefixes: eager vs compiled layers
+    python benchmarks/update_throughput.py --compare prefix_order --mode two_call  # rows by ids vs the trainer's order
 
 One rollout is played with the quickstart's settings (household env, single-stream self-guidance, constrained label,
 admissible actions, LoRA r16 on every linear layer); its samples get fixed non-zero advantages, and one update
@@ -39,14 +40,13 @@ import time
 
 import torch
 
-from sglightning import grpo, scoring
+from sglightning import grpo, prefixes, scoring
 from sglightning.compiling import compiled_layers
 from sglightning.console import quiet
 from sglightning.data import RolloutConfig
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
-from sglightning.prefixes import cluster_heads
 from sglightning.rollout import Rollout
 
 
@@ -61,15 +61,19 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
 
 def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature: float,
                calibration: float | None = None, budget: int | None = None, whole: str | None = None,
-               compiled: bool = False) -> tuple[float, int]:
+               compiled: bool = False, by_ids: bool = False) -> tuple[float, int]:
     """Forward + backward of every micro-batch of ``samples`` (as the trainer orders them); returns (seconds, positions
     fed to the decoder).  ``calibration``: score as the trainer does (entropies too) and, when > 0, add the hindsight
     label loss α·Σ(−log q(y*)) / targets.  ``budget``: micro-batches of at most ``micro`` rows and ``budget`` fed
     positions, rows longest first (``update.micro_batch_tokens``).  ``whole``: call the whole model, as FSDP does,
     with the LM head at the positions some row reads (``"read"``, the trainer) or at every position (``"all"``, the
-    trainer before 2026-12-04).  ``compiled``: the decoder layers compiled (``update.compile``)."""
-    if share:
+    trainer before 2026-12-04).  ``compiled``: the decoder layers compiled (``update.compile``).  ``by_ids``: shared
+    prefixes with the rows sorted by their ids (the trainer before 2026-12-06), not in the trainer's order."""
+    if share:  # the trainer's order (prefixes.shared_prefix_order)
         samples = sorted(samples, key=lambda s: s.ids)
+    if share and not by_ids:
+        blocks = [s.ids[: scoring.scored_length(s)] for s in samples]
+        samples = [samples[i] for i in prefixes.shared_prefix_order(blocks, micro, budget)]
     elif budget:
         samples = sorted(samples, key=lambda s: -scoring.scored_length(s))
     data = scoring.collate(samples, pad_id, targets=bool(calibration))
@@ -121,14 +125,7 @@ def _every_position(model, mb: dict, temperature: float) -> torch.Tensor:
 
 def _fed_positions(ids: torch.Tensor, attn: torch.Tensor) -> int:
     """Positions :func:`scoring.shared_prefix_hidden` feeds for these rows: the distinct prefixes, then the rests."""
-    lengths = attn.sum(1).tolist()
-    plan = scoring.shared_prefixes([ids[i, :n].tolist() for i, n in enumerate(lengths)])
-    if plan is None:
-        return ids.numel()
-    cluster_of, cut = plan
-    heads = cluster_heads(cluster_of)
-    prefix = len(heads) * max(cut[i] for i in heads)
-    return prefix + len(lengths) * max(n - k for n, k in zip(lengths, cut))
+    return prefixes.fed_positions([row[:n] for row, n in zip(ids.tolist(), attn.sum(1).tolist())])
 
 
 def main() -> None:
@@ -137,12 +134,17 @@ def main() -> None:
     ap.add_argument("--tasks", type=int, default=2, help="task groups")
     ap.add_argument("--group", type=int, default=4, help="episodes per task")
     ap.add_argument("--steps", type=int, default=5, help="env steps per episode")
+    ap.add_argument("--mode", default="single_stream", choices=["single_stream", "two_call"],
+                    help="guidance.prompt_mode of the rollout (two_call: two rows per env step)")
+    ap.add_argument("--decoding", default="constrained", choices=["constrained", "free"],
+                    help="the rollout's decoding: the quickstart's (constrained label, admissible actions) or free")
     ap.add_argument("--micro", type=int, nargs="+", default=[4], help="micro-batch sizes to measure")
     ap.add_argument("--repeats", type=int, default=3, help="rounds of the two arms, alternated")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     ap.add_argument("--json", help="write every measurement and the ratios here")
     ap.add_argument("--compare", default="share_prefix",
-                    choices=["share_prefix", "calibration", "token_budget", "lm_head", "compile", "compile_shared"],
+                    choices=["share_prefix", "calibration", "token_budget", "lm_head", "compile", "compile_shared",
+                             "prefix_order"],
                     help="share_prefix: plain vs shared prefixes; calibration: the trainer's update without vs with "
                          "the hindsight label loss (alpha 1); token_budget: plain micro-batches of --micro rows vs "
                          "longest-first micro-batches of at most --budget positions; lm_head: the whole model "
@@ -158,8 +160,12 @@ def main() -> None:
                                           lora_target_modules="all-linear"))
     env = functools.partial(HouseholdEnv, difficulty=0, info_actions=False, reveal_contents=True,
                             task_types=["pick_up", "pick_and_place"])
-    gc = GuidanceConfig(prompt_mode="single_stream", decoding="constrained", action_decoding="admissible",
-                        max_guidance_tokens=12, max_action_tokens=16)
+    if args.decoding == "free":  # the paper configs' decoding: guidance and actions written freely
+        gc = GuidanceConfig(prompt_mode=args.mode, decoding="free", action_decoding="free", max_guidance_tokens=32,
+                            max_action_tokens=16)
+    else:
+        gc = GuidanceConfig(prompt_mode=args.mode, decoding="constrained", action_decoding="admissible",
+                            max_guidance_tokens=12, max_action_tokens=16)
     rollout = Rollout(model, tok, env, gc, RolloutConfig(group_size=args.group, max_steps=args.steps))
     batch = rollout.run(list(range(args.tasks)), generator=torch.Generator().manual_seed(0))
     rollout.close()
@@ -196,6 +202,8 @@ def main() -> None:
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         report["compile_and_first_update_s"], report["graphs"] = sec, graphs
         print(f"compile and first compiled update: {sec:.1f} s, {graphs} graphs")
+    elif args.compare == "prefix_order":  # shared prefixes, rows sorted by ids vs the trainer's order
+        arms = {"by_ids": dict(share=True, by_ids=True), "ordered": dict(share=True)}
     else:
         arms = {"plain": dict(share=False), "shared": dict(share=True)}
     first, second = arms
@@ -211,7 +219,8 @@ def main() -> None:
         per_round = [a / b for a, b in zip(secs[first], secs[second])]
         ratio = statistics.median(per_round)
         name = {"share_prefix": "shared_speedup", "calibration": "off_over_on", "token_budget": "budget_speedup",
-                "lm_head": "read_speedup", "compile": "compiled_speedup", "compile_shared": "compiled_speedup"}
+                "lm_head": "read_speedup", "compile": "compiled_speedup", "compile_shared": "compiled_speedup",
+                "prefix_order": "ordered_speedup"}
         report["ratios"][str(micro)] = {
             name[args.compare]: ratio,
             "range": [min(per_round), max(per_round)],
@@ -222,7 +231,8 @@ def main() -> None:
                 "token_budget": "the token budget {r:.2f}x faster than fixed rows",
                 "lm_head": "the LM head at the read positions {r:.2f}x faster than at every position",
                 "compile": "compiled layers {r:.2f}x faster than eager",
-                "compile_shared": "compiled layers {r:.2f}x faster than eager, prefixes shared"}[args.compare]
+                "compile_shared": "compiled layers {r:.2f}x faster than eager, prefixes shared",
+                "prefix_order": "the trainer's order {r:.2f}x faster than rows by ids"}[args.compare]
         print(f"micro {micro}: " + what.format(r=ratio, inv=1 / ratio) + f" (per-round range {min(per_round):.3f}-"
               f"{max(per_round):.3f} of {first}/{second}); "
               + ", ".join(f"{a} {report['ratios'][str(micro)][f'{a}_x_floor']:.2f}x the floor" for a in arms),

@@ -300,3 +300,36 @@ def test_the_correction_fed_by_micro_batches_gives_the_whole_steps_weights_and_s
     torch.testing.assert_close(d["old_logp"], trainer)
     torch.testing.assert_close(d["is_weight"], weights)
     assert corr.stats() == pytest.approx(expected_stats) and expected_stats["policy/engine_mismatch_kl"] > 0
+
+
+def _fed(blocks, order, size):
+    from sglightning.prefixes import fed_positions, microbatch_runs
+
+    return sum(fed_positions([blocks[i] for i in order[a:b]])
+               for a, b in microbatch_runs([len(blocks[i]) for i in order], size))
+
+
+def test_the_shared_prefix_order_keeps_a_family_and_a_length_together():
+    """two_call-like rows: two groups' prompts (12 tokens after a 4-token system prompt), 2 episodes each, 3 env steps
+    whose prompts grow by 6 tokens.  Sorted by ids, a micro-batch of 2 pairs an episode's short and long rows (much
+    shared, much padded); the chosen order pairs the group's two episodes at one step: fewer positions fed."""
+    from sglightning.prefixes import shared_prefix_order
+
+    system = [1, 2, 3, 4]
+    blocks = []
+    for g in range(2):
+        prompt = system + [10 + g] * 12
+        for e in range(2):
+            trajectory = [20 + 10 * g + 5 * e + t for t in range(18)]
+            blocks += [prompt + trajectory[: 6 * (t + 1)] for t in range(3)]
+    by_ids = sorted(range(len(blocks)), key=lambda i: blocks[i])
+    order = shared_prefix_order(blocks, 2)
+    assert sorted(order) == list(range(len(blocks)))
+    assert _fed(blocks, order, 2) == 240 < _fed(blocks, by_ids, 2) == 252
+    for a in range(0, len(order), 2):
+        x, y = blocks[order[a]], blocks[order[a + 1]]
+        assert x[:16] == y[:16] and len(x) == len(y)  # one group, one step
+    # rows that only share their group's prompt (single stream: one row per episode): sorted by ids
+    single = [system + [10 + g] * 12 + [30 + e] * (5 + e) for g in range(2) for e in range(3)]
+    assert shared_prefix_order(single, 3) == sorted(range(6), key=lambda i: single[i])
+    assert shared_prefix_order([], 4) == [] and shared_prefix_order([[1, 2]], 4) == [0]

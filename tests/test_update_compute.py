@@ -370,7 +370,7 @@ def test_the_padding_benchmark_counts_what_the_update_feeds():
     own = report["positions"]
     assert report["rows"] == 2 * 2 * 2 * 2 and own > 0  # 4 episodes × 2 steps × 2 calls
     for micro in (2, 8):
-        played, longest, shared = (a for a in report["arms"] if a["micro"] == micro)
+        played, longest, by_ids, ordered = (a for a in report["arms"] if a["micro"] == micro)
         assert own <= longest["fed"] <= played["fed"]
         assert 0 <= longest["pad_share"] <= played["pad_share"] < 1
-        assert 0 < shared["fed"] < own and shared["pad_share"] is None
+        assert 0 < ordered["fed"] <= by_ids["fed"] < own and ordered["pad_share"] is None

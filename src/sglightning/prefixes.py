@@ -63,3 +63,70 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         k += 1
     return k
+
+
+def microbatch_runs(lengths: Sequence[int], size: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
+    """A step's micro-batches as runs ``(start, stop)`` of consecutive rows: at most ``size`` rows each and, with
+    ``max_tokens``, at most that many fed positions (rows × the longest row; a longer row goes alone)."""
+    out, start, width = [], 0, 0
+    for row, n in enumerate(lengths):
+        full = row - start >= size or (max_tokens is not None and (row - start + 1) * max(width, n) > max_tokens)
+        if row > start and full:
+            out.append((start, row))
+            start, width = row, 0
+        width = max(width, n)
+    if lengths:
+        out.append((start, len(lengths)))
+    return out
+
+
+def fed_positions(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> int:
+    """Positions the shared-prefix forward feeds for one micro-batch of rows (``scoring.shared_prefix_hidden``): the
+    C distinct prefixes padded to the longest, then every row's rest padded to the longest rest; the rows whole,
+    padded, when nothing is shared."""
+    plan = shared_prefixes(blocks, min_shared)
+    if plan is None:
+        return len(blocks) * max(map(len, blocks), default=0)
+    cluster_of, cut = plan
+    heads = cluster_heads(cluster_of)
+    rest = max(len(b) - k for b, k in zip(blocks, cut))
+    return len(heads) * max(cut[i] for i in heads) + (len(blocks) * rest if rest else 0)
+
+
+def shared_prefix_order(blocks: Sequence[Sequence[int]], size: int, max_tokens: int | None = None,
+                        min_shared: int = 8) -> list[int]:
+    """An order of the rows for the shared-prefix update: of a few candidates, the one whose micro-batches (runs of
+    ``size`` rows, :func:`microbatch_runs`) feed the fewest positions (:func:`fed_positions`); the first on a tie.
+
+    Sorted by their ids, rows with long common prefixes are neighbours, but a micro-batch then mixes lengths: in
+    ``two_call`` an episode's prompts grow step by step, so its rows share much and pad much.  The other candidates
+    cut the sorted rows into families at the weakest links between neighbours (1, 3, 7, … cuts) and sort each
+    family longest first: a micro-batch then holds rows of one family and similar length.  Returns row indices."""
+    n = len(blocks)
+    ids = sorted(range(n), key=lambda i: tuple(blocks[i]))
+    if n <= 2:
+        return ids
+    links = [common_prefix(blocks[a], blocks[b]) for a, b in zip(ids, ids[1:])]  # [n-1] neighbours' prefixes
+    weakest = sorted(links)
+    candidates, seen = [ids], set()
+    k = 1
+    while k < n:
+        least = weakest[min(k, n - 2)]  # families: runs joined by links of at least this many tokens
+        if least not in seen:
+            seen.add(least)
+            families, family = [], [ids[0]]
+            for row, link in zip(ids[1:], links):
+                if link < least:
+                    families.append(family)
+                    family = []
+                family.append(row)
+            families.append(family)
+            candidates.append([i for f in families for i in sorted(f, key=lambda i: (-len(blocks[i]), blocks[i]))])
+        k = 2 * k + 1
+
+    def cost(order: list[int]) -> int:
+        lengths = [len(blocks[i]) for i in order]
+        return sum(fed_positions([blocks[i] for i in order[a:b]], min_shared)
+                   for a, b in microbatch_runs(lengths, size, max_tokens))
+
+    return min(candidates, key=cost)

@@ -31,7 +31,7 @@ from torch import Tensor
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Restriction
 from sglightning.grpo import entropy_from_logits, masked_mean
 from sglightning.models import cache_argument_name
-from sglightning.prefixes import cluster_heads, shared_prefixes
+from sglightning.prefixes import cluster_heads, microbatch_runs, shared_prefixes
 
 
 def complement_log_mass(lse: Tensor) -> Tensor:
@@ -124,15 +124,7 @@ def microbatch_rows(data: dict[str, Tensor] | None, size: int, max_tokens: int |
         return []
     lengths = data["attn"].sum(1).tolist()  # [S] each row's length (right padding)
     has_policy = data["mask"].any(1).tolist()  # [S]
-    out, start, width = [], 0, 0
-    for row, n in enumerate(lengths):
-        full = row - start >= size or (max_tokens is not None and (row - start + 1) * max(width, n) > max_tokens)
-        if row > start and full:
-            out.append(slice(start, row))
-            start, width = row, 0
-        width = max(width, n)
-    if lengths:
-        out.append(slice(start, len(lengths)))
+    out = [slice(a, b) for a, b in microbatch_runs(lengths, size, max_tokens)]
     return [rows for rows in out if any(has_policy[rows])]
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from sglightning import distributed, grpo, rewards, scoring
+from sglightning import distributed, grpo, prefixes, rewards, scoring
 from sglightning.episodes import KIND_GUIDANCE, RolloutBatch
 from sglightning.errors import ConfigError
 from sglightning.guidance import LABELS
@@ -48,9 +48,9 @@ class UpdateConfig:
     """samples per forward/backward pass (gradients accumulate over micro-batches into one step)"""
     share_prefix: bool | None = None
     """compute a prefix that several samples of a micro-batch share (a group's prompt) once, in the update's forward
-    and backward (same loss and gradients up to float rounding; samples are ordered so that shared prefixes sit in one
-    micro-batch: use ``micro_batch_size`` ≥ ``rollout.group_size`` to share a whole group's prompt).  null = on where
-    it is supported (one device, DDP; not FSDP, not with gradient checkpointing); true there is an error"""
+    and backward (same loss and gradients up to float rounding; samples are ordered so that a micro-batch's rows share
+    much and pad little: use ``micro_batch_size`` ≥ ``rollout.group_size`` to share a whole group's prompt).  null =
+    on where it is supported (one device, DDP; not FSDP, not with gradient checkpointing); true there is an error"""
     micro_batch_tokens: int | None = None
     """at most this many fed positions per micro-batch (rows × the longest row; a longer row goes alone); null = rows
     only. Rows are ordered by length unless prefixes are shared"""
@@ -105,9 +105,9 @@ def prepare_update(
     drop_failed_groups: bool = False,
 ) -> UpdateBatch:
     """Blend the returns of ``rollout``'s episodes with ``lam``, compute the token advantages of their policy samples
-    and select the rows the update scores.  ``share_prefix``: the update shares prefixes (rows are sorted so that
-    shared prefixes sit side by side); ``drop_failed_groups``: leave out every group with a failed episode.  Pure:
-    same inputs, same tensors (on the CPU)."""
+    and select the rows the update scores.  ``share_prefix``: the update shares prefixes (rows are ordered so that a
+    micro-batch's rows share much and pad little: :func:`prefix_order`); ``drop_failed_groups``: leave out every
+    group with a failed episode.  Pure: same inputs, same tensors (on the CPU)."""
     episodes = rollout.episodes
     returns, internal, terms = rewards.episode_returns(
         episodes, lam, cfg.internal_reward_norm, cfg.invalid_action_penalty, reward_terms)  # [N], [N], {name: [N]}
@@ -167,9 +167,20 @@ def prepare_update(
         # no KL: rows with Â = 0 on every policy token add exactly 0 to loss and gradient (they stay in `counts`):
         # no forward/backward for them.  With KL they are computed.
         data, adv = scoring.select_rows(data, ~zero), adv[~zero]
+    if share_prefix:  # micro-batches of rows that share much and pad little (prefixes.shared_prefix_order)
+        order = torch.tensor(prefix_order(data, update), dtype=torch.long)  # [S']
+        data, adv = scoring.select_rows(data, order), adv[order]
     stats["tokens/skipped_zero_advantage_samples"] = stats["tokens/zero_advantage_samples"] if left_out else 0.0
     return UpdateBatch(lam=lam, returns=returns, internal=internal, terms=terms, groups=groups, data=data, adv=adv,
                        counts=counts, rows_left_out=left_out, stats=stats)
+
+
+def prefix_order(data: dict[str, Tensor], update: UpdateConfig) -> list[int]:
+    """The rows of ``data`` (collated, right-padded) in the order whose micro-batches feed the shared-prefix forward
+    the fewest positions (:func:`prefixes.shared_prefix_order`)."""
+    lengths = data["attn"].sum(1).tolist()  # [S]
+    blocks = [row[:n] for row, n in zip(data["ids"].tolist(), lengths)]
+    return prefixes.shared_prefix_order(blocks, update.micro_batch_size, update.micro_batch_tokens)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
