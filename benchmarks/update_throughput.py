@@ -69,11 +69,11 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
     with the LM head at the positions some row reads (``"read"``, the trainer) or at every position (``"all"``, the
     trainer before 2026-12-04).  ``compiled``: the decoder layers compiled (``update.compile``).  ``by_ids``: shared
     prefixes with the rows sorted by their ids (the trainer before 2026-12-06), not in the trainer's order."""
-    if share:  # the trainer's order (prefixes.shared_prefix_order)
+    if share:  # sorted by ids, as the trainer sorts them first; then the trainer's order (prefixes.shared_prefix_order)
         samples = sorted(samples, key=lambda s: s.ids)
-    if share and not by_ids:
-        blocks = [s.ids[: scoring.scored_length(s)] for s in samples]
-        samples = [samples[i] for i in prefixes.shared_prefix_order(blocks, micro, budget)]
+        if not by_ids:
+            blocks = [s.ids[: scoring.scored_length(s)] for s in samples]
+            samples = [samples[i] for i in prefixes.shared_prefix_order(blocks, micro, budget)]
     elif budget:
         samples = sorted(samples, key=lambda s: -scoring.scored_length(s))
     data = scoring.collate(samples, pad_id, targets=bool(calibration))

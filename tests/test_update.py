@@ -333,3 +333,30 @@ def test_the_shared_prefix_order_keeps_a_family_and_a_length_together():
     single = [system + [10 + g] * 12 + [30 + e] * (5 + e) for g in range(2) for e in range(3)]
     assert shared_prefix_order(single, 3) == sorted(range(6), key=lambda i: single[i])
     assert shared_prefix_order([], 4) == [] and shared_prefix_order([[1, 2]], 4) == [0]
+
+
+def test_the_shared_prefix_update_moves_every_row_whole():
+    """Episodes of two_call-like rows (3 per episode, prompts growing by 3 tokens): with shared prefixes in
+    micro-batches of 2, the trainer's order is not the ids' order, and each row keeps its own tensors and advantages
+    (compared by ids with the update without shared prefixes)."""
+    episodes = []
+    for i, (group, reward) in enumerate(((0, 1.0), (0, 0.0), (1, 1.0), (1, 0.0))):
+        ep = _episode(i, group, reward, [0.1, 0.0, 0.1], [False, False, False])
+        prompt = [1, 2, 3, 4, 5, 6, 7, 8, 40 + group]
+        trajectory = [50 + 10 * i + t for t in range(9)]
+        ep.samples = [_sample(i, prompt + trajectory[: 3 * t], [10 + i, 11], [20 + i]) for t in range(1, 4)]
+        episodes.append(ep)
+    batch = RolloutBatch(episodes=episodes)
+    shared = _prepare(batch, grpo={"kl_coef": 0.01}, update={"micro_batch_size": 2}, share_prefix=True)
+    plain = _prepare(batch, grpo={"kl_coef": 0.01}, update={"micro_batch_size": 2})
+    rows = lambda u: [tuple(r[:n]) for r, n in zip(u.data["ids"].tolist(), u.data["attn"].sum(1).tolist())]  # noqa
+    got, want = rows(shared), rows(plain)
+    assert sorted(got) == sorted(want) and got != sorted(got)  # the same rows, not in the ids' order
+    lengths = [len(r) for r in got]
+    assert lengths[0] == lengths[1] and lengths[2] == lengths[3]  # a micro-batch: one group, one step
+    for i, r in enumerate(got):
+        j = want.index(r)
+        for key, value in shared.data.items():
+            if key not in ("restrict_ids", "restrict_valid", "restrict_exclude"):
+                assert torch.equal(value[i], plain.data[key][j]), key
+        assert torch.equal(shared.adv[i], plain.adv[j])

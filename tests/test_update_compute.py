@@ -374,3 +374,27 @@ def test_the_padding_benchmark_counts_what_the_update_feeds():
         assert own <= longest["fed"] <= played["fed"]
         assert 0 <= longest["pad_share"] <= played["pad_share"] < 1
         assert 0 < ordered["fed"] <= by_ids["fed"] < own and ordered["pad_share"] is None
+
+
+def test_the_positions_the_order_counts_are_those_the_shared_forward_feeds():
+    """prefixes.fed_positions (what the update's row order minimises) against the decoder's inputs in
+    scoring.shared_prefix_hidden: prefixes and rests, nothing shared (one whole pass), a row that is all prefix."""
+    from sglightning.prefixes import fed_positions
+
+    torch.manual_seed(0)
+    model = build_tiny_model(TinyModelConfig(num_layers=1), 64).eval()
+    fed = []
+    model.model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
+    prompt = [3, 9, 11, 5, 7, 21, 13, 30, 31]
+    cases = [[prompt + [40, 41], prompt + [42], prompt + [43, 44, 45, 46], [8, 6, 4, 2, 1, 3, 5, 7, 9]],
+             [[1, 2, 3], [4, 5, 6, 7], [8, 9]],
+             [prompt, prompt + [40, 41, 42], [2] + prompt]]
+    for rows in cases:
+        ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)], attn[i, : len(r)] = torch.tensor(r), 1
+        fed.clear()
+        with torch.no_grad():
+            scoring.shared_prefix_hidden(model.model, ids, attn)
+        assert sum(fed) == fed_positions(rows), rows

@@ -21,19 +21,28 @@ def shared_prefixes(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> tup
     order = sorted(range(n), key=lambda i: tuple(blocks[i]))
     lcp = [common_prefix(blocks[a], blocks[b]) for a, b in zip(order, order[1:])]  # [n-1] neighbours' prefixes
 
-    def best(lo: int, hi: int) -> tuple[int, list[tuple[int, int, int]]]:
-        """Most tokens saved by splitting sorted rows lo..hi into runs, and those runs (first, last, shared)."""
-        if lo == hi:
-            return 0, [(lo, hi, len(blocks[order[lo]]))]
-        k = min(range(lo, hi), key=lambda j: lcp[j])  # the weakest link
-        (s_left, left), (s_right, right) = best(lo, k), best(k + 1, hi)
-        split = s_left + s_right, left + right
-        if lcp[k] < min_shared:
-            return split
-        whole = (hi - lo) * lcp[k]
-        return (whole, [(lo, hi, lcp[k])]) if whole >= split[0] else split
+    def best() -> tuple[int, list[tuple[int, int, int]]]:
+        """Most tokens saved by splitting the sorted rows into runs, and those runs (first, last, shared): each span
+        lo..hi is split at its weakest link, or kept whole where that saves more.  Iterative (a chain of n rows
+        nests n spans deep)."""
+        done: dict[tuple[int, int], tuple[int, list[tuple[int, int, int]]]] = {}
+        todo = [(0, n - 1, False)]
+        while todo:
+            lo, hi, split_done = todo.pop()
+            if lo == hi:
+                done[lo, hi] = (0, [(lo, hi, len(blocks[order[lo]]))])
+                continue
+            k = min(range(lo, hi), key=lambda j: lcp[j])  # the weakest link
+            if not split_done:
+                todo += [(lo, hi, True), (lo, k, False), (k + 1, hi, False)]
+                continue
+            (s_left, left), (s_right, right) = done.pop((lo, k)), done.pop((k + 1, hi))
+            split = s_left + s_right, left + right
+            whole = (hi - lo) * lcp[k]
+            done[lo, hi] = ((whole, [(lo, hi, lcp[k])]) if lcp[k] >= min_shared and whole >= split[0] else split)
+        return done[0, n - 1]
 
-    saved, runs = best(0, n - 1) if n else (0, [])
+    saved, runs = best() if n else (0, [])
     if saved < min_shared:
         return None
     run_of, shared = {}, []
@@ -66,8 +75,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def microbatch_runs(lengths: Sequence[int], size: int, max_tokens: int | None = None) -> list[tuple[int, int]]:
-    """A step's micro-batches as runs ``(start, stop)`` of consecutive rows: at most ``size`` rows each and, with
-    ``max_tokens``, at most that many fed positions (rows × the longest row; a longer row goes alone)."""
+    """A step's micro-batches as runs ``(start, stop)`` of consecutive rows.  Each run has at most ``size`` rows and,
+    with ``max_tokens``, at most that many fed positions (rows × the longest row).  A longer row goes alone."""
     out, start, width = [], 0, 0
     for row, n in enumerate(lengths):
         full = row - start >= size or (max_tokens is not None and (row - start + 1) * max(width, n) > max_tokens)
@@ -81,9 +90,9 @@ def microbatch_runs(lengths: Sequence[int], size: int, max_tokens: int | None = 
 
 
 def fed_positions(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> int:
-    """Positions the shared-prefix forward feeds for one micro-batch of rows (``scoring.shared_prefix_hidden``): the
-    C distinct prefixes padded to the longest, then every row's rest padded to the longest rest; the rows whole,
-    padded, when nothing is shared."""
+    """Positions the shared-prefix forward (``scoring.shared_prefix_hidden``) feeds for one micro-batch of rows.
+    That is the C distinct prefixes padded to the longest, then every row's rest padded to the longest rest.  When
+    nothing is shared: the rows whole, padded."""
     plan = shared_prefixes(blocks, min_shared)
     if plan is None:
         return len(blocks) * max(map(len, blocks), default=0)
@@ -95,20 +104,23 @@ def fed_positions(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> int:
 
 def shared_prefix_order(blocks: Sequence[Sequence[int]], size: int, max_tokens: int | None = None,
                         min_shared: int = 8) -> list[int]:
-    """An order of the rows for the shared-prefix update: of a few candidates, the one whose micro-batches (runs of
-    ``size`` rows, :func:`microbatch_runs`) feed the fewest positions (:func:`fed_positions`); the first on a tie.
+    """An order of the rows for the shared-prefix update: of a few candidates, the one whose micro-batches feed the
+    fewest positions.  Micro-batches are :func:`microbatch_runs`, each costs :func:`fed_positions`.
 
-    Sorted by their ids, rows with long common prefixes are neighbours, but a micro-batch then mixes lengths: in
-    ``two_call`` an episode's prompts grow step by step, so its rows share much and pad much.  The other candidates
-    cut the sorted rows into families at the weakest links between neighbours (1, 3, 7, … cuts) and sort each
-    family longest first: a micro-batch then holds rows of one family and similar length.  Returns row indices."""
+    The candidates: the rows as given (kept on a tie), and the rows sorted by their ids, so that rows with long
+    common prefixes are neighbours.  Sorted so, a micro-batch mixes lengths: in ``two_call`` an episode's prompts grow
+    step by step, so its rows share much and pad much.  So the others cut the sorted rows into families at the
+    weakest links between neighbours.  They make at most 1, 3, 7, … cuts (ties make fewer), and sort each family
+    longest first.  A micro-batch then tends to hold rows of one family and of similar length.  Returns row
+    indices."""
     n = len(blocks)
-    ids = sorted(range(n), key=lambda i: tuple(blocks[i]))
+    given = list(range(n))
     if n <= 2:
-        return ids
+        return given
+    ids = sorted(given, key=lambda i: tuple(blocks[i]))
     links = [common_prefix(blocks[a], blocks[b]) for a, b in zip(ids, ids[1:])]  # [n-1] neighbours' prefixes
     weakest = sorted(links)
-    candidates, seen = [ids], set()
+    candidates, seen = [given, ids], set()
     k = 1
     while k < n:
         least = weakest[min(k, n - 2)]  # families: runs joined by links of at least this many tokens

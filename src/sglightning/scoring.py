@@ -111,7 +111,8 @@ def scored_length(sample) -> int:
 
 
 def select_rows(data: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
-    """The samples ``rows`` (``[S]`` bool) of a collated batch; the restriction table is shared and kept whole."""
+    """The samples ``rows`` (``[S]`` bool, or row indices in any order) of a collated batch; the restriction table
+    is shared and kept whole."""
     shared = ("restrict_ids", "restrict_valid", "restrict_exclude")
     return {k: (v if k in shared else v[rows]) for k, v in data.items()}
 

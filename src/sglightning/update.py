@@ -176,8 +176,8 @@ def prepare_update(
 
 
 def prefix_order(data: dict[str, Tensor], update: UpdateConfig) -> list[int]:
-    """The rows of ``data`` (collated, right-padded) in the order whose micro-batches feed the shared-prefix forward
-    the fewest positions (:func:`prefixes.shared_prefix_order`)."""
+    """An order of the rows of ``data`` (collated, right-padded) for the shared-prefix forward.  Its micro-batches
+    feed the fewest positions of a few candidates (:func:`prefixes.shared_prefix_order`)."""
     lengths = data["attn"].sum(1).tolist()  # [S]
     blocks = [row[:n] for row, n in zip(data["ids"].tolist(), lengths)]
     return prefixes.shared_prefix_order(blocks, update.micro_batch_size, update.micro_batch_tokens)
