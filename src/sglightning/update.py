@@ -62,8 +62,8 @@ class UpdateConfig:
     max_consecutive_skips: int = 5
     """stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop"""
     compile: bool = False
-    """compile each decoder layer for the update (torch.compile: fused norms, activations, LoRA adds); a one-off compile
-    of tens of seconds"""
+    """compile each decoder layer for the update (torch.compile: fused norms, activations, LoRA adds); compiles of tens
+    of seconds in the first steps"""
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
