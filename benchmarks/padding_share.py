@@ -9,7 +9,7 @@ row of total length ΣL attends with a block-diagonal mask over all of it, so at
 Packing pays only where pads are many.  This script counts them for the trainer's micro-batching
 (``scoring.microbatch_rows``): rows in played order, rows longest first (what ``update.micro_batch_tokens`` does
 without shared prefixes), and shared prefixes (a prefix fed once, rests padded), rows ordered by their tokens or as
-the trainer orders them (``prefixes.shared_prefix_order``).
+the trainer orders them (``update.prefix_order``).
 
 One rollout is played (free guidance and actions, so lengths vary as on a GPU config); nothing is timed.  Prints one
 line per arm: positions fed, the share of them that are pads, and fed over the rows' own positions (shared prefixes
@@ -26,13 +26,14 @@ from pathlib import Path
 
 import torch
 
-from sglightning import prefixes, scoring
+from sglightning import scoring
 from sglightning.console import quiet
 from sglightning.data import RolloutConfig
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
 from sglightning.rollout import Rollout
+from sglightning.update import UpdateConfig, prefix_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from update_throughput import _fed_positions  # noqa: E402
@@ -49,12 +50,11 @@ def fed_whole_rows(samples, micro: int, budget: int | None, longest_first: bool)
 
 def fed_shared(samples, micro: int, trainer_order: bool) -> int:
     """Positions the shared-prefix update feeds: rows ordered by their tokens, or as the trainer orders them
-    (:func:`prefixes.shared_prefix_order`: families of rows, longest first, where that feeds fewer)."""
-    samples = sorted(samples, key=lambda s: s.ids)
+    (:func:`update.prefix_order`: families of rows, longest first, where that feeds fewer)."""
+    data = scoring.collate(sorted(samples, key=lambda s: s.ids), 0)
     if trainer_order:
-        blocks = [s.ids[: scoring.scored_length(s)] for s in samples]
-        samples = [samples[i] for i in prefixes.shared_prefix_order(blocks, micro)]
-    data = scoring.collate(samples, 0)
+        order = prefix_order(data, UpdateConfig(micro_batch_size=micro))
+        data = scoring.select_rows(data, torch.tensor(order, dtype=torch.long))
     return sum(_fed_positions(data["ids"][sl], data["attn"][sl]) for sl in scoring.microbatch_rows(data, micro))
 
 

@@ -48,6 +48,7 @@ from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
 from sglightning.rollout import Rollout
+from sglightning.update import UpdateConfig, prefix_order
 
 
 def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
@@ -69,14 +70,14 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
     with the LM head at the positions some row reads (``"read"``, the trainer) or at every position (``"all"``, the
     trainer before 2026-12-04).  ``compiled``: the decoder layers compiled (``update.compile``).  ``by_ids``: shared
     prefixes with the rows sorted by their ids (the trainer before 2026-12-06), not in the trainer's order."""
-    if share:  # sorted by ids, as the trainer sorts them first; then the trainer's order (prefixes.shared_prefix_order)
+    if share:  # sorted by ids, as the trainer sorts them first; then the trainer's order (update.prefix_order)
         samples = sorted(samples, key=lambda s: s.ids)
-        if not by_ids:
-            blocks = [s.ids[: scoring.scored_length(s)] for s in samples]
-            samples = [samples[i] for i in prefixes.shared_prefix_order(blocks, micro, budget)]
     elif budget:
         samples = sorted(samples, key=lambda s: -scoring.scored_length(s))
     data = scoring.collate(samples, pad_id, targets=bool(calibration))
+    if share and not by_ids:
+        cfg = UpdateConfig(micro_batch_size=micro, micro_batch_tokens=budget)
+        data = scoring.select_rows(data, torch.tensor(prefix_order(data, cfg), dtype=torch.long))
     adv = torch.where(data["mask"], (data["episode"] % 3 - 1).float()[:, None] + 0.5, torch.zeros(()))  # [S, L]
     # the trainer's denominators: every policy token and sequence, and every target at a policy token of the update
     n_targets = float(((data["target"] >= 0) & data["mask"]).sum()) if calibration else 0.0

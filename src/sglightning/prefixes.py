@@ -18,8 +18,7 @@ def shared_prefixes(blocks: Sequence[Sequence[int]], min_shared: int = 8) -> tup
     first appearance; ``cut`` [B]: how many leading tokens of the row come from its cluster's shared prefix), or None
     when sharing would save fewer than ``min_shared`` token computations."""
     n = len(blocks)
-    order = sorted(range(n), key=lambda i: tuple(blocks[i]))
-    lcp = [common_prefix(blocks[a], blocks[b]) for a, b in zip(order, order[1:])]  # [n-1] neighbours' prefixes
+    order, lcp = _sorted_neighbours(blocks)
 
     def best() -> tuple[int, list[tuple[int, int, int]]]:
         """Most tokens saved by splitting the sorted rows into runs, and those runs (first, last, shared): each span
@@ -63,6 +62,13 @@ def cluster_heads(cluster_of: Sequence[int]) -> list[int]:
     for row, c in enumerate(cluster_of):
         heads.setdefault(c, row)
     return [heads[c] for c in range(len(heads))]
+
+
+def _sorted_neighbours(blocks: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
+    """The rows sorted by their ids ``[n]``, and the common prefix of each pair of neighbours in that order
+    ``[n-1]``."""
+    order = sorted(range(len(blocks)), key=lambda i: tuple(blocks[i]))
+    return order, [common_prefix(blocks[a], blocks[b]) for a, b in zip(order, order[1:])]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -117,8 +123,7 @@ def shared_prefix_order(blocks: Sequence[Sequence[int]], size: int, max_tokens: 
     given = list(range(n))
     if n <= 2:
         return given
-    ids = sorted(given, key=lambda i: tuple(blocks[i]))
-    links = [common_prefix(blocks[a], blocks[b]) for a, b in zip(ids, ids[1:])]  # [n-1] neighbours' prefixes
+    ids, links = _sorted_neighbours(blocks)
     weakest = sorted(links)
     candidates, seen = [given, ids], set()
     k = 1
