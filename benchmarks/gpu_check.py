@@ -16,8 +16,15 @@ device time, so how busy the GPU was in the rollout and the update) and leaves i
 The decode roofline: a decode step reads the weights once and every row's KV cache, so
 ``tokens/s ≤ B / ((2·N + B·L·kv) / bandwidth)`` with B the rows a lock step advances, L their mean context (both as
 the engine logged them), kv = 2 · layers · kv_heads · head_dim · 2 bytes per token, N the parameters, bandwidth a
-device-to-device copy measured here (bytes read + written).  MFU counts 4·N FLOPs per update token (forward and
-input gradients; the frozen base takes no weight gradients) against a bf16 matrix product measured here.
+device-to-device copy measured here (bytes read + written).  MFU counts the positions the update's forwards feed
+(``tokens/update_positions``: pads included, a shared prefix once), 4·N FLOPs each for a pass with a backward
+(forward and input gradients; the frozen base takes no weight gradients) and 2·N for a pass without (the KL term's
+reference, the rollout correction's pass where the model drops out), against a bf16 matrix product measured here;
+attention's own FLOPs are left out.  ``update tok/s`` counts the rows' own tokens (``tokens/total``): with shared
+prefixes it exceeds the positions computed.
+
+Each step's logs go to ``--json``'s path + ``.steps.jsonl`` as the run goes (after a first line of the machine's
+numbers); ``--from-steps`` summarises such a file, so a stage cut short by its timeout still gives its numbers.
 
 Shapes (``--shape``), all with the in-process test tokenizer (vocabulary 512 instead of ~150 k, so the LM head is
 negligible and N is the transformer's), LoRA r16 on every linear layer, bf16 base, fp32 adapters, ``bf16-mixed``:
@@ -35,6 +42,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from lightning.pytorch import Callback
 
 SHAPES = {
     "tiny": dict(),
@@ -63,7 +72,10 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other sglightning fit key, e.g. --set model.grpo.rollout_correction=null (repeatable)")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU: checks the script end to end")
-    ap.add_argument("--json", default=None, help="also write the numbers to this file")
+    ap.add_argument("--json", default=None, help="also write the numbers to this file (and each step's logs, as the "
+                    "run goes, to this path + .steps.jsonl)")
+    ap.add_argument("--from-steps", default=None, metavar="PATH",
+                    help="run nothing: summarise a .steps.jsonl an interrupted check left (marked partial)")
     ap.add_argument("--profile", default=None, metavar="PATH",
                     help="profile the last step (sglightning.callbacks.StepProfile), write its phases to PATH "
                          "(Markdown) and the JSON; that step is left out of the throughput numbers (needs --steps 3+)")
@@ -158,18 +170,34 @@ def shape_numbers(shape: dict) -> dict[str, float]:
     return {"params": float(params), "kv_bytes_per_token": float(2 * cfg.num_layers * kv_heads * cfg.heads_dim * 2)}
 
 
-def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: float | None, profiled: bool = False
-              ) -> dict:
+def update_passes(module) -> dict[str, int]:
+    """The update's passes over its positions per step, from the module's configs: with a backward (one per PPO
+    epoch) and without (the KL term's reference pass each epoch; the rollout correction's pass where the model drops
+    out)."""
+    from sglightning.models import drops_out
+
+    epochs = module.grpo_cfg.ppo_epochs
+    correction = module.policy is not None and bool(module.correction_mode()) and drops_out(module.policy)
+    return {"backward": epochs, "no_grad": epochs * (module.grpo_cfg.kl_coef > 0) + int(correction)}
+
+
+def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: float | None, profiled: bool = False,
+              passes: dict[str, int] | None = None, devices: int = 1) -> dict:
     """The run's numbers from its per-step logs ``hist``; with ``profiled`` the last step (run under the profiler) is
-    left out of the times."""
+    left out of the times.  ``passes``: :func:`update_passes` (default one pass with a backward); ``devices``: the
+    GPUs the logged counts (summed over ranks) were computed on."""
     rows = (hist[:-1] if profiled else hist)[1:] or hist  # the first step includes warm-up and compilation
     gen = sum(r["tokens/generated"] for r in rows)
     rollout_s = sum(r["time/rollout_s"] for r in rows)
+    update_s = max(sum(r["time/update_s"] for r in rows), 1e-9)
+    # positions fed per pass (older logs: the rows' own tokens)
+    positions = sum(r.get("tokens/update_positions", r.get("tokens/total", 0.0)) for r in rows)
     out = {"rollout_tokens_per_s": gen / rollout_s,
            "rollout_s_per_step": rollout_s / len(rows),
-           "update_tokens_per_s": sum(r.get("tokens/total", 0.0) for r in rows)
-           / max(sum(r["time/update_s"] for r in rows), 1e-9),
+           "update_tokens_per_s": sum(r.get("tokens/total", 0.0) for r in rows) / update_s,
+           "update_positions_per_s": positions / update_s,
            "update_s_per_step": sum(r["time/update_s"] for r in rows) / len(rows),
+           "steps_timed": len(rows),
            "logprob_gap_sampler_trainer": max(r.get("policy/logprob_gap_sampler_trainer", 0.0) for r in hist)}
     # the sampler/trainer ratio of the first pass, and what the update did with it (rollout correction)
     for key, reduce in (("policy/sampler_ratio_mean", "mean"), ("policy/sampler_ratio_outside_0.9_1.1", "mean"),
@@ -189,13 +217,58 @@ def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: flo
         step_bytes = 2 * out["params"] + b * ctx * out["kv_bytes_per_token"]
         out["decode_roofline_tokens_per_s"] = b / (step_bytes / bandwidth)
         out["roofline_share"] = out["rollout_tokens_per_s"] / out["decode_roofline_tokens_per_s"]
+    passes = passes or {"backward": 1, "no_grad": 0}
+    out["update_flops_per_param_position"] = 4 * passes["backward"] + 2 * passes["no_grad"]
     if flops:
-        out["update_mfu"] = 4 * out["params"] * out["update_tokens_per_s"] / flops
+        out["update_mfu"] = (out["update_flops_per_param_position"] * out["params"] * out["update_positions_per_s"]
+                             / devices / flops)
     return out
+
+
+class StepLog(Callback):
+    """Appends each training step's logs (the module's ``history``) to a JSON-lines file as the run goes, so that a
+    check stopped by its timeout still leaves its steps (rank 0 only)."""
+
+    def __init__(self, path: str, header: dict):
+        self.path = Path(path)
+        self.path.write_text(json.dumps({"header": header}) + "\n")
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.is_global_zero and module.history:
+            line = dict(module.history[-1], **{"gpu_check/" + k: v for k, v in update_passes(module).items()},
+                        **{"gpu_check/validation_before": _success(module.val_report_before)})
+            with self.path.open("a") as f:
+                f.write(json.dumps(line, default=float) + "\n")
+
+
+def from_steps(path: str) -> dict:
+    """The numbers of an interrupted check from its ``.steps.jsonl`` (:class:`StepLog`): ``partial`` true, no
+    validation after training, no peak memory."""
+    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    if not lines or "header" not in lines[0]:
+        raise SystemExit(f"--from-steps: {path} has no header line (not a gpu_check steps log)")
+    head, hist = lines[0]["header"], lines[1:]
+    if not hist:
+        raise SystemExit(f"--from-steps: {path} holds no finished step")
+    passes = {k: int(hist[-1].get("gpu_check/" + k, d)) for k, d in (("backward", 1), ("no_grad", 0))}
+    return {**head, "partial": True, "steps": len(hist), "episodes_per_step": hist[-1]["rollout/episodes"],
+            **summarise(hist, SHAPES[head["shape"]], head.get("bandwidth"), head.get("flops"), passes=passes,
+                        devices=head.get("devices", 1)),
+            "copy_bandwidth_TBps": head["bandwidth"] / 1e12 if head.get("bandwidth") else None,
+            "matmul_TFLOPs": head["flops"] / 1e12 if head.get("flops") else None,
+            "peak_memory_GB": None, "validation_before": hist[0].get("gpu_check/validation_before"),
+            "validation_after": None}
 
 
 def main(argv=None) -> dict:
     args = parse(argv)
+    if args.from_steps:
+        out = from_steps(args.from_steps)
+        print(json.dumps(out, indent=2))
+        print(row(out))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out, indent=2))
+        return out
     import torch
 
     from sglightning.callbacks import RolloutCallback, StepProfile
@@ -211,21 +284,25 @@ def main(argv=None) -> dict:
         torch.cuda.reset_peak_memory_stats()
     root = tempfile.mkdtemp(prefix="sgl-gpu-check-")
     t0 = time.perf_counter()
+    header = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "shape": args.shape,
+              "strategy": args.strategy, "devices": args.devices, "compile": args.compile, "bandwidth": bandwidth,
+              "flops": flops}
+    steps_log = [StepLog(args.json + ".steps.jsonl", header)] if args.json else []
     argv0, sys.argv = sys.argv, sys.argv[:1]  # the fit's arguments are given: LightningCLI warns if argv has more
     try:
-        cli = cli_main(fit_args(args, gpu, root))
+        cli = cli_main(fit_args(args, gpu, root), callbacks=steps_log)
     finally:
         sys.argv = argv0
     module, trainer = cli.model, cli.trainer
     engine = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback)).engine
     profile = next((c.summary for c in trainer.callbacks if isinstance(c, StepProfile)), None)
-    out = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "shape": args.shape,
-           "strategy": args.strategy, "devices": args.devices, "compile": args.compile,
+    out = {**{k: v for k, v in header.items() if k not in ("bandwidth", "flops")},
            "decode_step": engine.mode(module.peft_model) if hasattr(engine, "mode") else None,
            "compiles": counters["frames"]["ok"], "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
            "steps": len(module.history),
            "episodes_per_step": module.history[-1]["rollout/episodes"],
-           **summarise(module.history, SHAPES[args.shape], bandwidth, flops, profiled=profile is not None),
+           **summarise(module.history, SHAPES[args.shape], bandwidth, flops, profiled=profile is not None,
+                       passes=update_passes(module), devices=args.devices),
            "copy_bandwidth_TBps": bandwidth / 1e12 if bandwidth else None,
            "matmul_TFLOPs": flops / 1e12 if flops else None,
            "peak_memory_GB": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
@@ -264,7 +341,8 @@ def row(o: dict) -> str:
         if o.get("roofline_share") is not None else ""
     mfu = f" ({100 * o['update_mfu']:.1f} % MFU)" if o.get("update_mfu") is not None else ""
     mem = f"{o['peak_memory_GB']:.1f} GB" if o.get("peak_memory_GB") is not None else "-"
-    return (f"| {o['shape']} | {o['episodes_per_step']:.0f} | {o['rollout_tokens_per_s']:,.0f}{share} | "
+    partial = f" (cut at step {o['steps']})" if o.get("partial") else ""
+    return (f"| {o['shape']}{partial} | {o['episodes_per_step']:.0f} | {o['rollout_tokens_per_s']:,.0f}{share} | "
             f"{o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | {mem} | "
             f"{o['validation_before']} -> {o['validation_after']} |")
 

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# The GPU checks of one lent GPU machine (an H200 here), as two calls of 9 and 7 minutes at most; every stage under its
-# own timeout, its output appended to $OUT/log.txt, gpu_check's numbers to $OUT/results.jsonl, a table printed last
-# (and kept in $OUT/table.md).  Prepare the bundle first, on a machine with network:
+# The GPU checks of one lent GPU machine (an H100 or H200: a session has 15 minutes of device time, start and idle
+# included), every stage under its own timeout, its output appended to $OUT/log.txt, gpu_check's numbers to
+# $OUT/results.jsonl, a table printed last (and kept in $OUT/table.md).  A check cut by its timeout still reports the
+# steps it finished (gpu_check's .steps.jsonl, marked "cut at step N").  Prepare the bundle first, on a machine with
+# network:
 #   bash ../shared/tools/gpu_bundle.sh        # .gpu/: jsonargparse + gguf wheels, the SmolLM2 GGUF in two halves
 # and run the suite under the GPU machine's package versions on this CPU: bash .ci/versions device
-# then, through the device tool, on one warm machine:
-#   part 1 (carry .gpu/wheels .gpu/gguf1): bash benchmarks/gpu_session.sh 1
+# then, through the device tool, on one warm machine, the issues' floors first:
+#   part 1 (carry .gpu/wheels .gpu/gguf1 .gpu/env.sh .gpu/stash.sh; <= 6 min, so a fix and a rerun fit): bash benchmarks/gpu_session.sh 1
 #       CUDA tests (every decode step vs the dynamic cache; the tiny config's fit, resume and validate), the 0.39 B
-#       probe at 8 x 8 episodes, the Qwen3-1.7B shape at the paper's 16 x 8; each profiles its last step (where the
-#       time goes, how busy the GPU is: $OUT/<run>.profile.md; that step is left out of the throughput)
-#   part 2 (carry .gpu/wheels .gpu/gguf2): bash benchmarks/gpu_session.sh 2
-#       the quickstart (embedded SmolLM2, bf16), the Qwen3-4B shape at 16 x 8
-#   part 3, only if device time is left (<= 8 min): the probe with CUDA graphs but no inductor (what compiling
+#       probe at 8 x 8 episodes (floor: 11 k rollout tok/s), the Qwen3-1.7B shape at the paper's 16 x 8 (floors: 3 k
+#       rollout tok/s, 25 % update MFU); each profiles its last step (where the time goes, how busy the GPU is:
+#       $OUT/<run>.profile.md; that step is left out of the throughput)
+#   part 2 (carry .gpu/wheels .gpu/gguf2 .gpu/env.sh; <= 5 min): bash benchmarks/gpu_session.sh 2
+#       the quickstart (embedded SmolLM2, bf16; floor: rollout <= 1.5 s/step), the Qwen3-4B shape at 16 x 8
+#   parts 3-9 need no model (carry .gpu/wheels): each fits a session of its own, or the time parts 1-2 leave
+#   part 3 (<= 8 min): the probe with CUDA graphs but no inductor (what compiling
 #       adds), without rollout correction (the ratio spread it corrects), under FSDP2 on one GPU (its step time
 #       against part 1's probe)
 #   part 4, the same (<= 8 min): the engine's host time per lock step on this machine's CPU (the ceiling the host puts
@@ -27,6 +31,8 @@
 #   part 8, the same (<= 8 min): part 4's Qwen3-1.7B update by token budget with its decoder layers compiled
 #       (model.update.compile: true; compare update tok/s and MFU with part 4's row), then part 1's shared prefixes
 #       with compiled layers (compare with part 1's Qwen3-1.7B row)
+#   part 9, the same (<= 7 min): the shapes part 1 leaves out: Qwen2.5-0.5B's grouped-query layout at 8 x 8, and
+#       the Qwen3-1.7B and Qwen3-4B shapes at 64 episodes (8 x 8)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 set -uo pipefail
 part=${1:-1}
@@ -40,6 +46,10 @@ if [ -f .gpu/env.sh ]; then
   source .gpu/env.sh
 else
   export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+  if [ -d .gpu/wheels ] && ! "$PY" -c "import jsonargparse" 2>/dev/null; then  # the wheels carried without env.sh
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpu/wheels/*.whl
+    export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  fi
 fi
 export SGLIGHTNING_CACHE=${SGLIGHTNING_CACHE:-/tmp/sglcache}
 
@@ -58,6 +68,8 @@ check() {  # check NAME SECONDS ARGS...: benchmarks/gpu_check.py, its numbers ap
   local name=$1 limit=$2
   shift 2
   stage "$name" "$limit" "$PY" benchmarks/gpu_check.py --json "$OUT/$name.json" "$@"
+  [ -f "$OUT/$name.json" ] || [ ! -f "$OUT/$name.json.steps.jsonl" ] || \
+    "$PY" benchmarks/gpu_check.py --from-steps "$OUT/$name.json.steps.jsonl" --json "$OUT/$name.json" >> "$OUT/log.txt" 2>&1
   [ -f "$OUT/$name.json" ] && "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); d['run']=sys.argv[2]; \
 print(json.dumps(d))" "$OUT/$name.json" "$name" >> "$OUT/results.jsonl" && rm -f "$OUT/$name.json"
 }
@@ -69,16 +81,20 @@ echo "|---|---|---|" >> "$OUT/stages.md"
   >> "$OUT/log.txt" 2>&1
 
 if [ "$part" = 1 ]; then
-  stage cuda_tests 150 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py  # no -x: every failure is news
-  check probe_8x8 200 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 \
+  stage cuda_tests 110 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py  # no -x: every failure is news
+  check probe_8x8 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 \
     --profile "$OUT/probe_8x8.profile.md"
-  check qwen3-1.7b_16x8 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
+  check qwen3-1.7b_16x8 140 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --profile "$OUT/qwen3-1.7b_16x8.profile.md"
 elif [ "$part" = 2 ]; then
-  stage quickstart 220 "$PY" -m sglightning fit --config configs/quickstart.yaml --trainer.accelerator=gpu \
+  stage quickstart 170 "$PY" -m sglightning fit --config configs/quickstart.yaml --trainer.accelerator=gpu \
     --trainer.precision=bf16-mixed --model.policy.dtype=bfloat16 "--trainer.default_root_dir=$OUT/runs" \
     "--trainer.logger.init_args.save_dir=/tmp/sgl-runs"
-  check qwen3-4b_16x8 160 --shape qwen3-4b --groups 16 --group-size 8 --val-tasks 4
+  check qwen3-4b_16x8 120 --shape qwen3-4b --groups 16 --group-size 8 --val-tasks 4
+elif [ "$part" = 9 ]; then
+  check qwen2.5-0.5b_8x8 120 --shape qwen2.5-0.5b --groups 8 --group-size 8 --val-tasks 4
+  check qwen3-1.7b_8x8 130 --shape qwen3-1.7b --groups 8 --group-size 8 --val-tasks 4
+  check qwen3-4b_8x8 150 --shape qwen3-4b --groups 8 --group-size 8 --val-tasks 4
 elif [ "$part" = 3 ]; then
   check probe_8x8_cudagraphs 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile cudagraphs
   check probe_8x8_no_correction 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
@@ -129,7 +145,8 @@ for line in open(sys.argv[1]):
     o = json.loads(line)
     share = f" ({100 * o['roofline_share']:.1f} % of {o['decode_roofline_tokens_per_s']:,.0f})" if o.get("roofline_share") else ""
     mfu = f" ({100 * o['update_mfu']:.1f} %)" if o.get("update_mfu") else ""
-    print(f"| {o['run']} | {o['shape']} | {o['episodes_per_step']:.0f} | {o.get('decode_step')} | "
+    cut = f" (cut at step {o['steps']})" if o.get("partial") else ""
+    print(f"| {o['run']}{cut} | {o['shape']} | {o['episodes_per_step']:.0f} | {o.get('decode_step')} | "
           f"{o['rollout_tokens_per_s']:,.0f}{share} | {o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | "
           f"{o.get('peak_memory_GB') or 0:.1f} ({o.get('slot_cache_GB') or 0:.1f}) | {o['validation_before']} -> {o['validation_after']} | "
           f"{o.get('sampler_ratio_outside_0.9_1.1', float('nan')):.4f} / {o.get('sampler_ratio_max', float('nan')):.3f} | "

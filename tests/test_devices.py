@@ -67,3 +67,24 @@ def test_sampling_generator_needs_the_device():
     with pytest.raises(TypeError):
         sampling_generator(0, 0, 0)  # the device is a required keyword: no caller can forget it
     assert sampling_generator(0, 1, 0, device="cpu").device.type == "cpu"
+
+
+def test_vllm_seeds_are_drawn_on_the_generators_device(monkeypatch):
+    """The vLLM engine draws each row's seed from the rollout's generator; on a GPU trainer that generator is on
+    CUDA, and a draw made on the CPU from it raised "Expected a 'cpu' device type for generator".  The draw asks
+    for the generator's own device, and gives the seeds of drawing row by row (the same episodes as before)."""
+    from sglightning.engines import vllm
+
+    asked: list = []
+    real = torch.randint
+
+    def spy(*args, generator=None, device=None, **kw):
+        asked.append((generator.device if generator is not None else None, device))
+        return real(*args, generator=generator, device=device, **kw)
+
+    gen = torch.Generator().manual_seed(5)
+    by_row = [int(real(0, 2**31 - 1, (1,), generator=gen)) for _ in range(7)]
+    monkeypatch.setattr(vllm.torch, "randint", spy)
+    assert vllm.row_seeds(torch.Generator().manual_seed(5), 7) == by_row
+    assert asked and all(torch.device(d) == g for g, d in asked), asked
+    assert len(vllm.row_seeds(None, 3)) == 3

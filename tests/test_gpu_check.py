@@ -3,6 +3,7 @@ whole check on CPU with tiny shapes, through the same CLI path as ``sglightning 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,14 @@ def test_the_roofline_by_hand():
     assert out["decode_roofline_tokens_per_s"] == pytest.approx(roof)
     assert out["roofline_share"] == pytest.approx(1280 / roof)
     assert out["update_mfu"] == pytest.approx(4 * out["params"] * 1e5 / 8e14)
+    # MFU counts the positions fed (a shared prefix once), 4·N each with a backward and 2·N each without (the KL
+    # term's reference pass); update tok/s still counts the rows' own tokens
+    fed = dict(step, **{"tokens/update_positions": 6e3})
+    out = gpu_check.summarise([fed, fed], gpu_check.SHAPES["probe"], 4e12, 8e14, passes={"backward": 1, "no_grad": 1},
+                              devices=2)
+    assert out["update_tokens_per_s"] == 1e5 and out["update_positions_per_s"] == 6e4
+    assert out["update_flops_per_param_position"] == 6
+    assert out["update_mfu"] == pytest.approx(6 * out["params"] * 6e4 / 2 / 8e14)
 
 
 def test_cpu_smoke_run_goes_through_fit_with_validation(tmp_path, capsys):
@@ -66,6 +75,23 @@ def test_cpu_smoke_run_goes_through_fit_with_validation(tmp_path, capsys):
     assert out["rows_per_lock_step"] > 0 and out["mean_context_tokens"] > 0  # the engine logged its decode steps
     assert (tmp_path / "n.json").is_file()
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| tiny | 2 | ")
+    # each step was logged as it ended: a check cut short by its timeout is summarised from what it left
+    log = tmp_path / "n.json.steps.jsonl"
+    lines = log.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[0])["header"]["shape"] == "tiny"
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text("\n".join(lines[:2]) + "\n")  # killed during step 2
+    part = gpu_check.main(["--from-steps", str(cut), "--json", str(tmp_path / "p.json")])
+    assert part["partial"] and part["steps"] == 1 and part["validation_before"] == out["validation_before"]
+    assert part["update_flops_per_param_position"] == out["update_flops_per_param_position"] == 6  # 0.01 KL
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("| tiny (cut at step 1) | 2 | ")
+    whole = gpu_check.from_steps(str(log))
+    assert whole["rollout_tokens_per_s"] == pytest.approx(out["rollout_tokens_per_s"])
+    assert whole["update_positions_per_s"] == pytest.approx(out["update_positions_per_s"])
+    header_only = tmp_path / "h.jsonl"
+    header_only.write_text(lines[0] + "\n")
+    with pytest.raises(SystemExit, match="no finished step"):
+        gpu_check.from_steps(str(header_only))
 
 
 def test_cpu_smoke_run_profiles_its_last_step_and_leaves_it_out_of_the_times(tmp_path):

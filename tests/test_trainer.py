@@ -21,6 +21,7 @@ from sglightning.cli import cli_main
 from sglightning.data import RolloutConfig
 from sglightning.engines import EngineConfig
 from sglightning.episodes import KIND_GUIDANCE
+from sglightning.guidance import GuidanceConfig
 from sglightning.module import GRPOConfig
 from sglightning.update import UpdateConfig
 
@@ -68,12 +69,27 @@ def test_half_precision_adapters_warn(tmp_path, precision, warns):
         assert "torch.bfloat16" in hits[0] and "bf16-mixed" in hits[0]
 
 
+DECODING_MODES = {  # guidance settings and top-k: every decoding mode the sampler has
+    "constrained_admissible": ({}, 0),
+    "single_stream_top_k": ({}, 7),
+    "two_call_free_json": (dict(prompt_mode="two_call", decoding="free", action_decoding="free", actor_format="json",
+                                max_guidance_tokens=6, max_action_tokens=6), 0),
+    "two_call_constrained_top_k": (dict(prompt_mode="two_call"), 5),
+    "think_tags_free": (dict(actor_format="think_tags", action_decoding="free", max_think_tokens=6), 0),
+}
+
+
 @pytest.mark.parametrize("compile_mode", ["off", "static"])
-def test_trainer_logprobs_match_sampler_logprobs(tmp_path, compile_mode):
-    """The trainer's recomputed log-probs of the sampled ids equal the sampler's (same weights), with the dynamic
-    cache and with the slot cache the GPU path decodes on."""
-    module = tiny_module(rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3, temperature=0.8),
-                         engine=EngineConfig(compile=compile_mode))
+@pytest.mark.parametrize("mode", sorted(DECODING_MODES))
+def test_trainer_logprobs_match_sampler_logprobs(tmp_path, compile_mode, mode):
+    """The trainer's recomputed log-probs of the sampled ids equal the sampler's (same weights, fp32, ≤ 1e-5) in
+    every decoding mode, with the dynamic cache and with the slot cache the GPU path decodes on."""
+    guidance, top_k = DECODING_MODES[mode]
+    module = tiny_module(rollout=RolloutConfig(groups_per_step=2, group_size=2, max_steps=3, temperature=0.8,
+                                               top_k=top_k),
+                         engine=EngineConfig(compile=compile_mode),
+                         guidance=GuidanceConfig(**{"action_decoding": "admissible", "max_guidance_tokens": 4,
+                                                    "max_action_tokens": 4, **guidance}))
     module.configure_model()
     module._trainer = None
     batch = rollout(module).run([1, 2], generator=torch.Generator().manual_seed(0))
@@ -84,7 +100,8 @@ def test_trainer_logprobs_match_sampler_logprobs(tmp_path, compile_mode):
                                         restrict=scoring.restrictions_of(data))
     m = data["mask"]
     assert m.sum() > 20
-    assert (data["restrict_index"][m] >= 0).any()  # admissible actions + constrained labels: restricted tokens
+    restricted = (data["restrict_index"][m] >= 0).any()  # constrained labels, admissible actions, top-k
+    assert bool(restricted) == (mode != "two_call_free_json"), mode  # free text without top-k: the full softmax
     assert torch.allclose(logp[m], data["old_logp"][m], atol=1e-5), float((logp[m] - data["old_logp"][m]).abs().max())
 
 

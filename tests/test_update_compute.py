@@ -398,3 +398,32 @@ def test_the_positions_the_order_counts_are_those_the_shared_forward_feeds():
         with torch.no_grad():
             scoring.shared_prefix_hidden(model.model, ids, attn)
         assert sum(fed) == fed_positions(rows), rows
+
+
+@pytest.mark.parametrize("share,kl,mode", [(True, 0.0, "two_call"), (True, 0.05, "single_stream"),
+                                           (False, 0.0, "two_call")])
+def test_the_logged_update_positions_are_those_the_model_is_fed(tmp_path, monkeypatch, share, kl, mode):
+    """``tokens/update_positions`` (what gpu_check's MFU counts) against the positions the embedding layer sees in
+    the update's forwards: pads included, a shared prefix once; the reference pass (KL on) feeds them again."""
+    seen = {"on": False, "positions": 0}
+    real = SelfGuideModule.token_logprobs
+
+    def counted(self, ids, *args, **kwargs):
+        if not seen.get("hooked"):
+            self.policy.get_input_embeddings().register_forward_pre_hook(
+                lambda m, a: seen.__setitem__("positions", seen["positions"] + (a[0].numel() if seen["on"] else 0)))
+            seen["hooked"] = True
+        seen["on"] = True
+        try:
+            return real(self, ids, *args, **kwargs)
+        finally:
+            seen["on"] = False
+
+    monkeypatch.setattr(SelfGuideModule, "token_logprobs", counted)
+    module, _, _ = _fit(tmp_path, skip=False, share=share, micro=4, kl=kl, mode=mode)
+    h = module.history[0]
+    passes = 2 if kl > 0 else 1
+    assert h["tokens/update_positions"] > 0
+    assert seen["positions"] == passes * h["tokens/update_positions"], (seen["positions"], h)
+    if share:  # a shared prefix is fed once: fewer positions than the rows hold
+        assert h["tokens/update_positions"] < h["tokens/total"]

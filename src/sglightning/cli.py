@@ -22,13 +22,14 @@ import re
 import sys
 import traceback
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from jsonargparse import set_parsing_settings
 from jsonargparse.typing import PositiveInt
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger
 
@@ -691,7 +692,12 @@ def _check_something_configured(argv: list[str], prog: str) -> None:
     sys.exit(2)
 
 
-def cli_main(args: list[str] | None = None) -> SGLightningCLI:
+def cli_main(args: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> SGLightningCLI:
+    """Run ``sglightning`` with ``args`` (None: ``sys.argv``).
+
+    Args:
+        args: the command line after the program's name.
+        callbacks: more callbacks, for a program that runs the CLI in its own process (``benchmarks/gpu_check.py``)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(args) if args is not None else sys.argv[1:]
     prog = "sglightning " + (argv[0] if argv and not argv[0].startswith("-") else "")
@@ -702,7 +708,7 @@ def cli_main(args: list[str] | None = None) -> SGLightningCLI:
         SelfGuideModule,
         subcommand=subcommand,
         # the one progress bar (given to the Trainer: Lightning would otherwise add its own, rich when installed)
-        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [StepProgressBar()]},
+        trainer_defaults={**TRAINER_DEFAULTS, "callbacks": [StepProgressBar(), *callbacks]},
         save_config_callback=VersionedSaveConfig,
         parser_class=OneLineParser,
         save_config_kwargs={"overwrite": True},

@@ -44,7 +44,7 @@ LABEL_KEYS = frozenset(k for k in EPISODE_KEYS if k.startswith("guidance/label_"
 #: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
 SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
                       "rollout/dropped_groups", "rollout/degenerate_groups", "tokens/generated", "tokens/policy",
-                      "tokens/forced_choice", "tokens/total", "tokens/prefill_positions",
+                      "tokens/forced_choice", "tokens/total", "tokens/update_positions", "tokens/prefill_positions",
                       "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples",
                       "guidance/calibration_pairs", "guidance/auroc_labels",
                       "rollout/dynamic_sampling_groups", "dynamic_sampling/groups",

