@@ -179,3 +179,24 @@ def test_the_floor_lane_pins_the_lower_bounds_pyproject_declares():
     assert len(declared) >= 8 and [p.replace("==", ">=") for p in pins[1:]] == declared + ["gguf>=0.17.1"]
     assert 'smollm2 = ["gguf>=0.17.1"]' in text
     assert "python3 .ci/floor_pins.py" in (ROOT / ".ci" / "versions").read_text()
+
+
+def test_the_readme_python_is_the_one_pyproject_accepts():
+    text = (ROOT / "pyproject.toml").read_text()
+    lowest = re.search(r'requires-python = ">=(3\.\d+)"', text).group(1)
+    said = re.findall(r"Python (3\.\d+) or newer", (ROOT / "README.md").read_text())
+    assert said == [lowest], (said, lowest)
+
+
+def test_each_readme_result_is_one_short_number():
+    """The results table: one number per cell (a spread after ± allowed), read at a glance; readings go to
+    benchmarks/README.md."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Results"):readme.index("## Docker")]
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 10 and rows[0][1].strip() == "result"
+    for what, result in rows[1:]:
+        value = result.strip().replace("*", "")
+        assert len(value) <= 24, (what, value)
+        main = value.split("±")[0]
+        assert len(re.findall(r"\d+(?:\.\d+)?", main.replace(" min ", ".").replace(",", ""))) <= 1, (what, value)

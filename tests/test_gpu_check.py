@@ -172,3 +172,18 @@ def test_the_cache_memory_benchmark_by_hand_and_measured(tmp_path):
         pytest.skip("/proc/self/clear_refs cannot reset the peak resident size here")
     assert in_place["peak_GiB"] < 0.8 * beside["peak_GiB"]
     assert chunked["peak_GiB"] < 0.6 * one["peak_GiB"]
+
+
+@pytest.mark.slow
+def test_the_fsdp2_check_ends_its_process_on_its_own(tmp_path):
+    """On the first GPU run ``--strategy fsdp2 --devices 1`` finished its steps but its process had not ended 60 s
+    later. As a script, as the session runs it, it must end by itself with its table row."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=str(BENCH.parent / "src"))
+    res = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--cpu-smoke", "--steps", "2", "--strategy",
+                          "fsdp2", "--devices", "1", "--json", str(tmp_path / "f.json")],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1].startswith("| tiny | 2 | ")
+    assert json.loads((tmp_path / "f.json").read_text())["strategy"] == "fsdp2"

@@ -44,3 +44,10 @@ def test_a_violation_breaks_its_contract(tmp_path, file, line, contract):
     assert res.returncode != 0
     assert f"{contract} BROKEN" in res.stdout, res.stdout
     assert "2 kept, 1 broken" in res.stdout, res.stdout
+
+
+def test_the_lightning_module_keeps_to_its_size():
+    """module.py keeps what needs Lightning (forwards, backward, collectives, optimiser, hooks) in at most 500 lines;
+    what needs no Lightning lives below it (DEVELOPERS.md's table)."""
+    lines = (ROOT / "src" / "sglightning" / "module.py").read_text().count("\n")
+    assert lines <= 500, f"module.py has {lines} lines: move what needs no Lightning to a lower layer"
