@@ -200,3 +200,31 @@ def test_each_readme_result_is_one_short_number():
         assert len(value) <= 24, (what, value)
         main = value.split("±")[0]
         assert len(re.findall(r"\d+(?:\.\d+)?", main.replace(" min ", ".").replace(",", ""))) <= 1, (what, value)
+
+
+def test_every_config_field_doc_is_short_and_plain():
+    """Each ``*Config`` field's docstring is what ``sglightning fit --help`` prints for its key: at most 25 words, and
+    no Sphinx roles (``:func:`` and the like print verbatim there). The depth goes to docs/."""
+    import ast
+
+    roles = (":func:", ":class:", ":mod:", ":meth:")
+    long, roled, seen = [], [], 0
+    for path in sorted((ROOT / "src" / "sglightning").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ClassDef) and node.name.endswith("Config")):
+                continue
+            for field, doc in zip(node.body, node.body[1:]):
+                if not (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name)
+                        and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                        and isinstance(doc.value.value, str)):
+                    continue
+                seen += 1
+                key = f"{path.relative_to(ROOT)}:{node.name}.{field.target.id}"
+                words = len(doc.value.value.split())
+                if words > 25:
+                    long.append(f"{key} ({words} words)")
+                if any(role in doc.value.value for role in roles):
+                    roled.append(key)
+    assert seen > 100, seen  # the walk finds the config fields
+    assert not long, f"config field docs over 25 words (move the depth to docs/): {long}"
+    assert not roled, f"config field docs with a Sphinx role (write plain words): {roled}"

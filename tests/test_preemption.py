@@ -62,6 +62,27 @@ def straight(tmp_path_factory) -> Path:
     return root / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
 
 
+def test_a_resume_with_nothing_left_to_train_says_so_and_writes_nothing(tmp_path, straight):
+    """``--ckpt_path last`` on a run that already holds trainer.max_steps steps or more: one line, exit 0, and the
+    run's folder untouched (Lightning rewrote its config.yaml with the new max_steps and added an events file)."""
+    import shutil
+
+    root = tmp_path / "copy"
+    shutil.copytree(straight.parents[3], root)
+    run = root / "tiny" / "version_0"
+    before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
+    for steps in (6, 3):  # the same command again (a requeue after the end), and fewer steps
+        out = subprocess.run(_fit_cmd(root, steps, "--ckpt_path=last"), env=_env(), capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stderr.strip().splitlines() == [
+            f"sglightning: {run / 'checkpoints' / 'last.ckpt'} holds 6 trained steps and trainer.max_steps is "
+            f"{steps}: nothing to train (raise trainer.max_steps to train on)"], out.stderr
+        assert out.stdout == ""
+        assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
+        assert sorted(p.name for p in (root / "tiny").iterdir()) == ["version_0"]
+
+
 def test_sigterm_saves_exits_zero_and_resume_matches_a_straight_run(tmp_path, straight):
     ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     proc = subprocess.Popen(_fit_cmd(tmp_path, 6, "--model.rollout.max_steps=4"), env=_env(), stderr=subprocess.PIPE,
@@ -86,6 +107,21 @@ def test_sigterm_saves_exits_zero_and_resume_matches_a_straight_run(tmp_path, st
     assert not (tmp_path / "tiny" / "version_1").exists()
     final = load_checkpoint_file(ckpt)
     assert final["sglightning"]["rollouts_done"] == 6 and final["global_step"] == 6
+
+
+def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
+    """SIGINT (Ctrl-C) between steps: sglightning's one line (what was saved, how to resume), exit 130; Lightning's
+    own "Detected KeyboardInterrupt" line and its blank line are dropped."""
+    ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    proc = subprocess.Popen(_fit_cmd(tmp_path, 30), env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True)
+    _wait_for(ckpt, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("sglightning: interrupted after"), err
+    assert "--ckpt_path last" in lines[0]
 
 
 def test_resume_after_sigkill_equals_the_straight_run(tmp_path, straight):

@@ -313,7 +313,14 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--trainer.loger=false"], "did you mean --trainer.logger?"),  # a class key (it has a --KEY.help child)
         (["--model.evn=HouseholdEnv"], "did you mean --model.env?"),
         (["--model.grpo.guidance_advantage_scale=-0.5"], "grpo.guidance_advantage_scale: must be a finite number >= 0"),
-        (["--model.rollout.group_size=four"], 'model.rollout.group_size": Expected a <class \'int\'>. Got value: four'),
+        (["--model.rollout.group_size=four"], "model.rollout.group_size: 'four' is not an integer"),
+        (["--model.rollout.temperature=hot"], "model.rollout.temperature: 'hot' is not a number"),
+        # an environment that is not there: the shipped ones named, and the nearest class of the module given
+        (["--model.env=HouseEnv"], "model.env: HouseEnv: no environment class of that name (did you mean "
+                                   "HouseholdEnv?); the shipped environments are sglightning.envs.household."),
+        (["--model.env=sglightning.envs.household.HouseEnv"],
+         "sglightning.envs.household has no HouseEnv (did you mean sglightning.envs.household.HouseholdEnv?)"),
+        (["--model.env=nowhere.Env"], "model.env: nowhere.Env: no module nowhere; the shipped environments are"),
         (["--config", "/no/such/config.yaml"], "File does not exist: '/no/such/config.yaml'"),
         (["--model.guidance.actor_format=xml"], "Literal['action_line', 'json', 'think_tags']"),
         (["--model.optimizer.init_args.lr=-0.001"], "model.optimizer: Invalid learning rate: -0.001"),
@@ -572,7 +579,8 @@ def test_validate_on_a_split_without_tasks_is_one_error_line(tmp_path, capsys):
     assert err.count("failed in reset") <= 1  # a broken env is reported once, not once per episode
 
 
-def test_ctrl_c_during_fit_says_how_to_resume(tmp_path, capsys, monkeypatch):
+def test_ctrl_c_during_fit_says_how_to_resume(tmp_path, capfd, monkeypatch):
+    """Ctrl-C: one line (what was saved, how to resume), exit 130; Lightning's own line about it is dropped."""
     from sglightning.callbacks import RolloutCallback
 
     real = RolloutCallback.collect
@@ -595,9 +603,21 @@ def test_ctrl_c_during_fit_says_how_to_resume(tmp_path, capsys, monkeypatch):
     finally:
         signal.signal(signal.SIGINT, previous)  # Lightning ignores SIGINT while it shuts down
     assert exc.value.code == 130
-    err = capsys.readouterr().err
-    assert "interrupted after 2 completed steps" in err and "--ckpt_path last" in err
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "interrupted after 2 completed steps" in err[0] and "--ckpt_path last" in err[0], err
     assert (tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize("argv", [["-c", "configs/tiny.yaml", "fit"], ["--config=configs/tiny.yaml", "validate"],
+                                  ["--print_config", "fit", "--config", "configs/tiny.yaml"]])
+def test_options_before_the_subcommand_are_one_line_naming_the_order(argv, capsys):
+    """LightningCLI's top-level --config reads top-level keys only: ours failed on their first section, and
+    --print_config there printed the defaults as if they were the config given."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert "goes after the subcommand, e.g. sglightning " in err[0] and err[0].startswith("sglightning: error: -")
 
 
 @pytest.mark.parametrize("sub", ["fit", "validate"])
@@ -666,6 +686,7 @@ def test_help_reads_top_down_and_documents_every_model_key(capsys):
     assert [h.split(" — ")[0] for h in model_headings[:3]] == ["model", "model.policy", "model.policy.tiny"]
     assert all(" — " in h and len(h.split(" — ")[1]) > 10 for h in model_headings), model_headings
     assert "--data" not in text  # a LightningDataModule: not how this trainer gets its data
+    assert not re.search(r"``|:(func|class|meth|mod):`", text)  # docstring markup, as a terminal shows it
     opts = _options(text)
     model = {k: v for k, v in opts.items() if k.startswith("--model.")}
     assert len(model) > 60 and {"--model.env", "--model.optimizer", "--model.adapter_path"} <= model.keys()
@@ -788,9 +809,20 @@ def test_summary_splits_labels_and_episode_length_by_trust_phase():
         return sum(r[key] for r in rows) / len(rows)
 
     (line,) = _phase_lines(hist, mean)
-    assert "λ = 0: 1 steps, positive 0.50, negative 0.50, length 3.0" in line
-    assert "0 < λ < 1: 1 steps, positive 0.80" in line
+    assert "λ = 0: 1 step, positive 0.50, negative 0.50, length 3.0" in line
+    assert "0 < λ < 1: 1 step, positive 0.80" in line
     assert "λ = 1: 2 steps, positive 0.95, negative 0.05, length 7.0" in line
+
+
+def test_the_summary_explains_nan_only_when_a_calibration_is_nan():
+    from sglightning.report import _guidance_lines
+
+    def mean_of(values):
+        return lambda key, rows=None: values.get(key, 0.5)
+
+    told = "(nan: the env or the episodes could not tell)"
+    assert told not in _guidance_lines([{}], mean_of({}))[1]
+    assert told in _guidance_lines([{}], mean_of({"guidance/label_auroc_success": float("nan")}))[1]
 
 
 def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):

@@ -119,6 +119,40 @@ def union_in_words(message: str) -> str:
     return f"{key}: {m['value']!r} is not {', '.join(allowed[:-1]) + ' or ' if len(allowed) > 1 else ''}{allowed[-1]}"
 
 
+_SCALAR = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*Expected a <class \'(?P<type>\w+)\'>\. '
+                     r'Got value: (?P<value>.*?)\s*$', re.DOTALL)
+_ENV = re.compile(r'^Parser key "model\.env":.*?(?:class_path=\'(?P<path>[^\']+)\'|dot import path string: '
+                  r'(?P<given>\S+)|Got value: (?P<value>[\w.]+)\s*$)', re.DOTALL)
+#: the environments sglightning ships (``model.env.class_path``)
+SHIPPED_ENVS = ("sglightning.envs.household.HouseholdEnv", "sglightning.envs.alfworld.ALFWorldEnv",
+                "sglightning.envs.scienceworld.ScienceWorldEnv",
+                "sglightning.envs.textworld_express.TextWorldExpressEnv", "sglightning.envs.webshop.WebShopEnv")
+
+
+def value_in_words(message: str) -> str:
+    """The parser's dump for a value of the wrong type (``--model.rollout.group_size four``) or an environment
+    class that cannot be imported (``--model.env HouseEnv``) as one sentence naming the key and what it allows."""
+    if m := _SCALAR.match(message.strip()):
+        return f"{m['key']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
+    if not (m := _ENV.match(message.strip())):
+        return message
+    given = m["path"] or m["given"] or m["value"]
+    module, _, name = given.rpartition(".")
+    why = f"no module {module}"
+    if not module:  # a bare name: the class name of a shipped (imported) environment
+        close = difflib.get_close_matches(name, [e.rpartition(".")[2] for e in SHIPPED_ENVS], n=1, cutoff=0.6)
+        why = "no environment class of that name" + (f" (did you mean {close[0]}?)" if close else "")
+    if module:
+        try:
+            names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
+            close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+            why = f"{module} has no {name}" + (f" (did you mean {module}.{close[0]}?)" if close else "")
+        except ImportError:
+            pass
+    return (f"model.env: {given}: {why}; the shipped environments are {', '.join(SHIPPED_ENVS)}, or give the import "
+            "path of a TextEnv subclass of your own")
+
+
 #: the sections of ``model`` whose checks name their keys from the section down (``update.micro_batch_size``)
 _MODEL_SECTION = re.compile(r"^(policy|env|rollout|guidance|grpo|update|evaluation|engine|optimizer|adapter_path)"
                             r"(?=[.:])")
@@ -210,6 +244,15 @@ VERBOSE_HELP = ("also print Lightning's table of every logged val/* metric (defa
                 "printed after it holds the same numbers, by mode, and is written to validation_report.md)")
 
 
+_ROLE = re.compile(r":(?:func|class|meth|mod|attr|data):`~?(?:[\w.]+\.)?([^`]+)`")
+_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+
+
+def plain_markup(text: str) -> str:
+    """Docstring markup as a terminal reader wants it: ``x`` becomes `x`, a role :func:`a.b.c` becomes `c`."""
+    return _LITERAL.sub(r"`\1`", _ROLE.sub(r"`\1`", text))
+
+
 class OneLineParser(LightningArgumentParser):
     """Every parse error is one line on stderr — what is wrong, naming the key or file — and exit 2; no usage dump
     (``--help`` lists every key with its documentation and allowed values).
@@ -227,7 +270,7 @@ class OneLineParser(LightningArgumentParser):
         saved = self._action_groups, {g: (g.title, list(g._group_actions)) for g in self._action_groups}
         try:
             self._action_groups = self._groups_for_help()
-            return super().format_help(*args, **kwargs)
+            return plain_markup(super().format_help(*args, **kwargs))
         finally:
             self._action_groups = saved[0]
             for group, (title, actions) in saved[1].items():
@@ -263,7 +306,7 @@ class OneLineParser(LightningArgumentParser):
                 for p in a.choices.values() if isinstance(p, argparse.ArgumentParser)]
         parser = subs[0] if len(subs) == 1 else parser  # a config file's key, reported by the root: its subcommand's
         prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
-        message = moved_key_hint(union_in_words(unknown_init_arg(message)))
+        message = moved_key_hint(union_in_words(value_in_words(unknown_init_arg(message))))
         if " is now " not in message:
             message = close_key_hint(message, parser)
         sys.stderr.write(f"{prog}: error: {one_line(message)} (see: {prog} --help)\n")
@@ -320,7 +363,8 @@ class SGLightningCLI(LightningCLI):
                 msg = str(err)
             self._error(msg.splitlines()[0] if msg else repr(err))
         except MisconfigurationException as err:
-            self._error(f"trainer: {err}")
+            key = "trainer.accelerator" if "backend found" in str(err) or "accelerator" in str(err) else "trainer"
+            self._error(f"{key}: {err}")
         try:
             check_run_dir(self.trainer)  # a folder that cannot be written: one line, before the model loads
             self.model.preflight(self.trainer.strategy)
@@ -370,6 +414,7 @@ class SGLightningCLI(LightningCLI):
                         "another trainer.default_root_dir")
         if cfg.get("ckpt_path") != "last":
             if cfg.get("ckpt_path"):
+                nothing_left_to_train(cfg["ckpt_path"], cfg.get("trainer") or {})
                 quiet_resume()
                 print(f"sglightning: resuming from {cfg['ckpt_path']}", file=sys.stderr)
             return
@@ -380,6 +425,7 @@ class SGLightningCLI(LightningCLI):
             cfg["ckpt_path"] = None
             return
         ckpt, version = found
+        nothing_left_to_train(ckpt, cfg.get("trainer") or {})
         cfg["ckpt_path"] = str(ckpt)
         if version is not None:
             for init in resumed_logger_inits(cfg.get("trainer", {}).get("logger")):
@@ -678,6 +724,19 @@ def _check_config_files(argv: list[str], prog: str) -> None:
             sys.exit(2)
 
 
+def _check_options_follow_the_subcommand(argv: list[str]) -> None:
+    """``sglightning -c X fit``: LightningCLI's top-level ``--config`` reads only top-level keys, so a config of ours
+    fails on its first section, and ``--print_config`` there prints the defaults.  One line naming the right order."""
+    sub = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
+    before = argv[:sub] if sub is not None else argv
+    given = [a for a in before if a in ("-c", "--print_config") or a.startswith(("--config", "--print_config"))]
+    if given:
+        name = argv[sub] if sub is not None else "fit"
+        sys.stderr.write(f"sglightning: error: {given[0].split('=')[0]} goes after the subcommand, e.g. sglightning "
+                         f"{name} --config configs/tiny.yaml\n")
+        sys.exit(2)
+
+
 def _check_something_configured(argv: list[str], prog: str) -> None:
     """``sglightning fit`` (or ``validate``) with no config file and no ``--model.*`` key would run the defaults — the
     embedded model on a household env it was not sized for, every action invalid, minutes for nothing: say which
@@ -692,6 +751,24 @@ def _check_something_configured(argv: list[str], prog: str) -> None:
     sys.exit(2)
 
 
+def nothing_left_to_train(ckpt: str | os.PathLike, trainer: dict) -> None:
+    """A resume whose checkpoint already holds ``trainer.max_steps`` steps or more has nothing to train: one line,
+    exit 0, and nothing written (Lightning would start, train nothing and rewrite the run's ``config.yaml``).
+
+    Args:
+        ckpt: the checkpoint to resume from (a folder, a distributed checkpoint, is not read).
+        trainer: the ``trainer`` section of the config."""
+    max_steps = trainer.get("max_steps")
+    path = Path(str(ckpt))
+    if not isinstance(max_steps, int) or max_steps < 0 or not path.is_file():
+        return
+    done = load_checkpoint_file(path).get("global_step", 0)
+    if done >= max_steps:
+        print(f"sglightning: {path} holds {done} trained steps and trainer.max_steps is {max_steps}: nothing to "
+              "train (raise trainer.max_steps to train on)", file=sys.stderr)
+        sys.exit(0)
+
+
 def cli_main(args: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> SGLightningCLI:
     """Run ``sglightning`` with ``args`` (None: ``sys.argv``).
 
@@ -701,6 +778,7 @@ def cli_main(args: list[str] | None = None, callbacks: Sequence[Callback] = ()) 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     argv = list(args) if args is not None else sys.argv[1:]
     prog = "sglightning " + (argv[0] if argv and not argv[0].startswith("-") else "")
+    _check_options_follow_the_subcommand(argv)
     _check_something_configured(argv, prog.strip())
     _check_config_files(argv, prog)
     subcommand = argv[0] if argv and argv[0] in SUBCOMMANDS else None

@@ -65,7 +65,9 @@ _NOISE = ("💡 Tip: For seamless cloud", "GPU available:", "TPU available:", "H
           "Initializing distributed: GLOBAL_RANK", "All distributed processes registered",
           # SIGTERM: sglightning says in its own line what it saved and how to resume; on SLURM, the handlers'
           # set-up at every start
-          "Received SIGTERM: ", "SLURM auto-requeueing enabled")
+          "Received SIGTERM: ", "SLURM auto-requeueing enabled",
+          # Ctrl-C: the same, in sglightning's own line (what was saved, how to resume)
+          "Detected KeyboardInterrupt, attempting graceful shutdown")
 
 #: warnings that say nothing about a ``validate`` run: it saves no checkpoint, so the checkpoint callback's state in
 #: the file it loads (best scores, kept paths of the training run's folder) is of no use to it, wherever it writes
@@ -117,9 +119,9 @@ class StepProgressBar(TQDMProgressBar):
     counted in ``k`` but not in the rate, which is over the steps this process ran), seconds per step, and the last
     step's success rate and trust weight λ.
 
-    When standard output (where the bar writes) is not a terminal, plain lines instead: ``fit: step k/N  0.61 s/step
-    success=0.250  lam=0.000`` after each step and ``validation at step k: …`` after each validation, nothing else
-    (no bar frames, no validation bars)."""
+    After each validation, its result in one line (``validation at step k: …``) above the bar.  When standard output
+    (where the bar writes) is not a terminal, plain lines instead: ``fit: step k/N  0.61 s/step success=0.250
+    lam=0.000`` after each step and the validation lines, nothing else (no bar frames, no validation bars)."""
 
     BAR_FORMAT_STEPS = "{desc} {n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_inv_fmt}{postfix}]"
 
@@ -135,7 +137,17 @@ class StepProgressBar(TQDMProgressBar):
 
     @property
     def sanity_check_description(self) -> str:
-        return "Validation before training"  # evaluation.before_fit runs as Lightning's sanity check
+        return "validation before training"  # evaluation.before_fit runs as Lightning's sanity check
+
+    @property
+    def validation_description(self) -> str:
+        return "validation"
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx: int = 0) -> None:
+        super().on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+        if not self.plain:  # one dataloader: Lightning's " DataLoader 0" says nothing
+            desc = self.sanity_check_description if trainer.sanity_checking else self.validation_description
+            self.val_progress_bar.set_description(desc)
 
     def init_sanity_tqdm(self):
         return Tqdm(disable=True) if self.plain else super().init_sanity_tqdm()
@@ -208,12 +220,16 @@ class StepProgressBar(TQDMProgressBar):
             self._validation_done(getattr(pl_module, "val_report", None))
 
     def _validation_done(self, report, before_training: bool = False) -> None:
-        if self.plain and report is not None:
+        if report is not None:  # on a terminal too: the validation bar goes, its result stays above the fit bar
             self._line(validation_line(report, time.perf_counter() - self._validation_started, before_training))
 
     def _line(self, text: str) -> None:
-        if not self.is_disabled:  # rank 0 only, as the bar
+        if self.is_disabled:  # rank 0 only, as the bar
+            return
+        if self.plain:
             print(text, file=sys.stdout, flush=True)
+        else:
+            Tqdm.write(text, file=sys.stdout)
 
     def get_metrics(self, trainer, pl_module) -> dict:
         items = super().get_metrics(trainer, pl_module)

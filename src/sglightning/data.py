@@ -55,18 +55,14 @@ class RolloutConfig:
     env_parallel: bool = True
     """step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially"""
     failed_episodes: Literal["keep", "drop_group"] = "keep"
-    """a group with an episode whose env failed (exception, timeout, dead process): ``keep`` trains on it (the failed
-    episode keeps the return it had reached; the others' comparison is intact) or ``drop_group`` leaves the whole
-    group out of the update (``rollout/dropped_groups`` counts them)"""
+    """a group with an episode the env failed: keep trains on it (the failed episode keeps the return it reached);
+    drop_group leaves the group out"""
     dynamic_sampling_rounds: int = 0
-    """DAPO's dynamic sampling: a group whose returns are all equal carries no gradient; up to this many extra rounds
-    of new tasks (the number of groups still missing) top the step up to ``groups_per_step`` informative groups
-    (judged with the schedule's λ).  0 = off.  The step's first round is kept whole, and ``rollout/…`` and
-    ``guidance/…`` describe it alone (the policy's own draw); added groups are counted as
-    ``rollout/dynamic_sampling_groups``, and the trained batch is described under ``dynamic_sampling/…``"""
+    """DAPO's dynamic sampling: up to this many extra rounds of new tasks replace groups whose returns are all equal (no
+    gradient); 0 = off"""
     env_max_concurrency: int = 0
-    """env calls running at once (0 = the number of CPU cores: right for CPU-bound engines such as the JVM ones;
-    raise it for envs that mostly wait, e.g. remote env servers)"""
+    """env calls running at once; 0 = the number of CPU cores (right for CPU-bound envs); raise it for envs that mostly
+    wait (remote servers)"""
 
     def __post_init__(self) -> None:
         if self.group_size < 2:
@@ -109,14 +105,13 @@ class EvalConfig:
     seed_offset: int = 1_000_000
     """evaluation task seeds are ``seed_offset + i`` (disjoint from training seeds, which are < seed_offset)"""
     seed: int = 0
-    """seed of the evaluation episodes' sampling — not the training seed (``rollout.seed``), so that runs trained
-    with different seeds are validated on the same tasks with the same random draws, and an untrained model scores
-    the same in every one of them"""
+    """seed of the evaluation episodes' sampling, not rollout.seed: runs trained with different seeds are validated on
+    the same tasks and draws"""
     split: str = "dev"
     """the env split evaluated (e.g. dev/test; ALFWorld: valid_seen/valid_unseen)"""
     before_fit: bool = False
-    """fit: also validate before the first step (the untrained adapters; on a resume, the resumed ones), so the
-    end-of-fit summary and TensorBoard show validation before and after training; costs one more validation"""
+    """fit: also validate before the first step (on a resume, the resumed adapters), to show before and after training;
+    costs one more validation"""
 
     def __post_init__(self) -> None:
         if self.self_guidance not in ("on", "off", "both"):

@@ -731,20 +731,14 @@ class GRPOConfig:
     trust_constant: float | None = None
     """λ ≡ this constant instead of the schedule (0 = guidance in rollouts only; 1 = full reward from the start)"""
     trust_adaptive: bool = False
-    """scale λ(u) by the guidance's measured reliability on the last ``trust_window`` steps (the correlation of the
-    labels with the progress the environment measured, clipped to [0, 1]: :func:`label_reliability`), so that a guide
-    whose labels carry no information — independent of progress, or always "positive" — pays no internal reward, for
-    length or for self-praise.  Needs an env that measures progress (``StepResult.progress`` or a score); logged as
-    ``guidance/reliability``, the effective λ as ``reward/lambda`` beside ``reward/lambda_schedule``.  Off = the
-    paper's schedule"""
+    """scale λ(u) by how well the labels tracked the env's measured progress over the last trust_window steps;
+    uninformative labels pay nothing. Off = the paper"""
     invalid_action_penalty: float = 0.0
     """P: subtracted from an episode's return per invalid action, R_i = R_env,i − P·(invalid actions) + λ·S_i
     (verl-agent, the paper's base, uses 0.1)"""
     guidance_advantage_scale: float = 1.0
-    """the advantage a self-assessment token carries, as a multiple w of its episode's Â (action tokens always carry
-    Â): 1 = the paper (every policy token alike); w < 1 gives the actions a larger share of the update when the
-    model's reason lines are most of the policy tokens; 0 = the guidance is not trained by the policy gradient
-    (logged: ``tokens/guidance_share``, the guidance tokens' share of the policy tokens)"""
+    """the multiple w of its episode's advantage each guidance token carries (action tokens: 1). 1 = the paper; 0 =
+    guidance gets no policy gradient"""
     trust_window: int = 8
     """steps of label/progress pairs behind ``trust_adaptive``'s reliability"""
     total_steps: int | None = None
@@ -754,18 +748,16 @@ class GRPOConfig:
     max_grad_norm: float | None = 1.0
     """clip the total gradient norm to this (null: no clipping; the norm is logged either way)"""
     rollout_correction: Literal["auto", "token", "sequence"] | None = "auto"
-    """the old log-probs are the trainer's, and each token's policy loss is weighted by min(π_old / π_sampler, cap),
-    per token or sequence; auto = token where half precision samples or trains, else null (the sampler's are used)"""
+    """token or sequence: weight each policy term by min(π_trainer / π_sampler, cap); auto = token where half precision
+    samples or trains; null = off"""
     rollout_correction_cap: float = 2.0
     """the truncation C of the rollout-correction weight"""
     calibration: float = 0.0
-    """α of the hindsight label loss: where the env measured the progress of the action a label rates, the label's
-    restricted distribution is trained toward the label of that progress's sign, α·mean(−log q(target)), in the same
-    forward as the policy loss (0 = off, the paper; needs guidance.decoding constrained)"""
+    """α of the hindsight label loss: trains labels toward the sign of the progress the env measured (0 = off, the
+    paper; needs guidance.decoding constrained)"""
     calibration_balance: bool = False
-    """weight each hindsight target by the inverse share of its label among the step's targets (all ranks), so that
-    every target label present carries the same weight, (α/K)·Σ_c mean_{k∈c}(−log q(y*_k)): where most actions change
-    nothing, always saying "neutral" no longer minimises the term (needs calibration > 0)"""
+    """weight the hindsight targets so every label present counts equally: always saying neutral no longer minimises the
+    loss (needs calibration > 0)"""
 
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)

@@ -112,21 +112,17 @@ class GuidanceConfig:
     prompt_mode: Literal["single_stream", "two_call"] = "single_stream"
     """``single_stream`` (one context per episode, cheap) or ``two_call`` (paper: separate rate and act calls)"""
     decoding: Literal["free", "constrained"] = "constrained"
-    """``free``: the model writes ``Reason:``/``Label:`` freely and we parse (the paper);
-    ``constrained``: ``Reason:``/``Label:`` are forced, the reason is capped at one line, and the label is sampled
-    from the model's own distribution restricted to the three label words (no parse failures; small models)"""
+    """free: the model writes the Reason and Label lines, then they are parsed (the paper); constrained: the label is
+    sampled among three words, never unparsed"""
     action_decoding: Literal["free", "admissible"] = "free"
-    """``free``: the action is generated freely and parsed (the paper); ``admissible``: the action is sampled from the
-    model's distribution restricted (token by token) to the admissible actions, when the env lists them"""
+    """free: the action is written freely and parsed (the paper); admissible: it is sampled token by token among the
+    actions the env lists"""
     actor_format: Literal["action_line", "json", "think_tags"] = "action_line"
     """the actor's answer: ``action_line`` (``Action: …``), ``json`` (``{"think": …, "action": …}``, the paper's
     ALFWorld/ScienceWorld format) or ``think_tags`` (``<think>…</think><action>…</action>``, the paper's WebShop)"""
     source: Literal["model", "oracle"] = "model"
-    """who writes the label: ``model`` (self-guidance, the paper) or ``oracle`` — a control: the label shown to the
-    actor and paid as r_t is the sign of the progress the previous action made as the environment measured it
-    (``StepResult.progress``, else the score change; neutral at the first step and where the env cannot tell),
-    written for the model (no guidance tokens are sampled or trained).  The upper bound of what the guidance channel
-    can give: it tells "the channel does not help" apart from "this model's labels are poor" """
+    """who writes the label: model (self-guidance, the paper) or oracle (a control: the sign of the env's measured
+    progress, nothing sampled; docs/method.md §4b)"""
     reward_positive: float = 0.1
     """r_t for a positive label (the paper: +0.1)"""
     reward_neutral: float = 0.0
@@ -142,13 +138,11 @@ class GuidanceConfig:
     history_length: int = 8
     """steps of history shown in the two_call actor prompt (the single stream keeps everything)"""
     rate_history_length: int | None = None
-    """steps the two_call rate prompt shows; null = the whole trajectory so far (the paper).  Either way the oldest
-    steps are cut when the prompt would exceed rollout.max_context_tokens (counted: guidance/rate_history_truncated)"""
+    """steps the two_call rate prompt shows; null = the whole trajectory so far (the paper). Oldest steps are cut past
+    rollout.max_context_tokens (counted)"""
     action_help_every_turn: bool = True
-    """single_stream: repeat the environment's action help (e.g. "Answer with exactly one of the admissible actions…",
-    ScienceWorld's grammar) in every user turn (true) or only in the first one, which stays in the context (false:
-    fewer positions to prefill per turn — 23 of the household's 77 tokens; the admissible actions are listed every
-    turn either way).  two_call builds each actor prompt afresh, so it always shows the help"""
+    """single_stream: repeat the env's action help in every user turn (true) or only the first (false: fewer positions
+    to prefill). two_call always shows it"""
 
     def __post_init__(self) -> None:
         _check_choice("guidance.prompt_mode", self.prompt_mode, ("single_stream", "two_call"))

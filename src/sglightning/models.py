@@ -97,7 +97,7 @@ class PolicyConfig:
     revision: str | None = None
     """hub revision (branch, tag or commit) of a hub id"""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """``auto`` = fp32 on CPU (bf16 is ~100x slower on CPUs without AVX-512), bf16 on CUDA when supported"""
+    """auto = fp32 on CPU (bf16 is slow on CPUs without AVX512-BF16 or AMX), bf16 on CUDA when supported"""
     quantization: Literal["4bit"] | None = None
     """``None`` or ``4bit`` (QLoRA: NF4 base weights via bitsandbytes, LoRA adapters in ``dtype``)"""
     lora_r: int = 16
@@ -115,9 +115,8 @@ class PolicyConfig:
     cache_dir: str | None = None
     """where converted embedded models are kept (default ``$SGLIGHTNING_CACHE`` or ``~/.cache/sglightning``)"""
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    """extra arguments of the tokenizer's chat template (``apply_chat_template``), e.g. ``{enable_thinking: true}``.
-    A template that takes ``enable_thinking`` (Qwen3) gets ``false`` unless set here: thinking mode would open a
-    ``<think>`` block before every rating and action (think blocks a model writes anyway are removed before parsing)"""
+    """extra arguments of the tokenizer's chat template, e.g. {enable_thinking: true}. A template that takes
+    enable_thinking (Qwen3) gets false unless set here"""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """shape of ``embedded:tiny`` (tests)"""
 

@@ -154,7 +154,7 @@ class PreemptionCheckpoint(Callback):
             step = pl_module.rollouts_done
             pending = f" (the validation at step {step} runs again)" if self._validating_in_fit else ""
             print(
-                f"sglightning: SIGTERM received; stopped after {step} completed steps, "
+                f"sglightning: SIGTERM received; stopped after {step} completed step{'s' * (step != 1)}, "
                 f"saved {path}. "
                 f"Resume with the same command plus --ckpt_path last{pending}",
                 file=sys.stderr,
@@ -179,7 +179,8 @@ class PreemptionCheckpoint(Callback):
             return
         last = PreemptionCheckpoint.last_path(trainer)
         if last.exists():
-            msg = (f"interrupted after {pl_module.rollouts_done} completed steps; {last} holds the last of them. "
+            done = pl_module.rollouts_done
+            msg = (f"interrupted after {done} completed step{'s' * (done != 1)}; {last} holds the last of them. "
                    "Resume with the same command plus --ckpt_path last")
         else:
             msg = "interrupted before the first step completed; nothing to resume"

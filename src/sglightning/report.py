@@ -259,8 +259,9 @@ def _phase_lines(hist: list[dict], mean) -> list[str]:
     phases = {"λ = 0": [r for r in hist if r.get("reward/lambda", 0.0) == 0.0],
               "0 < λ < 1": [r for r in hist if 0.0 < r.get("reward/lambda", 0.0) < 1.0],
               "λ = 1": [r for r in hist if r.get("reward/lambda", 0.0) == 1.0]}
-    cells = [f"{name}: {len(rows)} steps, positive {mean('guidance/label_positive', rows):.2f}, negative "
-             f"{mean('guidance/label_negative', rows):.2f}, length {mean('rollout/episode_length', rows):.1f}"
+    cells = [f"{name}: {len(rows)} step{'s' * (len(rows) != 1)}, positive "
+             f"{mean('guidance/label_positive', rows):.2f}, negative {mean('guidance/label_negative', rows):.2f}, "
+             f"length {mean('rollout/episode_length', rows):.1f}"
              for name, rows in phases.items() if rows]
     return ["  by trust phase    " + " | ".join(cells)] if cells else []
 
@@ -269,11 +270,12 @@ def _guidance_lines(hist: list[dict], mean) -> list[str]:
     """The guidance labels' shares, their calibration against measured progress (over the run, and its first and
     last third: did training make the guide more accurate?), and both per trust phase."""
     third = max(1, len(hist) // 3)
+    accuracy, auroc = mean("guidance/label_accuracy"), mean("guidance/label_auroc_success")
     return [
         "  labels            "
         + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),
-        f"  label calibration accuracy vs measured progress {mean('guidance/label_accuracy'):.2f}   AUROC vs "
-        f"success {mean('guidance/label_auroc_success'):.2f}   (nan: the env or the episodes could not tell)",
+        f"  label calibration accuracy vs measured progress {accuracy:.2f}   AUROC vs success {auroc:.2f}"
+        + ("   (nan: the env or the episodes could not tell)" if math.isnan(accuracy) or math.isnan(auroc) else ""),
         f"  label accuracy    first third {mean('guidance/label_accuracy', hist[:third]):.2f} -> last third "
         f"{mean('guidance/label_accuracy', hist[-third:]):.2f}   (one constant label: "
         f"{mean('guidance/label_accuracy_constant'):.2f})"

@@ -47,18 +47,14 @@ class UpdateConfig:
     micro_batch_size: int = 4
     """samples per forward/backward pass (gradients accumulate over micro-batches into one step)"""
     share_prefix: bool | None = None
-    """compute a prefix that several samples of a micro-batch share (a group's prompt) once, in the update's forward
-    and backward (same loss and gradients up to float rounding; samples are ordered so that a micro-batch's rows share
-    much and pad little: use ``micro_batch_size`` ≥ ``rollout.group_size`` to share a whole group's prompt).  null =
-    on where it is supported (one device, DDP; not FSDP, not with gradient checkpointing); true there is an error"""
+    """compute a prefix shared by a micro-batch's samples once (same result). null = on with one device or DDP without
+    gradient checkpointing; true elsewhere errors"""
     micro_batch_tokens: int | None = None
-    """at most this many fed positions per micro-batch (rows × the longest row; a longer row goes alone); null = rows
-    only. Rows are ordered by length unless prefixes are shared"""
+    """at most this many fed positions per micro-batch (rows × the longest row; a longer row goes alone); null = limited
+    by micro_batch_size only"""
     skip_zero_advantage: bool = True
-    """with ``grpo.kl_coef: 0``, samples whose policy tokens all have advantage 0 (every sample of a group whose
-    returns are all equal) get no forward/backward: their loss and gradient are exactly 0, and they still count in
-    the token-mean denominator, so the update is unchanged. With the KL term on they are computed (the KL pulls on
-    them too)"""
+    """skip the forward and backward of samples whose advantages are all 0 (the update is unchanged); applies only with
+    grpo.kl_coef 0"""
     max_consecutive_skips: int = 5
     """stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop"""
     compile: bool = False

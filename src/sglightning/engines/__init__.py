@@ -54,26 +54,25 @@ class EngineConfig:
     """``builtin``: batched forwards of the trainer's own model (the reference); ``vllm``: a vLLM server over HTTP;
     or the class path of an ``sglightning.engines.base.Engine`` subclass"""
     compile: Literal["auto", "off", "static", "default", "cudagraphs", "reduce-overhead"] = "auto"
-    """builtin decode step: off = dynamic cache; static = slot cache; default / cudagraphs / reduce-overhead =
-    slot cache, step torch-compiled so; auto = reduce-overhead on one CUDA device, else off"""
+    """builtin decode step: off (dynamic cache), static (slot cache), default, cudagraphs or reduce-overhead (slot
+    cache, torch-compiled); auto = reduce-overhead on one CUDA device, else off"""
     few_rows_alone: bool = True
     """builtin: once at most a quarter of the rows still write, the turn's remaining lock steps run those rows only"""
     prefill_tokens: int | None = 16384
-    """builtin: the most positions (rows × block width, one column at least) a fed block's forward computes; longer
-    blocks go in chunks; null = one pass"""
+    """builtin: the most positions (rows × block width) one forward of a fed block computes; longer blocks go in chunks;
+    null = one pass"""
     cache_memory: float | None = 0.5
     """builtin, CUDA: the share of GPU memory the slot caches may hold; past it, idle caches go, then two_call's kept
     ones; null = no limit"""
     url: str | None = None
-    """a running vLLM server (``http://host:port``), started with the flags ``engine.vllm_command`` would use
-    (LoRA, processed log-probs); null = launch one on 127.0.0.1.  It must read adapter folders this process writes
-    (same machine or a shared ``engine.adapter_dir``)"""
+    """a running vLLM server (http://host:port), started with the trainer's flags and reading its adapter folders
+    (docs/vllm.md); null = launch one on 127.0.0.1"""
     python: str = ".venv-vllm/bin/python"
     """the python executable of the virtual environment vLLM is installed in (launch only; vLLM pins other versions
     of transformers than sglightning, so it lives apart)"""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """the engine's weights: float32 makes its log-probs the trainer's within ~1e-5 (they then serve as the old
-    policy); bfloat16/float16 are fast on GPUs and AVX512-BF16 CPUs and need ``grpo.rollout_correction``"""
+    """the engine's weights: float32 matches the trainer's log-probs (no correction needed); bfloat16/float16 are fast
+    on GPUs and AVX512-BF16 CPUs, need grpo.rollout_correction"""
     kv_cache_gb: float = 2.0
     """the engine's KV cache on CPU (``--kv-cache-memory-bytes``); on GPUs vLLM sizes it from
     ``--gpu-memory-utilization`` (pass it in ``extra_args``)"""
@@ -95,8 +94,8 @@ class EngineConfig:
     max_concurrency: int = 64
     """requests in flight at once (the engine batches them)"""
     sync_tolerance: float | None = None
-    """mean |log-prob difference| between engine and trainer over the probe after an adapter sync (the largest may
-    reach 10x it); null = 1e-3 for float32, 0.15 for half precision"""
+    """allowed mean log-prob gap, engine vs trainer, on a probe after each adapter sync (one token: 10×); null = 1e-3
+    for float32, else 0.15"""
     adapter_dir: str | None = None
     """where adapter versions are written for the engine to load; null = a temporary folder removed at exit"""
     host: str = "127.0.0.1"
