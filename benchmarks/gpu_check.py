@@ -243,20 +243,29 @@ class StepLog(Callback):
 
 def from_steps(path: str) -> dict:
     """The numbers of an interrupted check from its ``.steps.jsonl`` (:class:`StepLog`): ``partial`` true, no
-    validation after training, no peak memory."""
-    lines = [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]
+    validation after training, the peak memory the steps logged; a profiled step, if reached, is not timed."""
+    lines = []
+    for text in Path(path).read_text().splitlines():
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:  # a line cut by the kill
+            continue
     if not lines or "header" not in lines[0]:
         raise SystemExit(f"--from-steps: {path} has no header line (not a gpu_check steps log)")
     head, hist = lines[0]["header"], lines[1:]
     if not hist:
         raise SystemExit(f"--from-steps: {path} holds no finished step")
     passes = {k: int(hist[-1].get("gpu_check/" + k, d)) for k, d in (("backward", 1), ("no_grad", 0))}
+    profiled = head.get("profile_step") is not None and len(hist) >= head["profile_step"]  # its step is not timed
+    peaks = [v for r in hist for k, v in r.items() if k.startswith("memory/") and k.endswith("_accelerator_gb")]
     return {**head, "partial": True, "steps": len(hist), "episodes_per_step": hist[-1]["rollout/episodes"],
-            **summarise(hist, SHAPES[head["shape"]], head.get("bandwidth"), head.get("flops"), passes=passes,
+            **summarise(hist[: head["profile_step"]] if profiled else hist, SHAPES[head["shape"]],
+                        head.get("bandwidth"), head.get("flops"), profiled=profiled, passes=passes,
                         devices=head.get("devices", 1)),
             "copy_bandwidth_TBps": head["bandwidth"] / 1e12 if head.get("bandwidth") else None,
             "matmul_TFLOPs": head["flops"] / 1e12 if head.get("flops") else None,
-            "peak_memory_GB": None, "validation_before": hist[0].get("gpu_check/validation_before"),
+            "peak_memory_GB": max(peaks) * 1e9 / 2**30 if peaks else None,
+            "validation_before": hist[0].get("gpu_check/validation_before"),
             "validation_after": None}
 
 
@@ -286,7 +295,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     header = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "shape": args.shape,
               "strategy": args.strategy, "devices": args.devices, "compile": args.compile, "bandwidth": bandwidth,
-              "flops": flops}
+              "flops": flops, "profile_step": args.steps if args.profile else None}
     steps_log = [StepLog(args.json + ".steps.jsonl", header)] if args.json else []
     argv0, sys.argv = sys.argv, sys.argv[:1]  # the fit's arguments are given: LightningCLI warns if argv has more
     try:
@@ -296,7 +305,7 @@ def main(argv=None) -> dict:
     module, trainer = cli.model, cli.trainer
     engine = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback)).engine
     profile = next((c.summary for c in trainer.callbacks if isinstance(c, StepProfile)), None)
-    out = {**{k: v for k, v in header.items() if k not in ("bandwidth", "flops")},
+    out = {**{k: v for k, v in header.items() if k not in ("bandwidth", "flops", "profile_step")},
            "decode_step": engine.mode(module.peft_model) if hasattr(engine, "mode") else None,
            "compiles": counters["frames"]["ok"], "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
            "steps": len(module.history),

@@ -88,6 +88,9 @@ def test_cpu_smoke_run_goes_through_fit_with_validation(tmp_path, capsys):
     whole = gpu_check.from_steps(str(log))
     assert whole["rollout_tokens_per_s"] == pytest.approx(out["rollout_tokens_per_s"])
     assert whole["update_positions_per_s"] == pytest.approx(out["update_positions_per_s"])
+    torn = tmp_path / "torn.jsonl"
+    torn.write_text("\n".join(lines[:2]) + "\n" + lines[2][:20])  # killed while writing step 2's line
+    assert gpu_check.from_steps(str(torn))["steps"] == 1
     header_only = tmp_path / "h.jsonl"
     header_only.write_text(lines[0] + "\n")
     with pytest.raises(SystemExit, match="no finished step"):
@@ -101,6 +104,16 @@ def test_cpu_smoke_run_profiles_its_last_step_and_leaves_it_out_of_the_times(tmp
     assert {"rollout", "rollout/decode", "rollout/draw", "update", "update/backward"} <= set(phases)
     assert phases["rollout"]["wall_s"] < out["profile"]["wall_s"]
     assert "| rollout/decode |" in (tmp_path / "p.md").read_text()
+    # cut after the profiled step (in the validation after it): that step is still left out of the times
+    hist = [{"tokens/generated": 100.0, "time/rollout_s": t, "time/update_s": 1.0, "tokens/total": 10.0,
+             "rollout/episodes": 2.0, "memory/update_peak_accelerator_gb": g} for t, g in ((9.0, 1.0), (1.0, 2.0),
+                                                                                           (7.0, 1.5))]
+    log = tmp_path / "cut.jsonl"
+    head = {"shape": "tiny", "devices": 1, "profile_step": 3}
+    log.write_text("\n".join(json.dumps(x) for x in [{"header": head}, *hist]) + "\n")
+    part = gpu_check.from_steps(str(log))
+    assert part["rollout_s_per_step"] == 1.0 and part["steps"] == 3
+    assert part["peak_memory_GB"] == pytest.approx(2e9 / 2**30)
     with pytest.raises(SystemExit):  # step 1 warms up, the profiled step is not timed: nothing would be left
         gpu_check.parse(["--profile", "x.md", "--steps", "2"])
 

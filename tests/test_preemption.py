@@ -219,6 +219,43 @@ def test_broken_checkpoint_gives_one_line_naming_the_file(tmp_path, kind, straig
     assert "Traceback" not in err and "PyTorch 2.6" not in line and len(line) < 250 + len(str(bad)), line
 
 
+def test_a_broken_last_checkpoint_found_by_last_is_one_line(tmp_path, capsys):
+    """``--ckpt_path last`` finding a garbage ``last.ckpt``: the one line naming the file, exit 2 (the check of the
+    steps left reads it first and must not turn it into a traceback)."""
+    from sglightning.cli import cli_main
+
+    bad = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("this is not a checkpoint\n")
+    with pytest.raises(SystemExit) as stopped:
+        cli_main(_fit_cmd(tmp_path, 1, "--ckpt_path=last")[3:])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err
+    assert any(line.startswith("sglightning fit: error: checkpoint ") and str(bad) in line
+               for line in err.strip().splitlines()), err
+
+
+def test_a_finished_run_whose_last_validation_did_not_finish_says_how_to_play_it(tmp_path, capsys, straight):
+    """SIGTERM during the validation at the last step leaves it pending; a resume has no step to train and Lightning
+    would skip that validation: the line says so and how to play it."""
+    from sglightning.cli import nothing_left_to_train
+    from sglightning.preemption import _validation_pending
+
+    state = load_checkpoint_file(straight)
+    _validation_pending(state)
+    ckpt = tmp_path / "pending.ckpt"
+    atomic_torch_save(state, ckpt)
+    with pytest.raises(SystemExit) as stopped:
+        nothing_left_to_train(ckpt, {"max_steps": 6})
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 0 and "holds 6 trained steps" in line
+    assert ("its validation at step 6 did not finish: sglightning validate with the same config and --ckpt_path "
+            f"{ckpt}") in line
+    nothing_left_to_train(ckpt, {"max_steps": 7})  # a step left: the run goes on (no exit)
+    nothing_left_to_train(ckpt, {"max_steps": None})
+    assert capsys.readouterr().err == ""
+
+
 def test_resume_extends_a_finished_run(tmp_path):
     """A finished 2-step run resumed with max_steps 3 trains exactly one more step, in the same folder."""
     assert subprocess.run(_fit_cmd(tmp_path, 2), env=_env(), capture_output=True, timeout=600).returncode == 0

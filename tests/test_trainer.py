@@ -321,6 +321,7 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.env=sglightning.envs.household.HouseEnv"],
          "sglightning.envs.household has no HouseEnv (did you mean sglightning.envs.household.HouseholdEnv?)"),
         (["--model.env=nowhere.Env"], "model.env: nowhere.Env: no module nowhere; the shipped environments are"),
+        (["--model.env.init_args.difficulty=abc"], "model.env.init_args.difficulty: 'abc' is not an integer"),
         (["--config", "/no/such/config.yaml"], "File does not exist: '/no/such/config.yaml'"),
         (["--model.guidance.actor_format=xml"], "Literal['action_line', 'json', 'think_tags']"),
         (["--model.optimizer.init_args.lr=-0.001"], "model.optimizer: Invalid learning rate: -0.001"),
@@ -618,6 +619,27 @@ def test_options_before_the_subcommand_are_one_line_naming_the_order(argv, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1, err
     assert "goes after the subcommand, e.g. sglightning " in err[0] and err[0].startswith("sglightning: error: -")
+
+
+def test_an_env_module_whose_own_import_fails_names_what_is_missing(tmp_path, capsys, monkeypatch):
+    (tmp_path / "my_envs_broken.py").write_text("import not_installed_dep_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["fit", "--config", TINY, "--model.env=my_envs_broken.MyEnv",
+                  f"--trainer.default_root_dir={tmp_path}"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2
+    assert "model.env: my_envs_broken.MyEnv: importing my_envs_broken failed (ModuleNotFoundError: No module named " \
+           "'not_installed_dep_xyz')" in line, line
+
+
+def test_a_top_level_config_keyed_by_subcommand_still_works(tmp_path, capsys):
+    """LightningCLI's own top-level form (``fit:`` at the top of the file) stays allowed before the subcommand."""
+    top = tmp_path / "top.yaml"
+    top.write_text("fit:\n  trainer:\n    max_steps: 7\n")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--config", str(top), "fit", "--print_config"])
+    assert exc.value.code in (0, None) and "max_steps: 7" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("sub", ["fit", "validate"])

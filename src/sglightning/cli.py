@@ -121,6 +121,8 @@ def union_in_words(message: str) -> str:
 
 _SCALAR = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*Expected a <class \'(?P<type>\w+)\'>\. '
                      r'Got value: (?P<value>.*?)\s*$', re.DOTALL)
+_ENV_ARG = re.compile(r'^Parser key "model\.env":.*?Parser key "(?P<arg>\w+)":\s*Expected a <class \'(?P<type>\w+)\'>'
+                      r'\. Got value: (?P<value>.*?)\. Got value: ', re.DOTALL)
 _ENV = re.compile(r'^Parser key "model\.env":.*?(?:class_path=\'(?P<path>[^\']+)\'|dot import path string: '
                   r'(?P<given>\S+)|Got value: (?P<value>[\w.]+)\s*$)', re.DOTALL)
 #: the environments sglightning ships (``model.env.class_path``)
@@ -134,21 +136,30 @@ def value_in_words(message: str) -> str:
     class that cannot be imported (``--model.env HouseEnv``) as one sentence naming the key and what it allows."""
     if m := _SCALAR.match(message.strip()):
         return f"{m['key']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
+    if m := _ENV_ARG.match(message.strip()):  # an init argument of the right class, of the wrong type
+        return f"model.env.init_args.{m['arg']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
     if not (m := _ENV.match(message.strip())):
         return message
     given = m["path"] or m["given"] or m["value"]
     module, _, name = given.rpartition(".")
-    why = f"no module {module}"
+    shipped = [e.rpartition(".")[2] for e in SHIPPED_ENVS]
     if not module:  # a bare name: the class name of a shipped (imported) environment
-        close = difflib.get_close_matches(name, [e.rpartition(".")[2] for e in SHIPPED_ENVS], n=1, cutoff=0.6)
+        if name in shipped:
+            return message  # the class is there: the parser's complaint is about something else
+        close = difflib.get_close_matches(name, shipped, n=1, cutoff=0.6)
         why = "no environment class of that name" + (f" (did you mean {close[0]}?)" if close else "")
-    if module:
+    else:
         try:
-            names = [n for n in dir(importlib.import_module(module)) if not n.startswith("_")]
-            close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+            found = importlib.import_module(module)
+        except ImportError as err:
+            if err.name is None or not (module == err.name or module.startswith(err.name + ".")):
+                return f"model.env: {given}: importing {module} failed ({type(err).__name__}: {err})"
+            why = f"no module {module}"
+        else:
+            if hasattr(found, name):
+                return message  # the class is there: the complaint is about something else (an init argument)
+            close = difflib.get_close_matches(name, [n for n in dir(found) if not n.startswith("_")], n=1, cutoff=0.6)
             why = f"{module} has no {name}" + (f" (did you mean {module}.{close[0]}?)" if close else "")
-        except ImportError:
-            pass
     return (f"model.env: {given}: {why}; the shipped environments are {', '.join(SHIPPED_ENVS)}, or give the import "
             "path of a TextEnv subclass of your own")
 
@@ -363,7 +374,7 @@ class SGLightningCLI(LightningCLI):
                 msg = str(err)
             self._error(msg.splitlines()[0] if msg else repr(err))
         except MisconfigurationException as err:
-            key = "trainer.accelerator" if "backend found" in str(err) or "accelerator" in str(err) else "trainer"
+            key = "trainer.accelerator" if "backend found" in str(err) else "trainer"
             self._error(f"{key}: {err}")
         try:
             check_run_dir(self.trainer)  # a folder that cannot be written: one line, before the model loads
@@ -729,12 +740,31 @@ def _check_options_follow_the_subcommand(argv: list[str]) -> None:
     fails on its first section, and ``--print_config`` there prints the defaults.  One line naming the right order."""
     sub = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
     before = argv[:sub] if sub is not None else argv
-    given = [a for a in before if a in ("-c", "--print_config") or a.startswith(("--config", "--print_config"))]
+    given = []
+    for i, a in enumerate(before):
+        if a.startswith("--print_config"):
+            given.append(a)
+        elif a in ("-c", "--config") or a.startswith("--config="):
+            path = a.split("=", 1)[1] if "=" in a else (before[i + 1] if i + 1 < len(before) else "")
+            if not _keyed_by_subcommand(path):  # LightningCLI's own form: `fit:` / `validate:` at the top
+                given.append(a)
     if given:
         name = argv[sub] if sub is not None else "fit"
         sys.stderr.write(f"sglightning: error: {given[0].split('=')[0]} goes after the subcommand, e.g. sglightning "
                          f"{name} --config configs/tiny.yaml\n")
         sys.exit(2)
+
+
+def _keyed_by_subcommand(path: str) -> bool:
+    """Whether the config file ``path`` holds sections named by subcommand (``fit:``), as a top-level ``--config``
+    must; False for a file that cannot be read (its own error comes later)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and any(k in SUBCOMMANDS for k in data)
 
 
 def _check_something_configured(argv: list[str], prog: str) -> None:
@@ -762,11 +792,21 @@ def nothing_left_to_train(ckpt: str | os.PathLike, trainer: dict) -> None:
     path = Path(str(ckpt))
     if not isinstance(max_steps, int) or max_steps < 0 or not path.is_file():
         return
-    done = load_checkpoint_file(path).get("global_step", 0)
-    if done >= max_steps:
+    try:
+        state = load_checkpoint_file(path)
+    except CheckpointError:
+        return  # the run's own load says what is wrong with it, in one line
+    done = state.get("global_step", 0)
+    if done < max_steps:
+        return
+    if first_process():
+        progress = state.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress") or {}
+        current = progress.get("current", {})
+        pending = (f"; its validation at step {done} did not finish: sglightning validate with the same config and "
+                   f"--ckpt_path {path} plays it") if current.get("ready", 0) > current.get("completed", 0) else ""
         print(f"sglightning: {path} holds {done} trained steps and trainer.max_steps is {max_steps}: nothing to "
-              "train (raise trainer.max_steps to train on)", file=sys.stderr)
-        sys.exit(0)
+              f"train (raise trainer.max_steps to train on){pending}", file=sys.stderr)
+    sys.exit(0)
 
 
 def cli_main(args: list[str] | None = None, callbacks: Sequence[Callback] = ()) -> SGLightningCLI:

@@ -58,8 +58,8 @@ class RolloutConfig:
     """a group with an episode the env failed: keep trains on it (the failed episode keeps the return it reached);
     drop_group leaves the group out"""
     dynamic_sampling_rounds: int = 0
-    """DAPO's dynamic sampling: up to this many extra rounds of new tasks replace groups whose returns are all equal (no
-    gradient); 0 = off"""
+    """DAPO's dynamic sampling: up to this many extra rounds of new tasks, adding groups whose returns differ until
+    groups_per_step are informative; 0 = off"""
     env_max_concurrency: int = 0
     """env calls running at once; 0 = the number of CPU cores (right for CPU-bound envs); raise it for envs that mostly
     wait (remote servers)"""

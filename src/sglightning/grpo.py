@@ -731,8 +731,8 @@ class GRPOConfig:
     trust_constant: float | None = None
     """λ ≡ this constant instead of the schedule (0 = guidance in rollouts only; 1 = full reward from the start)"""
     trust_adaptive: bool = False
-    """scale λ(u) by how well the labels tracked the env's measured progress over the last trust_window steps;
-    uninformative labels pay nothing. Off = the paper"""
+    """scale λ(u) by how well the labels tracked the env's measured progress over trust_window steps; no measured
+    progress: λ = 0. Off = the paper"""
     invalid_action_penalty: float = 0.0
     """P: subtracted from an episode's return per invalid action, R_i = R_env,i − P·(invalid actions) + λ·S_i
     (verl-agent, the paper's base, uses 0.1)"""
@@ -748,8 +748,8 @@ class GRPOConfig:
     max_grad_norm: float | None = 1.0
     """clip the total gradient norm to this (null: no clipping; the norm is logged either way)"""
     rollout_correction: Literal["auto", "token", "sequence"] | None = "auto"
-    """token or sequence: weight each policy term by min(π_trainer / π_sampler, cap); auto = token where half precision
-    samples or trains; null = off"""
+    """token or sequence: old log-probs from the trainer, each term weighted min(π_trainer / π_sampler, cap); auto =
+    token in half precision; null = off"""
     rollout_correction_cap: float = 2.0
     """the truncation C of the rollout-correction weight"""
     calibration: float = 0.0

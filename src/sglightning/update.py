@@ -47,14 +47,14 @@ class UpdateConfig:
     micro_batch_size: int = 4
     """samples per forward/backward pass (gradients accumulate over micro-batches into one step)"""
     share_prefix: bool | None = None
-    """compute a prefix shared by a micro-batch's samples once (same result). null = on with one device or DDP without
-    gradient checkpointing; true elsewhere errors"""
+    """compute a prefix shared by a micro-batch's samples once (same result). null = on unless FSDP or gradient
+    checkpointing; true there is an error"""
     micro_batch_tokens: int | None = None
     """at most this many fed positions per micro-batch (rows × the longest row; a longer row goes alone); null = limited
     by micro_batch_size only"""
     skip_zero_advantage: bool = True
-    """skip the forward and backward of samples whose advantages are all 0 (the update is unchanged); applies only with
-    grpo.kl_coef 0"""
+    """skip the forward and backward of samples whose advantages are all 0 and without hindsight targets (the update is
+    unchanged); only with grpo.kl_coef 0"""
     max_consecutive_skips: int = 5
     """stop the run (with a checkpoint) after this many consecutive non-finite updates; 0 = never stop"""
     compile: bool = False
