@@ -1116,3 +1116,42 @@ def test_validation_draws_do_not_depend_on_the_training_seed(tmp_path):
     base = played("--model.rollout.seed=0")
     assert played("--model.rollout.seed=7", "--seed_everything=7") == base
     assert played("--model.evaluation.seed=3") != base
+
+
+def test_a_run_on_a_terminal_keeps_each_validation_result_above_the_bar(tmp_path):
+    """On a terminal (a pty of 120 columns): the fit bar, each validation's bar labelled "validation" (not
+    Lightning's "Validation DataLoader 0" at the end), and each validation's result line, written above the bar."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglightning", "fit", "--config", TINY, "--trainer.max_steps=2",
+         f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.evaluation.before_fit=true"],
+        stdout=slave, stderr=subprocess.PIPE, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"), cwd=tmp_path)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed its end
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    err = proc.communicate(timeout=900)[1].decode()
+    assert proc.returncode == 0, err[-3000:]
+    assert err == ""
+    frames = [f.strip() for f in b"".join(chunks).decode(errors="replace").replace("\r", "\n").split("\n")]
+    assert any(f.startswith("validation before training at step 0: self-guidance on success=") for f in frames)
+    assert any(f.startswith("validation at step 2: self-guidance on success=") for f in frames), frames[-40:]
+    assert any(f.startswith("fit: 2/2 [") for f in frames)
+    last_bars = [f for f in frames if "it/s]" in f][-2:]
+    assert last_bars and all(f.startswith("validation") and "DataLoader" not in f for f in last_bars), last_bars
