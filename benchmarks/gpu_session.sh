@@ -34,6 +34,8 @@
 #   part 9, the same (<= 7 min): the shapes part 1 leaves out: Qwen2.5-0.5B's grouped-query layout at 8 x 8, and
 #       the Qwen3-1.7B and Qwen3-4B shapes at 64 episodes (8 x 8)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
+# `CPU_SMOKE=1` runs the same stages on a CPU with tiny shapes (and the tiny config for the quickstart): a check of the
+# script itself, its stages, partial results and table, before device time is spent on it (tests/test_gpu_check.py).
 set -uo pipefail
 part=${1:-1}
 cd "$(dirname "$0")/.."
@@ -67,6 +69,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a timeout, log it, note it
 check() {  # check NAME SECONDS ARGS...: benchmarks/gpu_check.py, its numbers appended to results.jsonl
   local name=$1 limit=$2
   shift 2
+  [ -n "${CPU_SMOKE:-}" ] && set -- "$@" --cpu-smoke
   stage "$name" "$limit" "$PY" benchmarks/gpu_check.py --json "$OUT/$name.json" "$@"
   [ -f "$OUT/$name.json" ] || [ ! -f "$OUT/$name.json.steps.jsonl" ] || \
     "$PY" benchmarks/gpu_check.py --from-steps "$OUT/$name.json.steps.jsonl" --json "$OUT/$name.json" >> "$OUT/log.txt" 2>&1
@@ -87,9 +90,11 @@ if [ "$part" = 1 ]; then
   check qwen3-1.7b_16x8 140 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --profile "$OUT/qwen3-1.7b_16x8.profile.md"
 elif [ "$part" = 2 ]; then
-  stage quickstart 170 "$PY" -m sglightning fit --config configs/quickstart.yaml --trainer.accelerator=gpu \
-    --trainer.precision=bf16-mixed --model.policy.dtype=bfloat16 "--trainer.default_root_dir=$OUT/runs" \
-    "--trainer.logger.init_args.save_dir=/tmp/sgl-runs"
+  if [ -n "${CPU_SMOKE:-}" ]; then quick=(--config configs/tiny.yaml --trainer.max_steps=2)
+  else quick=(--config configs/quickstart.yaml --trainer.accelerator=gpu --trainer.precision=bf16-mixed \
+    --model.policy.dtype=bfloat16); fi
+  stage quickstart 170 "$PY" -m sglightning fit "${quick[@]}" "--trainer.default_root_dir=$OUT/runs" \
+    "--trainer.logger.init_args.save_dir=$OUT/runs"
   check qwen3-4b_16x8 120 --shape qwen3-4b --groups 16 --group-size 8 --val-tasks 4
 elif [ "$part" = 9 ]; then
   check qwen2.5-0.5b_8x8 120 --shape qwen2.5-0.5b --groups 8 --group-size 8 --val-tasks 4

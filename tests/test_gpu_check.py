@@ -200,3 +200,24 @@ def test_the_fsdp2_check_ends_its_process_on_its_own(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1].startswith("| tiny | 2 | ")
     assert json.loads((tmp_path / "f.json").read_text())["strategy"] == "fsdp2"
+
+
+@pytest.mark.slow
+def test_the_session_script_runs_its_first_part_on_a_cpu(tmp_path):
+    """``CPU_SMOKE=1 bash benchmarks/gpu_session.sh 1``: every stage of the GPU session's first part, with tiny shapes,
+    ends with exit 0, and the table has a row per check (a broken stage would cost device minutes to find)."""
+    import os
+
+    out = tmp_path / "out"
+    env = dict(os.environ, CPU_SMOKE="1", PY=sys.executable, OUT=str(out),
+               PYTHONPATH=os.pathsep.join([str(BENCH.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run(["bash", str(BENCH / "gpu_session.sh"), "1"], capture_output=True, text=True, timeout=900,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    stages = (out / "stages.md").read_text()
+    for name in ("cuda_tests", "probe_8x8", "qwen3-1.7b_16x8"):
+        assert f"| {name} | 0 |" in stages, stages
+    table = (out / "table.md").read_text()
+    rows = [line.split(" | ")[0] for line in table.splitlines() if " | tiny | 2 | " in line]
+    assert rows == ["| probe_8x8", "| qwen3-1.7b_16x8"], table
+    assert (out / "probe_8x8.profile.md").is_file()
