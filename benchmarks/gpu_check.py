@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 from lightning.pytorch import Callback
@@ -230,8 +231,11 @@ class StepLog(Callback):
     check stopped by its timeout still leaves its steps (rank 0 only)."""
 
     def __init__(self, path: str, header: dict):
-        self.path = Path(path)
-        self.path.write_text(json.dumps({"header": header}) + "\n")
+        self.path, self.header = Path(path), header
+
+    def setup(self, trainer, module, stage: str) -> None:
+        if trainer.is_global_zero:  # one writer: another rank's header would cut rank 0's lines
+            self.path.write_text(json.dumps({"header": self.header}) + "\n")
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if trainer.is_global_zero and module.history:
@@ -291,17 +295,20 @@ def main(argv=None) -> dict:
     flops = matmul_flops("cuda") if gpu else None
     if gpu:
         torch.cuda.reset_peak_memory_stats()
-    root = tempfile.mkdtemp(prefix="sgl-gpu-check-")
+    # one run folder for every rank (the ranks Lightning starts inherit it): a sharded checkpoint is written by all
+    started = os.environ.get("LOCAL_RANK", "0") != "0" and "SGL_GPU_CHECK_ROOT" in os.environ
+    root = os.environ["SGL_GPU_CHECK_ROOT"] if started else tempfile.mkdtemp(prefix="sgl-gpu-check-")
+    os.environ["SGL_GPU_CHECK_ROOT"] = root
     t0 = time.perf_counter()
     header = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "shape": args.shape,
               "strategy": args.strategy, "devices": args.devices, "compile": args.compile, "bandwidth": bandwidth,
               "flops": flops, "profile_step": args.steps if args.profile else None}
     steps_log = [StepLog(args.json + ".steps.jsonl", header)] if args.json else []
-    argv0, sys.argv = sys.argv, sys.argv[:1]  # the fit's arguments are given: LightningCLI warns if argv has more
-    try:
+    # sys.argv stays whole: under DDP / FSDP on several devices Lightning starts the other ranks with this process's
+    # argv (trimmed, they ran the default check and the run hung); LightningCLI's warning about it says nothing here
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended to run from within")
         cli = cli_main(fit_args(args, gpu, root), callbacks=steps_log)
-    finally:
-        sys.argv = argv0
     module, trainer = cli.model, cli.trainer
     engine = next(c for c in trainer.callbacks if isinstance(c, RolloutCallback)).engine
     profile = next((c.summary for c in trainer.callbacks if isinstance(c, StepProfile)), None)

@@ -188,18 +188,23 @@ def test_the_cache_memory_benchmark_by_hand_and_measured(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_fsdp2_check_ends_its_process_on_its_own(tmp_path):
+@pytest.mark.parametrize("strategy,devices", [("fsdp2", 1), ("ddp", 2), ("fsdp2", 2)])
+def test_the_check_as_a_script_ends_its_processes_on_their_own(tmp_path, strategy, devices):
     """On the first GPU run ``--strategy fsdp2 --devices 1`` finished its steps but its process had not ended 60 s
-    later. As a script, as the session runs it, it must end by itself with its table row."""
+    later.  As a script, as the session runs it, it must end by itself with its table row; on two devices the rank
+    Lightning starts runs the same check (it was started with the default arguments, and the run hung)."""
     import os
 
     env = dict(os.environ, PYTHONPATH=str(BENCH.parent / "src"))
+    env.pop("SGL_GPU_CHECK_ROOT", None)
     res = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--cpu-smoke", "--steps", "2", "--strategy",
-                          "fsdp2", "--devices", "1", "--json", str(tmp_path / "f.json")],
+                          strategy, "--devices", str(devices), "--json", str(tmp_path / "f.json")],
                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.strip().splitlines()[-1].startswith("| tiny | 2 | ")
-    assert json.loads((tmp_path / "f.json").read_text())["strategy"] == "fsdp2"
+    assert res.stdout.strip().splitlines()[-1].startswith(f"| tiny | {2 * devices} | ")
+    out = json.loads((tmp_path / "f.json").read_text())
+    assert (out["strategy"], out["devices"], out["steps"]) == (strategy, devices, 2)
+    assert len((tmp_path / "f.json.steps.jsonl").read_text().splitlines()) == 3  # the header and rank 0's steps
 
 
 @pytest.mark.slow
