@@ -328,7 +328,7 @@ def test_dynamic_sampling_counts_the_caches_its_rounds_gave_back():
     cb.engine.slots = SlotPool(limit_bytes=1)  # every call takes the other call's cache
     rb = cb.collect(m)
     assert rb.extra_groups > 0 and cb.engine.slots.given_back > 0
-    assert rb.engine["caches_given_back"] == cb.engine.slots.given_back
+    assert rb.engine_counts["caches_given_back"] == cb.engine.slots.given_back
 
 
 def test_dynamic_sampling_logs_the_policys_round_under_the_usual_names(tmp_path):

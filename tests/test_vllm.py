@@ -139,7 +139,7 @@ def test_engine_logprobs_equal_the_trainers_in_every_decoding_mode(served, polic
         batch = r.run([1, 2, 3], generator=torch.Generator().manual_seed(0))
     finally:
         r.close()
-    assert batch.generated_tokens > 0 and batch.engine["requests"] > 0
+    assert batch.generated_tokens > 0 and batch.engine_counts["requests"] > 0
     assert not any(e.error for e in batch.episodes), [e.error for e in batch.episodes]
     kinds, restricted, gaps = set(), 0, []
     for s in batch.samples:
@@ -155,7 +155,7 @@ def test_engine_logprobs_equal_the_trainers_in_every_decoding_mode(served, polic
         assert restricted > 0
     assert KIND_GUIDANCE in kinds and kinds <= {KIND_GUIDANCE, KIND_ACTION}
     if mode == "single_stream":  # later turns extend the same context: the engine's prefix cache serves them
-        assert batch.engine["cached_tokens"] > 0
+        assert batch.engine_counts["cached_tokens"] > 0
 
 
 def test_a_sync_after_an_update_gives_the_engine_the_trainers_weights(served, policy):
@@ -202,7 +202,7 @@ def test_smollm2_through_vllm_samples_what_the_trainer_scores():
             r.close()
     finally:
         engine.close()
-    assert not any(e.error for e in batch.episodes) and batch.engine["cached_tokens"] > 0
+    assert not any(e.error for e in batch.episodes) and batch.engine_counts["cached_tokens"] > 0
     gaps = []
     for s in batch.samples:
         pol = torch.tensor(s.policy[1:])

@@ -105,7 +105,7 @@ class RolloutCallback(Callback):
         """One rollout of ``seeds`` on the current weights; the engine's numbers (an adapter sync) in its stats."""
         with self._sampling(pl_module) as synced:
             rb = self.rollout_for(pl_module).run(seeds, policy_version=self.engine.version, **kw)
-        rb.engine.update(synced)
+        rb.engine_counts.update(synced)
         return rb
 
     def collect(self, pl_module: LightningModule, trainer: Trainer | None = None) -> RolloutBatch:

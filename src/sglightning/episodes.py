@@ -216,9 +216,9 @@ class RolloutBatch:
     first_round: int | None = None
     #: the rollout's peak memory ({"memory/rollout_peak_rss_gb": GB, ...}; filled by the trainer: sglightning.memory)
     peak_memory: dict[str, float] = field(default_factory=dict)
-    #: an external engine's counters (requests, prompt_tokens, cached_tokens; the adapter sync's sync_s, sync_gap,
-    #: loaded_adapters); empty for the in-process engine
-    engine: dict[str, float] = field(default_factory=dict)
+    #: the engine's counters: the vLLM engine's requests, prompt_tokens, cached_tokens and its adapter sync's sync_s,
+    #: sync_gap, loaded_adapters; the in-process engine's slot_cache_GB and caches_given_back
+    engine_counts: dict[str, float] = field(default_factory=dict)
 
     def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:
         """Append ``other``'s groups ``groups`` (renumbered after this batch's groups and episodes) and its costs."""
@@ -242,8 +242,8 @@ class RolloutBatch:
         self.forward_calls += other.forward_calls
         self.prefill_positions += other.prefill_positions
         for key in ("requests", "prompt_tokens", "cached_tokens", "caches_given_back"):
-            if key in other.engine:
-                self.engine[key] = self.engine.get(key, 0.0) + other.engine[key]
+            if key in other.engine_counts:
+                self.engine_counts[key] = self.engine_counts.get(key, 0.0) + other.engine_counts[key]
 
     @property
     def samples(self) -> list[Sample]:

@@ -130,7 +130,7 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
         **batch.peak_memory,
         **prepared.stats,
     }
-    logs.update(engine_logs(batch.engine))
+    logs.update(engine_logs(batch.engine_counts))
     if batch.first_round is not None:  # dynamic sampling added groups: the trained batch, described on its own
         eps = batch.episodes
         logs["dynamic_sampling/success_rate"] = sum(e.won for e in eps) / len(eps)

@@ -187,7 +187,7 @@ class Rollout:
             prefill_positions=stats["prefill"],
             policy_version=policy_version,
             guided=guided,
-            engine=dict(stats.get("engine", {})),
+            engine_counts=dict(stats.get("engine", {})),
         )
 
     def _play(self, episodes: list[Episode], split: str, temperature: float, guided: bool,
