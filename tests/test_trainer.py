@@ -739,7 +739,8 @@ def test_a_subcommand_builds_only_its_own_parser(monkeypatch, capsys):
     built.clear()
     text = " ".join(_help(capsys).split())
     assert built == ["fit", "validate"]
-    assert "usage: sglightning " in text and "fit Train the adapters with self-guided GRPO" in text
+    assert "usage: sglightning {fit,validate} --config CONFIG " in text  # not [-c CONFIG] before the subcommand
+    assert "fit Train the adapters with self-guided GRPO" in text
     assert "validate Validate a model on the evaluation episodes" in text
 
 

@@ -342,6 +342,9 @@ class SGLightningCLI(LightningCLI):
         for action in parser._actions:
             for choice in getattr(action, "_choices_actions", []):
                 choice.help = SUBCOMMANDS.get(choice.dest, choice.help)
+        # the subcommands' names are made by now; the top-level usage shows the order that works (a config of ours
+        # given before the subcommand is refused: _check_options_follow_the_subcommand)
+        parser.usage = "sglightning {fit,validate} --config CONFIG [--KEY VALUE ...]"
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
         """Lightning's, with sglightning's words for the options it gives its own meaning."""
