@@ -34,10 +34,14 @@ def made(monkeypatch):
     return seen
 
 
-def test_every_rollout_generator_is_made_on_the_models_device(tmp_path, made):
+def test_every_rollout_generator_is_made_on_the_models_device(tmp_path, made, monkeypatch):
     """A fit that validates before and after training, with a dynamic-sampling round, then validate from the
     checkpoint: every generator made (training salt 0, dynamic sampling salt 3, validation salt 1) is on the
-    module's device."""
+    module's device.  The module says it is on ``cpu:0``, which is not equal to ``cpu``: a callback that made its
+    generator on a fixed ``"cpu"`` (the bug a GPU run found) fails here too."""
+    from sglightning.module import SelfGuideModule
+
+    monkeypatch.setattr(SelfGuideModule, "device", property(lambda self: torch.device("cpu", 0)))
     args = ["--config", TINY, f"--trainer.default_root_dir={tmp_path}",
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
             "--trainer.max_steps=2", "--model.evaluation.num_tasks=2", "--model.evaluation.tasks_per_batch=2",
@@ -47,6 +51,7 @@ def test_every_rollout_generator_is_made_on_the_models_device(tmp_path, made):
     cli_main(["validate", *args, "--ckpt_path=last"])
     salts = {s for s, _, _ in made}
     assert {"salt 0", "salt 1"} <= salts, salts
+    assert device == torch.device("cpu", 0) != torch.device("cpu")
     assert all(asked == device and got.type == device.type for _, asked, got in made), made
 
 
