@@ -215,3 +215,27 @@ def test_the_exit_status_of_a_distributed_run_follows_pythons_rule(capsys):
     assert capsys.readouterr().err == ""
     assert _report_exit(SystemExit("bad key")) == 1 and _report_exit(SystemExit(2.5)) == 1
     assert capsys.readouterr().err == "bad key\n2.5\n"
+
+
+def test_running_out_of_accelerator_memory_in_a_validation_is_one_line_naming_its_keys(tmp_path, capsys, monkeypatch):
+    """``sglightning validate`` whose rollout runs out of accelerator memory: one line naming the validation and the
+    keys that shrink it (evaluation.tasks_per_batch first), no traceback."""
+    from pathlib import Path
+
+    import torch
+
+    from sglightning.cli import cli_main
+    from sglightning.rollout import Rollout
+
+    def out_of_memory(self, *a, **kw):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Rollout, "run", out_of_memory)
+    root = Path(__file__).resolve().parents[1]
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["validate", "--config", str(root / "configs" / "tiny.yaml"), f"--trainer.default_root_dir={tmp_path}",
+                  f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1 and len(err) == 1, err
+    assert "out of accelerator memory in the validation of step 0 (CUDA out of memory" in err[0], err
+    assert "lower evaluation.tasks_per_batch, evaluation.episodes_per_task" in err[0] and "Traceback" not in err[0]
