@@ -88,6 +88,8 @@ def parse(argv=None) -> argparse.Namespace:
                  "which fails on this model's tied embeddings")
     if args.cpu_smoke:
         args.shape, args.groups, args.group_size, args.max_env_steps = "tiny", 1, 2, 2
+        if args.compile in ("cudagraphs", "reduce-overhead"):  # CUDA graphs need CUDA: the same slot cache, eager
+            args.compile = "static"
         args.val_tasks = min(args.val_tasks, 2)
     return args
 
@@ -232,6 +234,8 @@ class StepLog(Callback):
 
     def __init__(self, path: str, header: dict):
         self.path, self.header = Path(path), header
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # an earlier run's steps must not pass for this one's
+            self.path.unlink(missing_ok=True)
 
     def setup(self, trainer, module, stage: str) -> None:
         if trainer.is_global_zero:  # one writer: another rank's header would cut rank 0's lines
@@ -291,12 +295,13 @@ def main(argv=None) -> dict:
     if gpu:  # why a step was compiled again, or ran without CUDA graphs: in the log, not guessed afterwards
         torch._logging.set_logs(recompiles=True, perf_hints=True)
     from torch._dynamo.utils import counters
-    bandwidth = copy_bandwidth("cuda") if gpu else None
-    flops = matmul_flops("cuda") if gpu else None
+    launched = os.environ.get("LOCAL_RANK", "0") != "0"  # a rank Lightning started: rank 0 measures, alone
+    bandwidth = copy_bandwidth("cuda") if gpu and not launched else None
+    flops = matmul_flops("cuda") if gpu and not launched else None
     if gpu:
         torch.cuda.reset_peak_memory_stats()
     # one run folder for every rank (the ranks Lightning starts inherit it): a sharded checkpoint is written by all
-    started = os.environ.get("LOCAL_RANK", "0") != "0" and "SGL_GPU_CHECK_ROOT" in os.environ
+    started = launched and "SGL_GPU_CHECK_ROOT" in os.environ
     root = os.environ["SGL_GPU_CHECK_ROOT"] if started else tempfile.mkdtemp(prefix="sgl-gpu-check-")
     os.environ["SGL_GPU_CHECK_ROOT"] = root
     t0 = time.perf_counter()

@@ -69,7 +69,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run under a timeout, log it, note it
 check() {  # check NAME SECONDS ARGS...: benchmarks/gpu_check.py, its numbers appended to results.jsonl
   local name=$1 limit=$2
   shift 2
-  [ -n "${CPU_SMOKE:-}" ] && set -- "$@" --cpu-smoke
+  [ "${CPU_SMOKE:-0}" != 0 ] && set -- "$@" --cpu-smoke
+  rm -f "$OUT/$name.json" "$OUT/$name.json.steps.jsonl"  # an earlier session's files must not pass for this one's
   stage "$name" "$limit" "$PY" benchmarks/gpu_check.py --json "$OUT/$name.json" "$@"
   [ -f "$OUT/$name.json" ] || [ ! -f "$OUT/$name.json.steps.jsonl" ] || \
     "$PY" benchmarks/gpu_check.py --from-steps "$OUT/$name.json.steps.jsonl" --json "$OUT/$name.json" >> "$OUT/log.txt" 2>&1
@@ -90,7 +91,7 @@ if [ "$part" = 1 ]; then
   check qwen3-1.7b_16x8 140 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --profile "$OUT/qwen3-1.7b_16x8.profile.md"
 elif [ "$part" = 2 ]; then
-  if [ -n "${CPU_SMOKE:-}" ]; then quick=(--config configs/tiny.yaml --trainer.max_steps=2)
+  if [ "${CPU_SMOKE:-0}" != 0 ]; then quick=(--config configs/tiny.yaml --trainer.max_steps=2)
   else quick=(--config configs/quickstart.yaml --trainer.accelerator=gpu --trainer.precision=bf16-mixed \
     --model.policy.dtype=bfloat16); fi
   stage quickstart 170 "$PY" -m sglightning fit "${quick[@]}" "--trainer.default_root_dir=$OUT/runs" \

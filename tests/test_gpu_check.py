@@ -36,6 +36,9 @@ def test_arguments():
         gpu_check.parse(["--strategy", "deepspeed"])
     with pytest.raises(SystemExit):  # FSDP1 on one process does not shard and fails on the tied embeddings
         gpu_check.parse(["--strategy", "fsdp1"])
+    # a CPU has no CUDA graphs: the smoke run of a CUDA-graph stage decodes on the same slot cache, eagerly
+    assert gpu_check.parse(["--cpu-smoke", "--compile", "cudagraphs"]).compile == "static"
+    assert gpu_check.parse(["--cpu-smoke", "--compile", "default"]).compile == "default"
 
 
 def test_shapes_count_what_the_real_models_hold():
