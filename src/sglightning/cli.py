@@ -39,7 +39,7 @@ from sglightning.console import StepProgressBar, quiet, quiet_resume, quiet_vali
 from sglightning.errors import ConfigError, EngineError, OutOfMemory
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
-from sglightning.preemption import PreemptionCheckpoint
+from sglightning.preemption import PreemptionCheckpoint, validation_pending
 from sglightning.report import run_settings, write_validation_report
 from sglightning.strategies import recover_swapped_checkpoints
 
@@ -803,10 +803,8 @@ def nothing_left_to_train(ckpt: str | os.PathLike, trainer: dict) -> None:
     if done < max_steps:
         return
     if first_process():
-        progress = state.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress") or {}
-        current = progress.get("current", {})
         pending = (f"; its validation at step {done} did not finish: sglightning validate with the same config and "
-                   f"--ckpt_path {path} plays it") if current.get("ready", 0) > current.get("completed", 0) else ""
+                   f"--ckpt_path {path} plays it") if validation_pending(state) else ""
         print(f"sglightning: {path} holds {done} trained steps and trainer.max_steps is {max_steps}: nothing to "
               f"train (raise trainer.max_steps to train on){pending}", file=sys.stderr)
     sys.exit(0)

@@ -86,6 +86,14 @@ def _validation_pending(checkpoint: dict) -> None:
     progress["is_last_batch"] = False
 
 
+def validation_pending(checkpoint: dict) -> bool:
+    """Whether a checkpoint reads "stopped mid-evaluation" (:func:`_validation_pending` wrote it so, or a run died in
+    a validation): its validation loop started a batch it did not complete."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.val_loop.batch_progress") or {}
+    current = progress.get("current", {})
+    return current.get("ready", 0) > current.get("completed", 0)
+
+
 class PreemptionCheckpoint(Callback):
     """SIGTERM (preemption): Lightning stops at the end of the current step, or the rollout abandons its step; then
     this saves ``last.ckpt`` (atomically) where ``--ckpt_path last`` finds it, exports the adapter, says how to
