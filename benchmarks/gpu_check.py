@@ -228,13 +228,18 @@ def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: flo
     return out
 
 
+def launched_rank() -> bool:
+    """Whether this process is a rank Lightning started for a run on several devices (not the one the user ran)."""
+    return os.environ.get("LOCAL_RANK", "0") != "0"
+
+
 class StepLog(Callback):
     """Appends each training step's logs (the module's ``history``) to a JSON-lines file as the run goes, so that a
     check stopped by its timeout still leaves its steps (rank 0 only)."""
 
     def __init__(self, path: str, header: dict):
         self.path, self.header = Path(path), header
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # an earlier run's steps must not pass for this one's
+        if not launched_rank():  # an earlier run's steps must not pass for this one's
             self.path.unlink(missing_ok=True)
 
     def setup(self, trainer, module, stage: str) -> None:
@@ -295,7 +300,7 @@ def main(argv=None) -> dict:
     if gpu:  # why a step was compiled again, or ran without CUDA graphs: in the log, not guessed afterwards
         torch._logging.set_logs(recompiles=True, perf_hints=True)
     from torch._dynamo.utils import counters
-    launched = os.environ.get("LOCAL_RANK", "0") != "0"  # a rank Lightning started: rank 0 measures, alone
+    launched = launched_rank()  # rank 0 measures, alone
     bandwidth = copy_bandwidth("cuda") if gpu and not launched else None
     flops = matmul_flops("cuda") if gpu and not launched else None
     if gpu:
