@@ -195,9 +195,12 @@ def test_cli_fsdp_distributed_checkpoint_resumes(tmp_path, strategy):
     else:  # sglightning's strategies: adapters only (the frozen base is reloaded), swapped in whole (no leftovers)
         assert stored and all("lora_" in k for k in stored), sorted(stored)[:3]
         assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt"]
-    # resuming a finished run restores exactly the trained adapter (re-exported at the end of the empty fit)
+    # resuming a finished run: the folder's loop state says there is nothing to train; one line, nothing rewritten
+    config = (run / "config.yaml").read_text()
     res = _cli(tmp_path, *base, "--trainer.max_steps=2", "--ckpt_path=last")
     assert res.returncode == 0, res.stderr[-4000:]
+    assert "holds 2 trained steps and trainer.max_steps is 2: nothing to train" in res.stderr, res.stderr[-2000:]
+    assert (run / "config.yaml").read_text() == config
     restored = _adapter(run)
     assert restored.keys() == first.keys() and all(torch.equal(restored[k], first[k]) for k in first)
     res = _cli(tmp_path, *base, "--trainer.max_steps=3", "--ckpt_path=last")

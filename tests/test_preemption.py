@@ -256,6 +256,24 @@ def test_a_finished_run_whose_last_validation_did_not_finish_says_how_to_play_it
     assert capsys.readouterr().err == ""
 
 
+def test_a_finished_distributed_checkpoint_is_read_from_its_loop_state(tmp_path, capsys, straight):
+    """A sharded ``last.ckpt/`` folder (FSDP) keeps its loop state in ``meta.pt``: a resume with no step left says so
+    as for a file; a folder without that file is left to the run's own load."""
+    from sglightning.cli import nothing_left_to_train
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    nothing_left_to_train(folder, {"max_steps": 1})  # no meta.pt: not ours to judge
+    state = {k: v for k, v in load_checkpoint_file(straight).items() if k not in ("state_dict", "optimizer_states")}
+    atomic_torch_save(state, folder / "meta.pt")
+    nothing_left_to_train(folder, {"max_steps": 7})
+    assert capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as stopped:
+        nothing_left_to_train(folder, {"max_steps": 6})
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 0 and line.startswith(f"sglightning: {folder} holds 6 trained steps"), line
+
+
 def test_resume_extends_a_finished_run(tmp_path):
     """A finished 2-step run resumed with max_steps 3 trains exactly one more step, in the same folder."""
     assert subprocess.run(_fit_cmd(tmp_path, 2), env=_env(), capture_output=True, timeout=600).returncode == 0

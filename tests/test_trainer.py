@@ -717,6 +717,10 @@ def test_help_reads_top_down_and_documents_every_model_key(capsys):
     assert "registry" not in opts["--ckpt_path"]  # Lightning's text described its model registry
     assert opts["--threads"].startswith("torch CPU threads per process: auto =")
     assert "weights_only=True" in opts["--weights_only"]
+    # the Trainer flags a fit refuses say so (Lightning's own text offered them)
+    assert opts["--trainer.accumulate_grad_batches"].startswith("Only 1: one optimiser step is one rollout's update")
+    assert opts["--trainer.overfit_batches"].startswith("Only 0:") and opts["--trainer.barebones"].startswith("Only")
+    assert "model.grpo.max_grad_norm" in opts["--trainer.gradient_clip_val"]
     validate = _options(_help(capsys, "validate"))
     assert "last" in validate["--ckpt_path"] and "none is an error" in validate["--ckpt_path"]
 

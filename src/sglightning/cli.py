@@ -397,6 +397,9 @@ class SGLightningCLI(LightningCLI):
                  "both cores when one process has 2 cores of an idle machine; OMP_NUM_THREADS wins when set), an "
                  "integer, or null for torch's default (one per core, which collapses when another busy process "
                  "shares the cores)")
+        for action in parser._actions:  # Lightning's text for the Trainer flags this trainer refuses: ours instead
+            if action.dest in REFUSED_FLAG_HELP:
+                action.help = REFUSED_FLAG_HELP[action.dest]
 
     def before_instantiate_classes(self) -> None:
         """Set the thread budget (before the model and the env workers exist); then ``--ckpt_path last`` on a fresh
@@ -597,6 +600,18 @@ def unknown_monitor(message: str) -> str:
             "a validation metric: val/sg/success_rate)")
 
 
+#: --help for the Trainer flags that ``refused_trainer_flag`` turns down (Lightning's own text would offer them)
+REFUSED_FLAG_HELP = {
+    "trainer.accumulate_grad_batches": "Only 1: one optimiser step is one rollout's update, its micro-batches "
+                                       "already accumulated (model.update.micro_batch_size sets their size).",
+    "trainer.gradient_clip_val": "Not used: model.grpo.max_grad_norm sets the gradient norm clipped to.",
+    "trainer.gradient_clip_algorithm": "Not used: model.grpo.max_grad_norm clips the gradient norm.",
+    "trainer.overfit_batches": "Only 0: every step plays new tasks (model.rollout.seed); for a fixed set of tasks, "
+                               "give the environment one.",
+    "trainer.barebones": "Only false: a run keeps its logger, progress line and checkpoints.",
+}
+
+
 def refused_trainer_flag(trainer) -> str | None:
     """The first Trainer setting this trainer cannot honour, as one line naming the key and what to use instead (else
     Lightning would fail inside ``fit`` with a traceback, or silently do something else); None when all can be."""
@@ -789,14 +804,15 @@ def nothing_left_to_train(ckpt: str | os.PathLike, trainer: dict) -> None:
     exit 0, and nothing written (Lightning would start, train nothing and rewrite the run's ``config.yaml``).
 
     Args:
-        ckpt: the checkpoint to resume from (a folder, a distributed checkpoint, is not read).
+        ckpt: the checkpoint to resume from: a file, or a distributed checkpoint's folder (its ``meta.pt`` is read).
         trainer: the ``trainer`` section of the config."""
     max_steps = trainer.get("max_steps")
     path = Path(str(ckpt))
-    if not isinstance(max_steps, int) or max_steps < 0 or not path.is_file():
+    loop_state = path / "meta.pt" if path.is_dir() else path  # a folder's loop state sits beside its shards
+    if not isinstance(max_steps, int) or max_steps < 0 or not loop_state.is_file():
         return
     try:
-        state = load_checkpoint_file(path)
+        state = load_checkpoint_file(loop_state)
     except CheckpointError:
         return  # the run's own load says what is wrong with it, in one line
     done = state.get("global_step", 0)
