@@ -7,8 +7,8 @@
 Why it exists: packing rows into one sequence removes pads, but torch's SDPA has no variable-length kernel.  A packed
 row of total length ΣL attends with a block-diagonal mask over all of it, so attention costs (ΣL)² instead of ΣL².
 Packing pays only where pads are many.  This script counts them for the trainer's micro-batching
-(``scoring.microbatch_rows``): rows in played order, rows longest first (what ``update.micro_batch_tokens`` does
-without shared prefixes), and shared prefixes (a prefix fed once, rests padded), rows ordered by their tokens or as
+(``scoring.microbatch_rows``): rows in played order, rows longest first (what the trainer does without shared
+prefixes), and shared prefixes (a prefix fed once, rests padded), rows ordered by their tokens or as
 the trainer orders them (``update.prefix_order``).
 
 One rollout is played (free guidance and actions, so lengths vary as on a GPU config); nothing is timed.  Prints one

@@ -66,7 +66,8 @@ def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature
     """Forward + backward of every micro-batch of ``samples`` (as the trainer orders them); returns (seconds, positions
     fed to the decoder).  ``calibration``: score as the trainer does (entropies too) and, when > 0, add the hindsight
     label loss α·Σ(−log q(y*)) / targets.  ``budget``: micro-batches of at most ``micro`` rows and ``budget`` fed
-    positions, rows longest first (``update.micro_batch_tokens``).  ``whole``: call the whole model, as FSDP does,
+    positions, rows longest first (``update.micro_batch_tokens``); without it whole rows stay in played order (the
+    trainer before 2026-12-06; it now sorts them longest first).  ``whole``: call the whole model, as FSDP does,
     with the LM head at the positions some row reads (``"read"``, the trainer) or at every position (``"all"``, the
     trainer before 2026-12-04).  ``compiled``: the decoder layers compiled (``update.compile``).  ``by_ids``: shared
     prefixes with the rows sorted by their ids (the trainer before 2026-12-06), not in the trainer's order."""

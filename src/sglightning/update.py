@@ -120,8 +120,8 @@ def prepare_update(
         stats["rollout/dropped_groups"] = float(len(failed))
     if share_prefix:  # samples with common prefixes side by side: they share within a micro-batch
         samples.sort(key=lambda s: s.ids)
-    elif update.micro_batch_tokens is not None:  # longest first: a micro-batch's rows pad to similar lengths, and
-        samples.sort(key=lambda s: -scoring.scored_length(s))  # the largest runs first (out of memory at once)
+    else:  # whole rows longest first: a micro-batch's rows pad to similar lengths, and the largest runs first (out of
+        samples.sort(key=lambda s: -scoring.scored_length(s))  # memory at once); the loss is one sum: order-free
     if not samples:  # nothing to score on this rank (it still takes part in the step's collectives)
         stats["tokens/zero_advantage_samples"] = stats["tokens/skipped_zero_advantage_samples"] = 0.0
         stats["tokens/update_positions"] = 0.0
