@@ -1,4 +1,4 @@
-"""ALFWorldEnv on the real ALFWorld engine: hand-written fixture games -> alfworld-generate -> play (with expert)."""
+"""ALFWorldEnv on the real ALFWorld simulator: hand-written fixture games -> alfworld-generate -> play (with expert)."""
 
 from __future__ import annotations
 

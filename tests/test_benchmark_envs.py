@@ -196,15 +196,15 @@ def test_pool_closes_scienceworld_jvms():
     assert not set(_wait_no_java()) - before
 
 
-def test_twx_close_ends_the_jvm_so_the_engines_own_finaliser_stays_quiet():
-    """After ``close()`` the JVM has exited, so the engine's ``__del__`` (which closes again at garbage collection)
+def test_twx_close_ends_the_jvm_so_the_simulators_own_finaliser_stays_quiet():
+    """After ``close()`` the JVM has exited, so the simulator's ``__del__`` (which closes again at garbage collection)
     writes nothing to a dead pipe — it printed a BrokenPipeError traceback at the end of every twc run."""
     env = TextWorldExpressEnv("twc")
     env.reset(0, "train")
     proc = env._env._gateway.java_process
     env.close()
     assert proc.poll() is not None
-    env._env.close()  # what the engine's __del__ does: no error
+    env._env.close()  # what the simulator's __del__ does: no error
 
 
 # ------------------------------------------------------------------------------------- the first action's progress
@@ -233,7 +233,7 @@ def _expert_only(cls, **kwargs):
     _expert_only(ScienceWorldEnv, task_names=["find-plant"], gold_path=True),
 ], ids=["twx", "scienceworld"])
 def test_the_first_actions_progress_is_measured(tok, env):
-    """Both engines have a score: the reset reports the starting one, so the progress of every action, the first
+    """Both simulators have a score: the reset reports the starting one, so the progress of every action, the first
     included, is known (TextWorldExpress reported none at reset: the first action's progress was lost, and an oracle
     label or calibration pair with it)."""
     gc = GuidanceConfig(decoding="constrained", action_decoding="admissible")

@@ -1,5 +1,6 @@
 """WebShop adapter: observation parsing and action formatting on text-mode strings written here, and episode
-bookkeeping against a fake engine with ``web_agent_site``'s interface (the real engine cannot be installed here)."""
+bookkeeping against a fake simulator with ``web_agent_site``'s interface (the real simulator cannot be installed
+here)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ class FakeWebAgentTextEnv:
         self.closed += 1
 
 
-ENGINE = functools.partial(WebShopEnv, engine=FakeWebAgentTextEnv)
+SIMULATOR = functools.partial(WebShopEnv, simulator=FakeWebAgentTextEnv)
 
 
 def test_text_observation_parsing():
@@ -138,10 +139,10 @@ def test_paper_think_action_format_parses_to_an_action():
 
 def test_episode_reward_score_and_purchase_flags():
     FakeWebAgentTextEnv.instances = []
-    env = ENGINE(num_products=1000)
+    env = SIMULATOR(num_products=1000)
     r = env.reset(7, "test")
-    engine = FakeWebAgentTextEnv.instances[-1]
-    assert engine.sessions == [7] and engine.kwargs["num_products"] == 1000
+    simulator = FakeWebAgentTextEnv.instances[-1]
+    assert simulator.sessions == [7] and simulator.kwargs["num_products"] == 1000
     assert r.task == INSTR and r.admissible_actions is None and r.info["task_id"] == "webshop/test/7"
     assert r.score == 0.0  # nothing bought yet: the purchase's progress is measured against it
     assert env.reset(7, "dev").info["session"] == 507 and env.reset(7, "train").info["session"] == 1507
@@ -165,10 +166,10 @@ def test_episode_reward_score_and_purchase_flags():
         env.reset(1, "valid_seen")
     env.close()
     env.close()
-    assert engine.closed == 1
+    assert simulator.closed == 1
 
 
-def test_missing_engine_says_how_to_install():
+def test_missing_simulator_says_how_to_install():
     with pytest.raises(ValueError, match="web_agent_site.*not on PyPI.*pip install -e"):
         WebShopEnv()
 
@@ -184,7 +185,7 @@ def test_webshop_rollout_and_failure_patterns():
             script[turn] = next(queries)
         return script[turn]
 
-    r = Rollout(ScriptedLM(tok, scripted_reply(action=action)), tok, ENGINE, GuidanceConfig(),
+    r = Rollout(ScriptedLM(tok, scripted_reply(action=action)), tok, SIMULATOR, GuidanceConfig(),
                 RolloutConfig(group_size=2, max_steps=9))
     batch = r.run([3])
     for ep in batch.episodes:
@@ -204,7 +205,7 @@ def test_webshop_rollout_and_failure_patterns():
             script[turn] = next(buy)
         return script[turn]
 
-    r = Rollout(ScriptedLM(tok, scripted_reply(action=buying)), tok, ENGINE, GuidanceConfig(),
+    r = Rollout(ScriptedLM(tok, scripted_reply(action=buying)), tok, SIMULATOR, GuidanceConfig(),
                 RolloutConfig(group_size=2, max_steps=9))
     ep = r.run([3]).episodes[0]
     r.close()

@@ -1,6 +1,6 @@
-"""ALFWorld (Shridhar et al., 2021) text games on the real ALFWorld/TextWorld engine, behind :class:`TextEnv`.
+"""ALFWorld (Shridhar et al., 2021) text games on the real ALFWorld/TextWorld simulator, behind :class:`TextEnv`.
 
-Needs the optional extra (``pip install "sglightning[alfworld]"``: ``alfworld`` + ``textworld`` with its PDDL engine)
+Needs the optional extra (``pip install "sglightning[alfworld]"``: ``alfworld`` + ``textworld`` with its PDDL simulator)
 and the games themselves, which no package ships.  ``alfworld`` and ``textworld`` are imported inside ``__init__``, so
 this module imports without them.
 
@@ -22,26 +22,26 @@ Task types (``ResetResult.task_type``, the paper's names; ``traj_data.json["task
 (pick_two_obj_and_place).  ``task_types=[...]`` keeps only those types.
 
 Episode: ``reset`` returns ALFWorld's first observation (room overview + ``Your task is to: ...``), the goal text
-as ``task``, the engine's admissible commands, and ``info`` with ``task_id`` (game path relative to
+as ``task``, the simulator's admissible commands, and ``info`` with ``task_id`` (game path relative to
 ``json_2.1.1``), ``gamefile`` (absolute path) and ``target_objects`` (object/receptacle/lamp targets of
 ``traj_data.json["pddl_params"]`` in the game's words, e.g. ``["apple", "countertop"]``).  ``step`` gives reward
-1.0 and ``done=won=True`` when the engine reports the goal reached, else 0.0; after ``max_steps`` steps an unsolved
+1.0 and ``done=won=True`` when the simulator reports the goal reached, else 0.0; after ``max_steps`` steps an unsolved
 episode ends with ``info["truncated"]=True``.  ``score`` is None (ALFWorld has no progress score).
 ``expert_action()`` is the next command of ALFWorld's handcoded expert (``HandCodedTWAgent``), which tracks the
 episode from every executed step, so it can be asked from any state the agent reaches (it is a heuristic: not
 optimal, not guaranteed to succeed).  The goal text is fixed in each game file by ``alfworld-generate`` (one of two
 templates per task type, e.g. "put a apple in countertop" / "put some apple on countertop").
 
-Engine calls: ``textworld.envs.PddlEnv(textworld.EnvInfos(won=True, admissible_commands=True, extras=[...]))``
+Simulator calls: ``textworld.envs.PddlEnv(textworld.EnvInfos(won=True, admissible_commands=True, extras=[...]))``
 wrapped by ALFWorld's ``AlfredDemangler(shuffle=False)`` and ``AlfredInfos`` and (``expert=True``) a subclass of its
 ``AlfredExpert`` wrapper: the same stack ``alfworld-generate`` solves games with and ``AlfredTWEnv`` registers
 through ``textworld.gym.register_games``.  One stack lives as long as the env; ``load`` runs only when the game
 changes.  Each stack maps its own copy of fast-downward's library (textworld copies the 34 MB ``libdownward.so``
 per ``PddlEnv``); ``close()`` frees the planner's task memory but leaves the copy mapped (unloading it with
 ``dlclose`` crashed a later load), so keep env objects long-lived (one per pool slot), not one per episode.
-Engine calls of all instances in a process run under one lock: textworld's PDDL text generator parses through a
+Simulator calls of all instances in a process run under one lock: textworld's PDDL text generator parses through a
 single module-level tatsu parser that breaks when two threads use it (as a thread pool of envs would), so threads
-give ALFWorld no parallel speed-up (the engine is pure Python under the GIL anyway), only correctness.
+give ALFWorld no parallel speed-up (the simulator is pure Python under the GIL anyway), only correctness.
 
 Departures from ALFWorld's ``AlfredTWEnv``:
 
@@ -49,9 +49,9 @@ Departures from ALFWorld's ``AlfredTWEnv``:
   ``num_train_games`` truncation; the step limit is ``max_steps`` here, not textworld's ``max_episode_steps``.
 * The first observation drops the ``-= Welcome to TextWorld, ALFRED! =-`` banner (as the ReAct/Reflexion prompts
   do).  Actions are lower-cased, whitespace-collapsed and lose a trailing ".", and the pre-0.4 ALFWorld form
-  ``put X in/on Y`` (also ``in``/``on``) is accepted for the engine's ``move X to Y``.
-* An action that is not admissible is not sent to the engine: the observation is ALFWorld's own
-  ``Nothing happens.`` (what the engine answers), the world is unchanged, and ``invalid_action=True``.  This also
+  ``put X in/on Y`` (also ``in``/``on``) is accepted for the simulator's ``move X to Y``.
+* An action that is not admissible is not sent to the simulator: the observation is ALFWorld's own
+  ``Nothing happens.`` (what the simulator answers), the world is unchanged, and ``invalid_action=True``.  This also
   keeps junk text out of the expert's state tracker.
 * Expert: (1) ALFWorld 0.4.2's tracker recognises only the old ``put`` verb, so after ``move X to Y`` it still
   believes it holds X and wanders on Pick2 tasks; it is shown ``put X in/on Y`` instead.  (2) Its random choices use
@@ -90,7 +90,7 @@ _PUT = re.compile(r"^put (.+?) (?:in/on|in|on|into) (.+)$")
 _MOVE = re.compile(r"^move (.+?) to (.+)$")
 _INSTALL = 'pip install "sglightning[alfworld]"'
 #: serialises every call into textworld/ALFWorld across instances (see the module docstring)
-_ENGINE_LOCK = threading.RLock()
+_SIMULATOR_LOCK = threading.RLock()
 
 
 def normalize_action(action: str) -> str:
@@ -104,7 +104,7 @@ def _expert_view(command: str) -> str:
     return f"put {m.group(1)} in/on {m.group(2)}" if m else command
 
 
-def _import_engine() -> tuple[Any, Any, Any, Any]:
+def _import_simulator() -> tuple[Any, Any, Any, Any]:
     """Import textworld + ALFWorld's wrappers; ``ValueError`` with the install line when they are missing."""
     saved = os.environ.get("ALFWORLD_DATA")
     try:
@@ -194,7 +194,7 @@ def _plain(name: str) -> str:
 
 
 class ALFWorldEnv(TextEnv):
-    """ALFWorld text games (real engine); see the module docstring for games, splits, task types and departures."""
+    """ALFWorld text games (real simulator); see the module docstring for games, splits, task types and departures."""
 
     name = "alfworld"
     packages = ("alfworld", "textworld")
@@ -220,7 +220,7 @@ class ALFWorldEnv(TextEnv):
             raw, source = str(data_path), "env.init_args.data_path"
         else:  # read before importing alfworld: its import sets $ALFWORLD_DATA to a default cache folder
             raw, source = os.environ.get("ALFWORLD_DATA", ""), "$ALFWORLD_DATA"
-        self._textworld, self._pddl_env_cls, self._demangler_cls, self._infos_cls = _import_engine()
+        self._textworld, self._pddl_env_cls, self._demangler_cls, self._infos_cls = _import_simulator()
         self.json_root = self._find_json_root(raw, source)
         self._index: dict[str, list[tuple[Path, str, list[str]]]] = {}
         self._env: Any = None
@@ -283,7 +283,7 @@ class ALFWorldEnv(TextEnv):
         """The game files of ``split`` in seed order (``reset(seed, split)`` plays ``games(split)[seed % n]``)."""
         return [str(g) for g, _, _ in self._games(split)]
 
-    # ------------------------------------------------------------------ engine
+    # ------------------------------------------------------------------ simulator
     def _make_env(self) -> None:
         extras = ["gamefile"] + (["expert_plan"] if self.expert else [])
         infos = self._textworld.EnvInfos(won=True, admissible_commands=True, extras=extras)
@@ -298,7 +298,7 @@ class ALFWorldEnv(TextEnv):
         seed = operator.index(seed)
         games = self._games(split)
         game, ttype, targets = games[seed % len(games)]
-        with _ENGINE_LOCK:
+        with _SIMULATOR_LOCK:
             if self._env is None:
                 self._make_env()
             if self._loaded != game:
@@ -334,7 +334,7 @@ class ALFWorldEnv(TextEnv):
         self._steps += 1
         admissible = cmd in self._state["admissible_commands"]
         if admissible:
-            with _ENGINE_LOCK:
+            with _SIMULATOR_LOCK:
                 self._state, _, _ = self._env.step(cmd)
             obs = self._state["feedback"].strip()
         else:
@@ -355,7 +355,7 @@ class ALFWorldEnv(TextEnv):
     def close(self) -> None:
         env, pddl, self._env, self._pddl, self._expert_env = self._env, self._pddl, None, None, None
         self._loaded, self._state, self._done = None, None, True
-        with _ENGINE_LOCK:
+        with _SIMULATOR_LOCK:
             if env is not None:
                 env.close()
             lib = getattr(pddl, "downward_lib", None)

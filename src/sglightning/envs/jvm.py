@@ -1,5 +1,5 @@
-"""What the JVM-backed benchmark adapters (ScienceWorld, TextWorldExpress) share: the py4j engine object, its process,
-closing it once, and an expert that replays the engine's gold path while the agent follows it."""
+"""What the JVM-backed benchmark adapters (ScienceWorld, TextWorldExpress) share: the py4j simulator object, its
+process, closing it once, and an expert that replays the simulator's gold path while the agent follows it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from sglightning.envs.base import TextEnv
 
 
 class JvmGoldPathEnv(TextEnv):
-    """Base of adapters whose engine (``self._env``) runs in a JVM behind py4j and can produce a gold action path."""
+    """Base of adapters whose simulator (``self._env``) runs in a JVM behind py4j and can produce a gold action path."""
 
     _env: Any
 
@@ -41,7 +41,7 @@ class JvmGoldPathEnv(TextEnv):
         return getattr(proc, "pid", None)
 
     def close(self) -> None:
-        """End the JVM and wait for it: the engine's own ``__del__`` closes again at garbage collection and writes to
+        """End the JVM and wait for it: the simulator's own ``__del__`` closes again at garbage collection and writes to
         the JVM's stdin while it still runs; a JVM that is shutting down has closed that pipe, and the write printed a
         ``BrokenPipeError`` traceback at interpreter exit."""
         if self._closed:

@@ -183,7 +183,7 @@ class EnvPool:
         concurrent: ``False`` runs every call in the caller's thread, one after another (the reference for the
             throughput benchmark and for debugging); timeouts are then not enforced.
         max_concurrency: env calls running at once (``None``: the number of CPU cores).  More threads than cores
-            only add contention for CPU-bound engines (measured: 16 TextWorldExpress JVMs stepped by 16 threads on 2
+            only add contention for CPU-bound simulators (measured: 16 TextWorldExpress JVMs stepped by 16 threads on 2
             cores ran at 0.6× the serial rate).  A call's timeout starts when it gets to run.
     """
 

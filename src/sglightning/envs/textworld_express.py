@@ -5,18 +5,18 @@ Install: ``pip install "sglightning[twx]"`` (the wheel ships its jar; needs a Ja
 
 * Games: ``twc`` (TextWorld Commonsense: put household objects where they belong; the ALFWorld-like one), ``coin``,
   ``cookingworld``, ``mapreader``, ``arithmetic``, ``sorting``, ``simonsays``, ``peckingorder``; ``game_params``
-  is the engine's parameter string (e.g. ``numLocations=3,numItemsToPutAway=3,includeDoors=0,limitInventorySize=0``).
-* Splits map to the engine's seed folds: ``train`` → its train seeds (0…999), ``dev`` → 10000…, ``test`` → 20000….
+  is the simulator's parameter string (e.g. ``numLocations=3,numItemsToPutAway=3,includeDoors=0,limitInventorySize=0``).
+* Splits map to the simulator's seed folds: ``train`` → its train seeds (0…999), ``dev`` → 10000…, ``test`` → 20000….
   ``reset(seed, split)`` plays fold seed ``seeds[seed % len(seeds)]``: every integer is valid and the same (seed,
   split) is the same game.
-* Admissible actions come back with every step (``validActions``); the engine's "Unknown action" answer and any action
-  outside the list count as invalid.
-* Score: the engine's normalised score × 100, reported at reset too (so the first action's progress is measured);
-  success = ``tasksuccess``; reward = 1.0 on the winning step (the engine's own reward is a score delta that is 0 on
+* Admissible actions come back with every step (``validActions``); the simulator's "Unknown action" answer and any
+  action outside the list count as invalid.
+* Score: the simulator's normalised score × 100, reported at reset too (so the first action's progress is measured);
+  success = ``tasksuccess``; reward = 1.0 on the winning step (the simulator's own reward is a score delta that is 0 on
   the last step of some games, so success is the sparse reward).
-* One JVM per env instance (≈100–200 MB); ``close()`` ends it.  The engine's own step limit is set above the rollout's
-  ``max_steps`` so the rollout, not the engine, ends episodes.
-* ``expert_action()`` follows the engine's gold path while the agent has followed it too.
+* One JVM per env instance (≈100–200 MB); ``close()`` ends it.  The simulator's own step limit is set above the
+  rollout's ``max_steps`` so the rollout, not the simulator, ends episodes.
+* ``expert_action()`` follows the simulator's gold path while the agent has followed it too.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _require_twx():
 
 
 def _score(info: dict) -> float:
-    """The engine's normalised score as 0-100 (never below 0)."""
+    """The simulator's normalised score as 0-100 (never below 0)."""
     return 100.0 * max(0.0, float(info.get("score", 0.0)))
 
 
@@ -57,9 +57,9 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
     def __init__(self, game: str = "twc", game_params: str | None = None, env_step_limit: int = 1000):
         """Args:
         game: one of cookingworld, twc, coin, mapreader, arithmetic, sorting, simonsays, peckingorder.
-        game_params: the engine's parameter string (default: a small setting for twc and coin, the engine's
+        game_params: the simulator's parameter string (default: a small setting for twc and coin, the simulator's
             defaults otherwise).
-        env_step_limit: the engine's own limit (keep it above ``rollout.max_steps``).
+        env_step_limit: the simulator's own limit (keep it above ``rollout.max_steps``).
         """
         if game not in GAMES:
             raise ValueError(f"env.init_args.game: {game!r} is not one of {', '.join(GAMES)}")
@@ -87,7 +87,7 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
         )
         gold = list(self._env.getGoldActionSequence())
         if gold and gold[0] == "look around":
-            gold = gold[1:]  # the engine's gold path starts with the look that reset already did
+            gold = gold[1:]  # the simulator's gold path starts with the look that reset already did
         self._start_episode(gold)
         self._valid = sorted(info.get("validActions", []))
         task = str(info.get("taskDescription", "")).strip()

@@ -6,9 +6,9 @@ machine: clone the WebShop repository, run its ``setup.sh`` — product data, se
 ``ValueError`` that says exactly that.
 
 **What has been run here:** the observation parsing, action normalisation, admissibility checks, purchase bookkeeping
-and failure-pattern flags, against observation strings in WebShop's text format written in the tests and a fake engine
-with ``web_agent_site``'s interface.  **Not run here:** the real WebShop engine (no product data can be downloaded on
-these machines).
+and failure-pattern flags, against observation strings in WebShop's text format written in the tests and a fake
+simulator with ``web_agent_site``'s interface.  **Not run here:** the real WebShop simulator (no product data can be
+downloaded on these machines).
 
 Interface used (``web_agent_site.envs.WebAgentTextEnv``, ``observation_mode="text"``): ``reset(session=i)`` →
 ``(observation, info)``, ``step(action)`` → ``(observation, reward, done, info)``, ``get_available_actions()`` →
@@ -52,7 +52,7 @@ def _require_web_agent_site():
         from web_agent_site.envs import WebAgentTextEnv
     except ImportError as err:
         raise ValueError(
-            f"env: WebShop's engine (the `web_agent_site` package) is not installed ({err}). It is not on PyPI "
+            f"env: WebShop's simulator (the `web_agent_site` package) is not installed ({err}). It is not on PyPI "
             "(PyPI's `webshop` is an empty shell): on a networked machine clone "
             "https://github.com/princeton-nlp/WebShop, "
             "run its setup.sh (product data + search index), then `pip install -e .` in that folder so that "
@@ -117,15 +117,15 @@ class WebShopEnv(TextEnv):
         num_products: int | None = None,
         human_goals: bool = True,
         file_path: str | None = None,
-        engine: Any = None,
+        simulator: Any = None,
     ):
         """Args:
-        num_products: products loaded by the engine (``None``: all; WebShop's small set is 1000).
+        num_products: products loaded by the simulator (``None``: all; WebShop's small set is 1000).
         human_goals: the human-written instructions (the paper's setting) rather than synthetic ones.
-        file_path: the product file (``None``: the engine's default).
-        engine: a class with ``web_agent_site``'s ``WebAgentTextEnv`` interface (tests); default: the real one.
+        file_path: the product file (``None``: the simulator's default).
+        simulator: a class with ``web_agent_site``'s ``WebAgentTextEnv`` interface (tests); default: the real one.
         """
-        cls = engine if engine is not None else _require_web_agent_site()
+        cls = simulator if simulator is not None else _require_web_agent_site()
         kwargs: dict[str, Any] = {"observation_mode": "text", "human_goals": human_goals}
         if num_products is not None:
             kwargs["num_products"] = num_products
@@ -139,7 +139,7 @@ class WebShopEnv(TextEnv):
 
     @classmethod
     def package_versions(cls) -> dict[str, str]:
-        # the engine is installed from the WebShop repository under one of these names: record the first found
+        # the simulator is installed from the WebShop repository under one of these names: record the first found
         return dict(list(installed_versions(("web_agent_site", "webshop")).items())[:1])
 
     def _num_goals(self) -> int | None:
@@ -157,7 +157,7 @@ class WebShopEnv(TextEnv):
         if total is not None:
             end = min(end, total)
         if end <= start:
-            raise ValueError(f"webshop: split {split!r} (goals {start}..) is empty: the engine has {total} goals")
+            raise ValueError(f"webshop: split {split!r} (goals {start}..) is empty: the simulator has {total} goals")
         return start + int(seed) % (end - start)
 
     def _refresh(self) -> None:
