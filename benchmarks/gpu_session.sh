@@ -31,8 +31,8 @@
 #   part 8, the same (<= 8 min): part 4's Qwen3-1.7B update by token budget with its decoder layers compiled
 #       (model.update.compile: true; compare update tok/s and MFU with part 4's row), then part 1's shared prefixes
 #       with compiled layers (compare with part 1's Qwen3-1.7B row)
-#   part 9, the same (<= 7 min): the shapes part 1 leaves out: Qwen2.5-0.5B's grouped-query layout at 8 x 8, and
-#       the Qwen3-1.7B and Qwen3-4B shapes at 64 episodes (8 x 8)
+#   part 9, the same (<= 9 min): the shapes part 1 leaves out: Qwen2.5-0.5B's grouped-query layout at 8 x 8 and at
+#       16 x 8, and the Qwen3-1.7B and Qwen3-4B shapes at 64 episodes (8 x 8)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 # `CPU_SMOKE=1` runs the same stages on a CPU with tiny shapes (and the tiny config for the quickstart): a check of the
 # script itself, its stages, partial results and table, before device time is spent on it (tests/test_gpu_check.py).
@@ -99,6 +99,7 @@ elif [ "$part" = 2 ]; then
   check qwen3-4b_16x8 120 --shape qwen3-4b --groups 16 --group-size 8 --val-tasks 4
 elif [ "$part" = 9 ]; then
   check qwen2.5-0.5b_8x8 120 --shape qwen2.5-0.5b --groups 8 --group-size 8 --val-tasks 4
+  check qwen2.5-0.5b_16x8 120 --shape qwen2.5-0.5b --groups 16 --group-size 8 --val-tasks 4
   check qwen3-1.7b_8x8 130 --shape qwen3-1.7b --groups 8 --group-size 8 --val-tasks 4
   check qwen3-4b_8x8 150 --shape qwen3-4b --groups 8 --group-size 8 --val-tasks 4
 elif [ "$part" = 3 ]; then
