@@ -4,7 +4,7 @@
 # $OUT/results.jsonl, a table printed last (and kept in $OUT/table.md).  A check cut by its timeout still reports the
 # steps it finished (gpu_check's .steps.jsonl, marked "cut at step N").  Prepare the bundle first, on a machine with
 # network:
-#   bash ../shared/tools/gpu_bundle.sh        # .gpu/: jsonargparse + gguf wheels, the SmolLM2 GGUF in two halves
+#   bash benchmarks/gpu_bundle.sh             # .gpu/: jsonargparse + gguf wheels, the SmolLM2 GGUF in two halves
 # and run the suite under the GPU machine's package versions on this CPU: bash .ci/versions device
 # then, through the device tool, on one warm machine, the issues' floors first:
 #   part 1 (carry .gpu/wheels .gpu/gguf1 .gpu/env.sh .gpu/stash.sh; <= 6 min, so a fix and a rerun fit): bash benchmarks/gpu_session.sh 1

@@ -16,7 +16,7 @@ sys.path.insert(0, str(BENCH))
 import gpu_check  # noqa: E402
 
 
-@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_session.sh"])
+@pytest.mark.parametrize("script", ["gpu_check.sh", "gpu_session.sh", "gpu_bundle.sh"])
 def test_shell_script_syntax(script):
     assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0
 
