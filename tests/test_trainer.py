@@ -994,6 +994,10 @@ dc.suggested_max_num_workers = lambda n: 16
 trainer = type("T", (), {"num_devices": 1})()
 for name in ("train_dataloader", "val_dataloader"):
     dc._worker_check(trainer, DataLoader([1, 2, 3], num_workers=0), name)
+from torch._inductor import compile_fx  # inductor's TF32 tip, said when it compiles a graph on CUDA
+capability, torch.cuda.get_device_capability = torch.cuda.get_device_capability, lambda *a: (9, 0)
+compile_fx._warn_tf32_disabled()
+torch.cuda.get_device_capability = capability
 torch.cuda.is_available, fabric_cuda._is_ampere_or_later, pl_cuda.num_cuda_devices, dc.suggested_max_num_workers = saved
 sys.argv = ["sglightning"] + sys.argv[1:]
 cli.main()
@@ -1002,7 +1006,8 @@ cli.main()
 
 def test_what_lightning_says_on_a_cuda_box_is_not_printed(tmp_path):
     """The Tensor Cores tip, ``LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [0]`` and the two "does not have many workers"
-    warnings, each made by Lightning's own code in a real process, then a tiny fit: nothing on stderr."""
+    warnings, each made by Lightning's own code in a real process, and inductor's TF32 tip, then a tiny fit: nothing on
+    stderr."""
     import os
     import subprocess
     import sys

@@ -35,6 +35,9 @@ _EXPECTED_WARNINGS = (
     # our loaders yield an index per step; the work is the rollout in the main process, which workers cannot do
     # (printed on boxes with more than 2 cores, twice: train and validation)
     (r"The '.*' does not have many workers", Warning),
+    # inductor, compiling on CUDA (the decode step, update.compile): its TF32 tip; fp32 matmuls stay exact on purpose
+    # (the sampler's and the trainer's log-probs are compared), as for Lightning's own tip below
+    (r"TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled", UserWarning),
 )
 
 #: warnings of a resumed fit only: it continues in its own run folder, which is not empty
