@@ -50,7 +50,7 @@ def test_every_rollout_generator_is_made_on_the_models_device(tmp_path, made, mo
     device = cli.model.device
     cli_main(["validate", *args, "--ckpt_path=last"])
     salts = {s for s, _, _ in made}
-    assert {"salt 0", "salt 1"} <= salts, salts
+    assert {"salt 0", "salt 1", "salt 3"} <= salts, salts
     assert device == torch.device("cpu", 0) != torch.device("cpu")
     assert all(asked == device and got.type == device.type for _, asked, got in made), made
 
@@ -93,3 +93,29 @@ def test_vllm_seeds_are_drawn_on_the_generators_device(monkeypatch):
     assert vllm.row_seeds(torch.Generator().manual_seed(5), 7) == by_row
     assert asked and all(torch.device(d) == g for g, d in asked), asked
     assert len(vllm.row_seeds(None, 3)) == 3
+
+
+
+def test_the_engine_samples_outside_inference_mode(tmp_path, monkeypatch):
+    """A standalone ``validate`` runs in inference mode (fit's validations do not). Tensors the engine made there
+    were inference tensors: FSDP2's gather buffers on a GPU then fail ("Inference tensors do not track version
+    counter"), and a pooled slot cache refuses a later rollout's writes. The engine samples outside it."""
+    from sglightning.data import EvalConfig
+    from sglightning.engines import EngineConfig
+    from sglightning.engines.static import SlotCache
+    from tiny import tiny_module, tiny_trainer
+
+    made, modes = [], []
+    real = SlotCache.allocate.__func__
+    monkeypatch.setattr(SlotCache, "allocate", classmethod(lambda cls, *a: made.append(real(cls, *a)) or made[-1]))
+    hook = callbacks.RolloutCallback.on_validation_batch_start
+
+    def spy(self, *a, **kw):
+        modes.append(torch.is_inference_mode_enabled())
+        return hook(self, *a, **kw)
+
+    monkeypatch.setattr(callbacks.RolloutCallback, "on_validation_batch_start", spy)
+    module = tiny_module(engine=EngineConfig(compile="static"), evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2))
+    tiny_trainer(tmp_path, steps=1, limit_val_batches=1).validate(module, verbose=False)
+    assert modes == [True]  # Lightning's standalone loop: the case this guards
+    assert made and not any(t.is_inference() for c in made for t in c.keys + c.values)

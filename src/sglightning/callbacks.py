@@ -97,9 +97,15 @@ class RolloutCallback(Callback):
         self.engine.start(RunContext(rank=trainer.global_rank, world_size=trainer.world_size, policy=self.policy_cfg,
                                      max_context_tokens=self.rollout_cfg.max_context_tokens))
 
+    @contextlib.contextmanager
     def _sampling(self, pl_module: LightningModule):
-        """The engine samples with the module's current weights inside (every rank: it may gather or sync)."""
-        return self.engine.sampling(TrainerWeights(pl_module))
+        """The engine samples with the module's current weights inside (every rank: it may gather or sync).
+
+        Never in inference mode, which a standalone ``validate`` enters (fit's validations do not): FSDP2's gather
+        buffers made there fail on a GPU ("Inference tensors do not track version counter"), a pooled slot cache made
+        there refuses later writes, and a compiled decode step would be compiled once more for it."""
+        with torch.inference_mode(False), torch.no_grad(), self.engine.sampling(TrainerWeights(pl_module)) as synced:
+            yield synced
 
     def _play(self, pl_module: LightningModule, seeds, **kw) -> RolloutBatch:
         """One rollout of ``seeds`` on the current weights; the engine's numbers (an adapter sync) in its stats."""
