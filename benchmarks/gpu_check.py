@@ -67,7 +67,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-env-steps", type=int, default=6)
     ap.add_argument("--val-tasks", type=int, default=8, help="validation tasks, before and after training (0: none)")
-    ap.add_argument("--compile", default="auto", help="model.engine.compile (auto, off, static, default, cudagraphs, "
+    ap.add_argument("--compile", default="auto", help="model.engine.compile (auto, off, static, default, "
                     "reduce-overhead)")
     ap.add_argument("--precision", default=None, help="trainer precision (default: bf16-mixed on GPU, 32-true on CPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -88,7 +88,7 @@ def parse(argv=None) -> argparse.Namespace:
                  "which fails on this model's tied embeddings")
     if args.cpu_smoke:
         args.shape, args.groups, args.group_size, args.max_env_steps = "tiny", 1, 2, 2
-        if args.compile in ("cudagraphs", "reduce-overhead"):  # CUDA graphs need CUDA: the same slot cache, eager
+        if args.compile == "reduce-overhead":  # CUDA graphs need CUDA: the same slot cache, eager
             args.compile = "static"
         args.val_tasks = min(args.val_tasks, 2)
     return args

@@ -15,8 +15,8 @@
 #   part 2 (carry .gpu/wheels .gpu/gguf2 .gpu/env.sh; <= 5 min): bash benchmarks/gpu_session.sh 2
 #       the quickstart (embedded SmolLM2, bf16; floor: rollout <= 1.5 s/step), the Qwen3-4B shape at 16 x 8
 #   parts 3-9 need no model (carry .gpu/wheels): each fits a session of its own, or the time parts 1-2 leave
-#   part 3 (<= 8 min): the probe with CUDA graphs but no inductor (what compiling
-#       adds), without rollout correction (the ratio spread it corrects), under FSDP2 on one GPU (its step time
+#   part 3 (<= 8 min): the probe compiled by inductor without CUDA graphs (what the graphs add), without
+#       rollout correction (the ratio spread it corrects), under FSDP2 on one GPU (its step time
 #       against part 1's probe)
 #   part 4, the same (<= 8 min): the engine's host time per lock step on this machine's CPU (the ceiling the host puts
 #       on rollout tokens/s), the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update
@@ -103,7 +103,7 @@ elif [ "$part" = 9 ]; then
   check qwen3-1.7b_8x8 130 --shape qwen3-1.7b --groups 8 --group-size 8 --val-tasks 4
   check qwen3-4b_8x8 150 --shape qwen3-4b --groups 8 --group-size 8 --val-tasks 4
 elif [ "$part" = 3 ]; then
-  check probe_8x8_cudagraphs 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile cudagraphs
+  check probe_8x8_inductor 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile default
   check probe_8x8_no_correction 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
     --set model.grpo.rollout_correction=null
   check probe_8x8_fsdp2 170 --shape probe --groups 8 --group-size 8 --val-tasks 4 --strategy fsdp2 --devices 1

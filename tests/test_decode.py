@@ -114,8 +114,8 @@ def test_compile_auto_is_graphs_on_one_cuda_device_only():
     assert resolve_mode("auto", "cuda", "fsdp2", "sdpa") == "off"  # gathered weights move every rollout
     assert resolve_mode("auto", "cuda", None, "flash_attention_2") == "off"  # takes no 4-D mask
     assert resolve_mode("static", "cuda", "fsdp2", "sdpa") == "static"
-    with pytest.raises(ConfigError, match="model.engine.compile: cudagraphs captures the weights where they are"):
-        resolve_mode("cudagraphs", "cuda", "fsdp1", "sdpa")
+    with pytest.raises(ConfigError, match="model.engine.compile: reduce-overhead captures the weights where they"):
+        resolve_mode("reduce-overhead", "cuda", "fsdp1", "sdpa")
     with pytest.raises(ConfigError, match="model.engine.compile: reduce-overhead replays CUDA graphs, and the model is "
                        "on cpu"):
         resolve_mode("reduce-overhead", "cpu", None, "sdpa")
@@ -194,15 +194,24 @@ def test_slot_cache_rollouts_equal_dynamic_cache_rollouts_with_grouped_query_att
 
 
 @pytest.mark.slow
-def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny):
+def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny, monkeypatch):
     """``model.engine.compile: default`` (inductor, on CPU here; on CUDA ``reduce-overhead`` adds graphs to the same
     traced step): the same tokens as the eager dynamic cache, over rollouts of 9 and then 30 rows (16 and 32
     physical rows), the contexts crossing several attention views and the cache growing.  The step is compiled once,
     with dynamic shapes: compiled for fixed shapes it was recompiled for each new row count, view and cache size
     (torch stops compiling a function after eight, and on a GPU each compile of a billion-parameter step takes tens
-    of seconds)."""
+    of seconds).  No graph input is a CPU scalar: traced with dynamic shapes, the model's float attributes (norm
+    epsilons, scales) became float64 inputs on the CPU, and inductor skips CUDA graphs for a graph with one."""
     from torch._dynamo.utils import counters
 
+    inputs = []
+    real = torch._TorchCompileInductorWrapper.__call__
+
+    def spy(self, graph, example_inputs, *a, **kw):
+        inputs.extend(example_inputs)
+        return real(self, graph, example_inputs, *a, **kw)
+
+    monkeypatch.setattr(torch._TorchCompileInductorWrapper, "__call__", spy)
     model, tok = tiny
     engine = BuiltinEngine(EngineConfig(compile="default"))
     torch._dynamo.reset()  # an earlier test's trace of the same step would serve this one: count from nothing
@@ -215,6 +224,7 @@ def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny):
     assert {c.batch for c in engine.slots.caches} == {16, 32}
     assert max(c.capacity for c in engine.slots.caches) > 512
     assert counters["frames"]["ok"] - compiled_before == 1
+    assert inputs and not [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 0], inputs
 
 
 def test_a_step_torch_cannot_compile_runs_uncompiled_and_says_so_once(tiny, monkeypatch):

@@ -100,10 +100,11 @@ def test_the_engine_samples_outside_inference_mode(tmp_path, monkeypatch):
     """A standalone ``validate`` runs in inference mode (fit's validations do not). Tensors the engine made there
     were inference tensors: FSDP2's gather buffers on a GPU then fail ("Inference tensors do not track version
     counter"), and a pooled slot cache refuses a later rollout's writes. The engine samples outside it."""
+    from tiny import tiny_module, tiny_trainer
+
     from sglightning.data import EvalConfig
     from sglightning.engines import EngineConfig
     from sglightning.engines.static import SlotCache
-    from tiny import tiny_module, tiny_trainer
 
     made, modes = [], []
     real = SlotCache.allocate.__func__

@@ -33,6 +33,13 @@ import torch
 _COMPILED = "_sglightning_compiled_forward"
 
 
+def constant_floats():
+    """Within the block, torch.compile traces Python floats (a norm's epsilon, attention and LoRA scales) as
+    constants.  With ``dynamic=True`` it would make each a graph input, a CPU float64 scalar: inductor then skips
+    CUDA graphs for the graph ("cpu device"), and the decode step would lose the replay it is compiled for."""
+    return torch._dynamo.config.patch(specialize_float=True)
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers of a causal LM however it is wrapped (peft, FSDP1, activation checkpointing): the modules
     whose class name ends in ``DecoderLayer`` (transformers' naming for every decoder family)."""
@@ -137,7 +144,8 @@ class _Fallback:
             # past the limit torch runs new kinds of call uncompiled and prints a paragraph; here: one warning
             loud = not torch._dynamo.config.suppress_errors
             try:
-                with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=loud):
+                with torch._dynamo.config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=loud), \
+                        constant_floats():
                     return compiled(*args, **kwargs)
             except torch._dynamo.exc.FailOnRecompileLimitHit:
                 if not self.full:

@@ -28,8 +28,10 @@ from collections.abc import Callable
 
 import torch
 
+from sglightning.compiling import constant_floats
+
 #: ``model.engine.compile`` values that take this path, and what each compiles
-STATIC_MODES = ("static", "default", "cudagraphs", "reduce-overhead")
+STATIC_MODES = ("static", "default", "reduce-overhead")
 
 #: attention reads the slots in use rounded up to a multiple of this (one captured graph per multiple reached),
 #: not the whole cache: the cache keeps the longest rollout's capacity, which early steps would read in vain
@@ -50,7 +52,7 @@ def resolve_mode(setting: str, device: str, sharding: str | None, attention: str
     if setting in STATIC_MODES and attention not in ("sdpa", "eager"):
         raise ConfigError(f"model.engine.compile: {setting} needs an attention that takes a 4-D mask (sdpa or eager); "
                           f"the model uses {attention}: set it to off")
-    if setting in ("cudagraphs", "reduce-overhead") and device != "cuda":
+    if setting == "reduce-overhead" and device != "cuda":
         raise ConfigError(f"model.engine.compile: {setting} replays CUDA graphs, and the model is on {device}: set it "
                           "to default, static or off")
     if setting in STATIC_MODES and setting != "static" and sharding is not None:
@@ -224,23 +226,23 @@ def decode_step(model: torch.nn.Module, cache_arg: str) -> Callable:
 
 def compiled(step: Callable, mode: str) -> Callable:
     """``step`` compiled for ``model.engine.compile`` = ``mode``: ``static`` eager (no compile); ``default`` inductor;
-    ``cudagraphs`` graphs of the traced step without code generation; ``reduce-overhead`` inductor + CUDA graphs.
-    Traced with dynamic shapes (``dynamic=True``; the cache's heads and head size are marked static where it is
-    allocated, so that a row count equal to one of them is not fused with it): one trace for the whole run.
+    ``reduce-overhead`` inductor + CUDA graphs.  Traced with dynamic shapes (``dynamic=True``; the cache's heads and
+    head size are marked static where it is allocated, so that a row count equal to one of them is not fused with
+    it): one trace for the whole run.  The model's float attributes (norm epsilons, attention and LoRA scales) are
+    traced as the constants they are: dynamic, each would be a CPU scalar input, and a CUDA graph skips a step
+    that has one (:func:`sglightning.compiling.constant_floats`).
 
     If torch fails to compile the step (an error of its compiler, not of the step), the run goes on with the step
     uncompiled (the same tokens, slower) and says so once, naming the key: a rollout is not lost to a compiler bug."""
     if mode == "static":
         return step
-    if mode == "cudagraphs":
-        fn = torch.compile(step, backend="cudagraphs", dynamic=True)
-    else:
-        fn = torch.compile(step, mode=None if mode == "default" else mode, dynamic=True)
+    fn = torch.compile(step, mode=None if mode == "default" else mode, dynamic=True)
 
     def run(*args, **kwargs):
         nonlocal fn
         try:
-            return fn(*args, **kwargs)
+            with constant_floats():
+                return fn(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             if fn is step:
                 raise
