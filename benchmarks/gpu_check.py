@@ -254,6 +254,13 @@ class StepLog(Callback):
                 f.write(json.dumps(line, default=float) + "\n")
 
 
+def logged_peaks_GiB(hist: list[dict]) -> list[float]:
+    """The accelerator peaks the steps logged (``memory/<phase>_peak_accelerator_gb``, in GB), in GiB.  Each phase
+    resets the device's peak counter, so the run's peak is the largest of them, not the counter at the end."""
+    return [v * 1e9 / 2**30 for r in hist for k, v in r.items()
+            if k.startswith("memory/") and k.endswith("_accelerator_gb")]
+
+
 def from_steps(path: str) -> dict:
     """The numbers of an interrupted check from its ``.steps.jsonl`` (:class:`StepLog`): ``partial`` true, no
     validation after training, the peak memory the steps logged; a profiled step, if reached, is not timed."""
@@ -270,14 +277,14 @@ def from_steps(path: str) -> dict:
         raise SystemExit(f"--from-steps: {path} holds no finished step")
     passes = {k: int(hist[-1].get("gpu_check/" + k, d)) for k, d in (("backward", 1), ("no_grad", 0))}
     profiled = head.get("profile_step") is not None and len(hist) >= head["profile_step"]  # its step is not timed
-    peaks = [v for r in hist for k, v in r.items() if k.startswith("memory/") and k.endswith("_accelerator_gb")]
+    peaks = logged_peaks_GiB(hist)
     return {**head, "partial": True, "steps": len(hist), "episodes_per_step": hist[-1]["rollout/episodes"],
             **summarise(hist[: head["profile_step"]] if profiled else hist, SHAPES[head["shape"]],
                         head.get("bandwidth"), head.get("flops"), profiled=profiled, passes=passes,
                         devices=head.get("devices", 1)),
             "copy_bandwidth_TBps": head["bandwidth"] / 1e12 if head.get("bandwidth") else None,
             "matmul_TFLOPs": head["flops"] / 1e12 if head.get("flops") else None,
-            "peak_memory_GB": max(peaks) * 1e9 / 2**30 if peaks else None,
+            "peak_memory_GB": max(peaks) if peaks else None,
             "validation_before": hist[0].get("gpu_check/validation_before"),
             "validation_after": None}
 
@@ -331,7 +338,9 @@ def main(argv=None) -> dict:
                        passes=update_passes(module), devices=args.devices),
            "copy_bandwidth_TBps": bandwidth / 1e12 if bandwidth else None,
            "matmul_TFLOPs": flops / 1e12 if flops else None,
-           "peak_memory_GB": torch.cuda.max_memory_allocated() / 2**30 if gpu else None,
+           # the phases reset the counter: the steps' logged peaks, and the counter for what ran after them
+           "peak_memory_GB": max([torch.cuda.max_memory_allocated() / 2**30, *logged_peaks_GiB(module.history)])
+           if gpu else None,
            "slot_cache_GB": engine.slots.nbytes() / 2**30 if hasattr(engine, "slots") else None,
            "caches_given_back": engine.slots.given_back if hasattr(engine, "slots") else None,
            "validation_before": _success(module.val_report_before), "validation_after": _success(module.val_report),

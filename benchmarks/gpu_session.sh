@@ -85,7 +85,8 @@ echo "|---|---|---|" >> "$OUT/stages.md"
   >> "$OUT/log.txt" 2>&1
 
 if [ "$part" = 1 ]; then
-  stage cuda_tests 110 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu.py  # no -x: every failure is news
+  # no -x: every failure is news; -v: a stage cut by its timeout still shows which test it was in
+  stage cuda_tests 130 "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_gpu.py
   check probe_8x8 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 \
     --profile "$OUT/probe_8x8.profile.md"
   check qwen3-1.7b_16x8 140 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
