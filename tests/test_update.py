@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from sglightning.engines.builtin import BuiltinEngine
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Episode, Piece, RolloutBatch, Sample, StepRecord
 from sglightning.grpo import GRPOConfig, StepCounts
 from sglightning.update import UpdateConfig, prepare_update
@@ -195,14 +196,27 @@ def test_step_stats_average_by_tokens_and_keep_maxima_and_minima():
     ("auto", torch.bfloat16, "32-true", ("builtin", "float32"), "token"),
     ("auto", torch.float32, "bf16-mixed", ("builtin", "float32"), "token"),
     ("auto", torch.float32, "32-true", ("vllm", "bfloat16"), "token"),
+    ("auto", torch.float32, "32-true", ("vllm", "float32"), None),
+    ("auto", torch.float32, "32-true", ("test_update.HalfEngine", "float32"), "token"),  # an engine of one's own
     (None, torch.bfloat16, "bf16-mixed", ("builtin", "float32"), None),
     ("sequence", torch.float32, "32-true", ("builtin", "float32"), "sequence"),
 ])
 def test_rollout_correction_mode_by_case(setting, dtype, precision, engine, expected):
+    """Whether an engine samples in half precision is the engine's to say (no backend is named in the update)."""
+    from sglightning.engines import EngineConfig, engine_class
     from sglightning.update import rollout_correction_mode
 
-    assert rollout_correction_mode(setting, weights_dtype=dtype, precision=precision, engine_backend=engine[0],
-                                   engine_dtype=engine[1]) == expected
+    cfg = EngineConfig(backend=engine[0], dtype=engine[1])
+    half = engine_class(cfg).samples_in_half_precision(cfg)
+    assert rollout_correction_mode(setting, weights_dtype=dtype, precision=precision, engine_half=half) == expected
+
+
+class HalfEngine(BuiltinEngine):
+    """An engine of a user's own with bf16 weights apart from the trainer's."""
+
+    @classmethod
+    def samples_in_half_precision(cls, cfg) -> bool:
+        return True
 
 
 def _collated(lengths: list[int], policy: list[bool] | None = None) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ from sglightning.checkpointing import check_shapes, run_dir, use_atomic_io
 from sglightning.compiling import compiled_layers
 from sglightning.console import quiet
 from sglightning.data import EvalConfig, RolloutConfig
-from sglightning.engines import EngineConfig, make_engine
+from sglightning.engines import EngineConfig, engine_class, make_engine
 from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
@@ -348,7 +348,7 @@ class SelfGuideModule(LightningModule):
         base = self.peft_model.get_input_embeddings().weight.dtype if self.policy is not None else torch.float32
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
         return rollout_correction_mode(self.grpo_cfg.rollout_correction, weights_dtype=base, precision=precision,
-                                       engine_backend=self.engine_cfg.backend, engine_dtype=self.engine_cfg.dtype)
+                                       engine_half=engine_class(self.engine_cfg).samples_in_half_precision(self.engine_cfg))
 
     @torch.no_grad()
     def _rollout_correction(self, correct: RolloutCorrection | None, rows: list[slice], pad: int) -> dict[str, float]:

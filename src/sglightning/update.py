@@ -278,14 +278,15 @@ class StepStats:
 
 
 def rollout_correction_mode(setting: str | None, *, weights_dtype: torch.dtype, precision: str,
-                            engine_backend: str = "builtin", engine_dtype: str = "float32") -> str | None:
+                            engine_half: bool = False) -> str | None:
     """``grpo.rollout_correction`` resolved: ``auto`` is ``token`` where half precision samples or trains — a bf16 or
-    fp16 base (``weights_dtype``), a mixed- or half-precision trainer (Lightning's ``precision``), a half-precision
-    vLLM engine — and None in fp32, where the sampler's log-probs are the trainer's within ~1e-5."""
+    fp16 base (``weights_dtype``), a mixed- or half-precision trainer (Lightning's ``precision``), an engine with
+    half-precision weights of its own (``engine_half``: ``Engine.samples_in_half_precision``, e.g. vLLM in bf16) —
+    and None in fp32, where the sampler's log-probs are the trainer's within ~1e-5."""
     if setting != "auto":
         return setting
     half = (weights_dtype in (torch.bfloat16, torch.float16) or not str(precision).startswith(("32", "64"))
-            or (engine_backend == "vllm" and engine_dtype != "float32"))
+            or engine_half)
     return "token" if half else None
 
 

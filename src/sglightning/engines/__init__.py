@@ -146,17 +146,22 @@ class EngineConfig:
 def make_engine(cfg: EngineConfig | None = None) -> Engine:
     """The engine ``cfg.backend`` names, built on ``cfg`` (not started); a class path that does not name an
     :class:`~sglightning.engines.base.Engine` subclass is a :class:`~sglightning.errors.ConfigError`."""
+    cfg = cfg if cfg is not None else EngineConfig()
+    return engine_class(cfg)(cfg)
+
+
+def engine_class(cfg: EngineConfig) -> type[Engine]:
+    """The :class:`~sglightning.engines.base.Engine` subclass ``cfg.backend`` names (a ConfigError if none)."""
     from sglightning.engines.base import Engine
 
-    cfg = cfg if cfg is not None else EngineConfig()
     if cfg.backend == "builtin":
         from sglightning.engines.builtin import BuiltinEngine
 
-        return BuiltinEngine(cfg)
+        return BuiltinEngine
     if cfg.backend == "vllm":
         from sglightning.engines.vllm import VLLMEngine  # only runs that use it pay for the import
 
-        return VLLMEngine(cfg)
+        return VLLMEngine
     module, _, name = cfg.backend.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
@@ -164,4 +169,4 @@ def make_engine(cfg: EngineConfig | None = None) -> Engine:
         raise ConfigError(f"model.engine.backend: cannot import {cfg.backend} ({err})") from None
     if not (isinstance(cls, type) and issubclass(cls, Engine)):
         raise ConfigError(f"model.engine.backend: {cfg.backend} is not an sglightning.engines.base.Engine subclass")
-    return cls(cfg)
+    return cls

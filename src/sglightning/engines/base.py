@@ -114,6 +114,13 @@ class Engine(abc.ABC):
         #: the version (optimiser steps) of the weights sampling now; None before the first rollout
         self.version: int | None = None
 
+    @classmethod
+    def samples_in_half_precision(cls, cfg: EngineConfig) -> bool:
+        """Whether this engine, configured by ``cfg``, samples with half-precision weights of its own, so that its
+        log-probs drift from the trainer's (``grpo.rollout_correction: auto`` is then on).  False here: an engine that
+        samples with the trainer's own weights shares the trainer's precision, which the trainer checks itself."""
+        return False
+
     def check(self, policy, rollout, grpo) -> None:  # noqa: B027 (an optional hook: nothing to check)
         """Settings that cannot work with this engine, before anything starts: raise
         :class:`~sglightning.errors.ConfigError` naming the key (``policy``, ``rollout``, ``grpo``: the run's

@@ -241,6 +241,11 @@ class VLLMEngine(Engine):
         # adapter names are policy-v<step>.<tag>: runs (or tests) sharing one server never collide
         self.tag = f"{os.getpid():x}{time.time_ns() % 16**6:06x}"
 
+    @classmethod
+    def samples_in_half_precision(cls, cfg: EngineConfig) -> bool:
+        """The server's weights are its own, in ``model.engine.dtype``."""
+        return cfg.dtype != "float32"
+
     # --------------------------------------------------------------------------------------------------------------
     def check(self, policy: PolicyConfig, rollout, grpo) -> None:
         """Settings this engine cannot serve, before anything starts (one line naming the key)."""
