@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from types import SimpleNamespace
 
 import torch
 
+from sglightning.engines.builtin import BuiltinEngine
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.rewards import RewardTerm
@@ -176,3 +178,28 @@ class TextLengthBonus(RewardTerm):
 
     def value(self, episode) -> float:
         return sum(len(s.action_text) + len(s.reason) for s in episode.steps) / 1000.0
+
+
+class LifecycleEngine(BuiltinEngine):
+    """The in-process engine, recording its lifecycle hooks in order (class-level: ``check`` runs on an instance of
+    its own, before the run's engine exists)."""
+
+    events: list[str] = []
+
+    def check(self, policy, rollout, grpo) -> None:
+        LifecycleEngine.events.append("check")
+        super().check(policy, rollout, grpo)
+
+    def start(self, run) -> None:
+        LifecycleEngine.events.append(f"start rank {run.rank} of {run.world_size}")
+        super().start(run)
+
+    @contextlib.contextmanager
+    def sampling(self, weights):
+        LifecycleEngine.events.append(f"sampling v{weights.version}")
+        with super().sampling(weights) as stats:
+            yield stats
+
+    def close(self) -> None:
+        LifecycleEngine.events.append("close")
+        super().close()

@@ -44,6 +44,28 @@ def test_the_four_extensions_train_together_from_one_config(tmp_path, capsys):
     assert module.grpo_cfg.advantage == "return_to_go:return_to_go"
 
 
+def test_an_engine_of_ones_own_gets_its_lifecycle_hooks_in_order(tmp_path, monkeypatch):
+    """``check`` before anything starts, ``start`` once, ``sampling`` around every rollout with the version of the
+    weights about to sample (validation before training at 0 in both guidance modes, the steps' rollouts at 0 and 1,
+    validation after at 2), ``close`` once at the end; each step sampled with its own weights (no lag)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    from fakes import LifecycleEngine
+
+    LifecycleEngine.events = []
+    cli = cli_main(["fit", "--config", str(ROOT / "configs" / "tiny.yaml"), "--trainer.max_steps=2",
+                    "--model.engine.backend=fakes.LifecycleEngine", "--model.evaluation.before_fit=true",
+                    f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"])
+    events = LifecycleEngine.events
+    assert events[0] == "check" and events[-1] == "close" and events.count("close") == 1
+    assert [e for e in events if e.startswith("start")] == ["start rank 0 of 1"]
+    assert events.index("start rank 0 of 1") < events.index("sampling v0")
+    assert [e for e in events if e.startswith("sampling")] == [
+        "sampling v0", "sampling v0",  # validation before training: self-guidance on, then off
+        "sampling v0", "sampling v1",  # the two steps' rollouts
+        "sampling v2", "sampling v2"]  # validation after
+    assert [h["rollout/policy_lag"] for h in cli.model.history] == [0.0, 0.0]
+
+
 def test_return_to_go_estimator_by_hand():
     from return_to_go import return_to_go
 
