@@ -571,3 +571,48 @@ def test_when_few_rows_still_run_their_steps_run_without_the_others(tiny, compil
             assert x[0].logprobs == pytest.approx(y[0].logprobs, abs=1e-5)
     assert max(len(x[0].ids) for x in plain[0]) >= 10  # the long rows ran on after the others
     assert few_fed < plain_fed
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that copy a tensor's values to the host (on CUDA each waits for the device)."""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("decoding,action", [("constrained", "admissible"), ("free", "free")])
+def test_the_slot_cache_path_reads_the_device_once_per_lock_step_at_most(tiny, monkeypatch, decoding, action):
+    """The GPU path's budget: all rows' tokens come to the host in one copy per lock step (``draw``'s), nothing else
+    inside a session's ``run`` waits for the device.  A read added per row or per step would break it."""
+    from sglightning.engines.builtin import DecodeSession
+
+    model, tok = tiny
+    counter, lock_steps = _HostReads(), [0]
+    real = DecodeSession.run
+
+    def counted(self, programs):
+        before = self.lock_steps
+        with counter:
+            out = real(self, programs)
+        lock_steps[0] += self.lock_steps - before
+        return out
+
+    monkeypatch.setattr(DecodeSession, "run", counted)
+    gc = GuidanceConfig(decoding=decoding, action_decoding=action, max_guidance_tokens=8, max_action_tokens=8)
+    r = Rollout(model, tok, functools.partial(HouseholdEnv, difficulty=0, info_actions=False), gc,
+                RolloutConfig(group_size=4, max_steps=3, temperature=1.0),
+                engine=BuiltinEngine(EngineConfig(compile="static")))
+    try:
+        r.run([1, 2, 3, 4], generator=torch.Generator().manual_seed(0))
+    finally:
+        r.close()
+    assert lock_steps[0] > 20
+    assert counter.reads <= lock_steps[0], (counter.reads, lock_steps[0])
