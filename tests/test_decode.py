@@ -227,6 +227,37 @@ def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny, 
     assert inputs and not [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 0], inputs
 
 
+def test_running_out_of_memory_while_compiling_is_an_out_of_memory_error(monkeypatch):
+    """The compiler wraps an error raised while it compiles or captures (``BackendCompilerFailed``); one that ran
+    out of accelerator memory is raised as the out-of-memory error it is (the rollout's one line names the keys that
+    shrink it), not taken for a compiler bug and run uncompiled into the same wall."""
+    import warnings
+
+    from sglightning.engines.static import compiled
+    from sglightning.errors import memory_error_within
+
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    wrapped = torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, oom, None)
+    assert memory_error_within(wrapped) is oom
+    try:
+        raise RuntimeError("graph capture failed") from oom
+    except RuntimeError as chained:
+        assert memory_error_within(chained) is oom
+    assert memory_error_within(torch._dynamo.exc.InternalTorchDynamoError("a compiler bug")) is None
+
+    def broken(fn, **kwargs):
+        def call(*args, **kw):
+            raise wrapped
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    step = compiled(lambda x: x + 1, "default")
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        warnings.simplefilter("always")
+        step(torch.zeros(1))
+    assert not [w for w in seen if "model.engine.compile" in str(w.message)]
+
+
 def test_a_step_torch_cannot_compile_runs_uncompiled_and_says_so_once(tiny, monkeypatch):
     """A compiler failure (here simulated: every compiled call raises torch's compiler error) costs speed, not the
     rollout: the same episodes as the uncompiled step, and one warning naming the key."""

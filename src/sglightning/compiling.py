@@ -29,6 +29,8 @@ from collections.abc import Iterator
 
 import torch
 
+from sglightning.errors import memory_error_within
+
 #: the attribute of a layer that holds its compiled forward (made once, reused by every update)
 _COMPILED = "_sglightning_compiled_forward"
 
@@ -155,6 +157,8 @@ class _Fallback:
                                   stacklevel=2)
                 return eager(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as err:
+                if (oom := memory_error_within(err)) is not None:
+                    raise oom from None  # the update's out-of-memory line, not a fallback
                 self.failed = True
                 first = (str(err).strip().splitlines() or [""])[0][:200]
                 warnings.warn(f"model.update.compile: torch could not compile the decoder layers "

@@ -29,6 +29,21 @@ SHRINKS = {
 }
 
 
+def memory_error_within(err: BaseException) -> BaseException | None:
+    """The accelerator out-of-memory error ``err`` is or wraps (torch's compiler wraps errors raised while it
+    compiles or captures a graph), else None: a compile that ran out of memory must end as an out-of-memory error,
+    not fall back to eager and fail again later."""
+    import torch
+
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, torch.OutOfMemoryError):
+            return err
+        seen.add(id(err))
+        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+    return None
+
+
 def out_of_memory(phase: str, err: BaseException, step: int) -> OutOfMemory:
     """The one-line error for an out-of-memory ``err`` in ``phase`` (rollout, validation, update) of step ``step``."""
     what = str(err).split("\n")[0].split(". ")[0][:160]

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import torch
 
 from sglightning.compiling import constant_floats
+from sglightning.errors import memory_error_within
 
 #: ``model.engine.compile`` values that take this path, and what each compiles
 STATIC_MODES = ("static", "default", "reduce-overhead")
@@ -244,6 +245,8 @@ def compiled(step: Callable, mode: str) -> Callable:
             with constant_floats():
                 return fn(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
+            if (oom := memory_error_within(err)) is not None:
+                raise oom from None  # the rollout's out-of-memory line, not a fallback
             if fn is step:
                 raise
             first = (str(err).strip().splitlines() or [""])[0][:200]
