@@ -62,18 +62,19 @@ def matmul_gflops(n: int = 1024, reps: int = 20) -> float:
 
 def one_update(model, samples, pad_id: int, micro: int, share: bool, temperature: float,
                calibration: float | None = None, budget: int | None = None, whole: str | None = None,
-               compiled: bool = False, by_ids: bool = False) -> tuple[float, int]:
+               compiled: bool = False, by_ids: bool = False, played: bool = False) -> tuple[float, int]:
     """Forward + backward of every micro-batch of ``samples`` (as the trainer orders them); returns (seconds, positions
     fed to the decoder).  ``calibration``: score as the trainer does (entropies too) and, when > 0, add the hindsight
     label loss α·Σ(−log q(y*)) / targets.  ``budget``: micro-batches of at most ``micro`` rows and ``budget`` fed
-    positions, rows longest first (``update.micro_batch_tokens``); without it whole rows stay in played order (the
-    trainer before 2026-12-06; it now sorts them longest first).  ``whole``: call the whole model, as FSDP does,
+    positions (``update.micro_batch_tokens``).  Whole rows come longest first, as the trainer orders them;
+    ``played``: in played order instead (the trainer before 2026-12-06 without a budget).  ``whole``: call the
+    whole model, as FSDP does,
     with the LM head at the positions some row reads (``"read"``, the trainer) or at every position (``"all"``, the
     trainer before 2026-12-04).  ``compiled``: the decoder layers compiled (``update.compile``).  ``by_ids``: shared
     prefixes with the rows sorted by their ids (the trainer before 2026-12-06), not in the trainer's order."""
     if share:  # sorted by ids, as the trainer sorts them first; then the trainer's order (update.prefix_order)
         samples = sorted(samples, key=lambda s: s.ids)
-    elif budget:
+    elif not played:
         samples = sorted(samples, key=lambda s: -scoring.scored_length(s))
     data = scoring.collate(samples, pad_id, targets=bool(calibration))
     if share and not by_ids:
@@ -196,7 +197,7 @@ def main() -> None:
     elif args.compare == "lm_head":  # the FSDP path: full logits vs logits_to_keep at the read positions
         arms = {"all": dict(share=False, whole="all"), "read": dict(share=False, whole="read")}
     elif args.compare == "token_budget":  # same rows, same loss: fixed row counts vs a budget of fed positions
-        arms = {"rows": dict(share=False), "budget": dict(share=False, budget=args.budget)}
+        arms = {"rows": dict(share=False, played=True), "budget": dict(share=False, budget=args.budget)}
     elif args.compare in ("compile", "compile_shared"):  # eager vs compiled layers, rows whole or prefixes shared
         share = args.compare == "compile_shared"
         arms = {"eager": dict(share=share), "compiled": dict(share=share, compiled=True)}
