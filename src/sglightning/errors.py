@@ -35,12 +35,13 @@ def memory_error_within(err: BaseException) -> BaseException | None:
     not fall back to eager and fail again later."""
     import torch
 
-    seen: set[int] = set()
+    seen: set[int] = set()  # a chain that loops
     while err is not None and id(err) not in seen:
         if isinstance(err, torch.OutOfMemoryError):
             return err
         seen.add(id(err))
-        err = getattr(err, "inner_exception", None) or err.__cause__ or err.__context__
+        err = getattr(err, "inner_exception", None) or err.__cause__  # not __context__: an error raised while
+        # another was handled is not that error
     return None
 
 
