@@ -115,7 +115,7 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch,
 
     def collate_spy(samples, pad_id, **kw):
         out = real_collate(samples, pad_id, **kw)
-        seen["kinds"] = out["kinds"].clone()
+        seen["kinds"], seen["episode"] = out["kinds"].clone(), out["episode"].clone()
         return out
 
     monkeypatch.setattr(scoring, "collate", collate_spy)
@@ -137,7 +137,7 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch,
         return out
 
     monkeypatch.setattr(grpo, "group_advantages", adv_spy)
-    # rows in episode order, every row computed (zero-advantage skipping and prefix sorting would drop or reorder)
+    # every row computed (zero-advantage skipping would drop some); rows longest first, each naming its episode
     module = tiny_module(grpo=GRPOConfig(kl_coef=0.0, guidance_advantage_scale=guidance_scale),
                          update=UpdateConfig(micro_batch_size=100, skip_zero_advantage=False, share_prefix=False))
     tiny_trainer(tmp_path, steps=1).fit(module)
@@ -146,10 +146,11 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch,
     guidance = seen["kinds"] == KIND_GUIDANCE  # [S, L]
     assert adv_tok.shape == mask.shape and adv_tok.shape[0] == len(per_episode)  # single stream: 1 sample/episode
     assert (guidance & mask).any() and (~guidance & mask).any()
-    for i in range(adv_tok.shape[0]):
+    assert sorted(seen["episode"].tolist()) == list(range(len(per_episode)))
+    for i, ep in enumerate(seen["episode"].tolist()):
         g, a = mask[i] & guidance[i], mask[i] & ~guidance[i]
-        assert torch.all(adv_tok[i][a] == per_episode[i])
-        assert torch.allclose(adv_tok[i][g], guidance_scale * per_episode[i].expand(int(g.sum())))
+        assert torch.all(adv_tok[i][a] == per_episode[ep])
+        assert torch.allclose(adv_tok[i][g], guidance_scale * per_episode[ep].expand(int(g.sum())))
         assert torch.all(adv_tok[i][~mask[i]] == 0)
     share = module.history[0]["tokens/guidance_share"]
     assert share == pytest.approx(float((guidance & mask).sum() / mask.sum()))
