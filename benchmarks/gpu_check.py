@@ -332,6 +332,8 @@ def main(argv=None) -> dict:
     out = {**{k: v for k, v in header.items() if k not in ("bandwidth", "flops", "profile_step")},
            "decode_step": engine.mode(module.peft_model) if hasattr(engine, "mode") else None,
            "compiles": counters["frames"]["ok"], "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+           # CUDA-graph pieces over the compiled graphs (one each when nothing splits them: a host copy would)
+           "cudagraph_partitions": counters["inductor"]["cudagraph_partitions"],
            "steps": len(module.history),
            "episodes_per_step": module.history[-1]["rollout/episodes"],
            **summarise(module.history, SHAPES[args.shape], bandwidth, flops, profiled=profile is not None,

@@ -139,7 +139,7 @@ rm -rf "$OUT/runs"
 
 {
   echo
-  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB (slot caches) | validation before -> after | sampler ratio outside [0.9, 1.1] / max | compiles / graph skips | GPU busy: rollout / update | rollout s: prefill / decode / draw |"
+  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB (slot caches) | validation before -> after | sampler ratio outside [0.9, 1.1] / max | compiles / graph skips / graph pieces | GPU busy: rollout / update | rollout s: prefill / decode / draw |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   [ -f "$OUT/results.jsonl" ] && "$PY" - "$OUT/results.jsonl" <<'PY'
 import json, sys
@@ -158,7 +158,7 @@ for line in open(sys.argv[1]):
           f"{o['rollout_tokens_per_s']:,.0f}{share} | {o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | "
           f"{o.get('peak_memory_GB') or 0:.1f} ({o.get('slot_cache_GB') or 0:.1f}) | {o['validation_before']} -> {o['validation_after']} | "
           f"{o.get('sampler_ratio_outside_0.9_1.1', float('nan')):.4f} / {o.get('sampler_ratio_max', float('nan')):.3f} | "
-          f"{o.get('compiles')} / {o.get('cudagraph_skips')} | {busy(o, 'rollout')} / {busy(o, 'update')} | "
+          f"{o.get('compiles')} / {o.get('cudagraph_skips')} / {o.get('cudagraph_partitions')} | {busy(o, 'rollout')} / {busy(o, 'update')} | "
           + " / ".join(f"{o.get('phase_s', {}).get('rollout_' + p, float('nan')):.2f}" for p in ("prefill", "decode", "draw"))
           + " |")
 PY

@@ -201,7 +201,8 @@ def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny, 
     with dynamic shapes: compiled for fixed shapes it was recompiled for each new row count, view and cache size
     (torch stops compiling a function after eight, and on a GPU each compile of a billion-parameter step takes tens
     of seconds).  No graph input is a CPU scalar: traced with dynamic shapes, the model's float attributes (norm
-    epsilons, scales) became float64 inputs on the CPU, and inductor skips CUDA graphs for a graph with one."""
+    epsilons, scales) became float64 inputs on the CPU, copied to the GPU at every step, each splitting the CUDA
+    graph."""
     from torch._dynamo.utils import counters
 
     inputs = []
@@ -251,6 +252,13 @@ def test_running_out_of_memory_while_compiling_is_an_out_of_memory_error(monkeyp
     except RuntimeError as other:
         assert memory_error_within(other) is None
     assert memory_error_within(torch._dynamo.exc.InternalTorchDynamoError("a compiler bug")) is None
+    try:  # how dynamo re-raises an error met while it traces: from None, the original only in __context__
+        try:
+            raise oom
+        except torch.OutOfMemoryError:
+            raise torch._dynamo.exc.InternalTorchDynamoError("OutOfMemoryError: CUDA out of memory") from None
+    except torch._dynamo.exc.InternalTorchDynamoError as traced:
+        assert memory_error_within(traced) is oom
 
     def broken(fn, **kwargs):
         def call(*args, **kw):

@@ -49,13 +49,14 @@ def test_every_decode_step_plays_the_dynamic_caches_episodes_on_cuda(tiny_cuda, 
     from torch._dynamo.utils import counters
 
     model, tok = tiny_cuda
-    skips = counters["inductor"]["cudagraph_skips"]
+    skips, pieces = counters["inductor"]["cudagraph_skips"], counters["inductor"]["cudagraph_partitions"]
     a, b = _play(model, tok, "off", mode), _play(model, tok, compile_mode, mode)
     assert len(a.samples) == len(b.samples) > 0
     for x, y in zip(a.samples, b.samples):
         assert x.ids == y.ids
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
     assert counters["inductor"]["cudagraph_skips"] == skips
+    print(f"{compile_mode}, {mode}: {counters['inductor']['cudagraph_partitions'] - pieces} CUDA-graph pieces")  # -rA
 
 
 def test_under_a_low_cache_memory_one_slot_cache_serves_both_calls_on_cuda(tiny_cuda):

@@ -37,11 +37,16 @@ _COMPILED = "_sglightning_compiled_forward"
 
 class constant_floats:  # noqa: N801 (a context manager, used as a function)
     """Within the block, torch.compile traces Python floats (a norm's epsilon, attention and LoRA scales) as
-    constants.  With ``dynamic=True`` it would make each a graph input, a CPU float64 scalar: inductor then skips
-    CUDA graphs for the graph ("cpu device"), and the decode step would lose the replay it is compiled for.  Entered
-    at every decode step, so it uses torch's low-overhead patcher (~2 µs; ``config.patch`` takes ~14 µs)."""
+    constants.  With ``dynamic=True`` it would make each a graph input, a CPU float64 scalar, ~10 per decoder layer.
+    Inductor then copies each to the GPU at every call, and with graph partitioning (its default) each copy splits
+    the CUDA graph: many pieces with host work between them instead of one replay (without partitioning, no graph
+    at all).  Entered at every decode step, so it uses torch's low-overhead patcher (~2 µs; ``config.patch`` takes
+    ~14 µs).  One instance may be entered again inside itself."""
 
     _change = None
+
+    def __init__(self) -> None:
+        self._reverts: list[Callable[[], None]] = []
 
     def __enter__(self) -> None:
         if constant_floats._change is None:
@@ -49,10 +54,10 @@ class constant_floats:  # noqa: N801 (a context manager, used as a function)
             maker = getattr(config, "_make_closure_patcher", None)
             constant_floats._change = (maker(specialize_float=True) if maker is not None
                                        else lambda: _patched(config.patch(specialize_float=True)))
-        self._revert = constant_floats._change()
+        self._reverts.append(constant_floats._change())
 
     def __exit__(self, *exc) -> None:
-        self._revert()
+        self._reverts.pop()()
 
 
 def _patched(patch) -> Callable[[], None]:

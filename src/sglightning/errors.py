@@ -40,8 +40,11 @@ def memory_error_within(err: BaseException) -> BaseException | None:
         if isinstance(err, torch.OutOfMemoryError):
             return err
         seen.add(id(err))
-        err = getattr(err, "inner_exception", None) or err.__cause__  # not __context__: an error raised while
-        # another was handled is not that error
+        nxt = getattr(err, "inner_exception", None) or err.__cause__  # not __context__ in general: an error raised
+        # while another was handled is not that error; but dynamo re-raises an error met while tracing ``from None``
+        if nxt is None and isinstance(err, torch._dynamo.exc.TorchDynamoException) and err.__suppress_context__:
+            nxt = err.__context__
+        err = nxt
     return None
 
 

@@ -230,8 +230,8 @@ def compiled(step: Callable, mode: str) -> Callable:
     ``reduce-overhead`` inductor + CUDA graphs.  Traced with dynamic shapes (``dynamic=True``; the cache's heads and
     head size are marked static where it is allocated, so that a row count equal to one of them is not fused with
     it): one trace for the whole run.  The model's float attributes (norm epsilons, attention and LoRA scales) are
-    traced as the constants they are: dynamic, each would be a CPU scalar input, and a CUDA graph skips a step
-    that has one (:func:`sglightning.compiling.constant_floats`).
+    traced as the constants they are: dynamic, each would be a CPU scalar input, copied to the GPU at every step and
+    splitting its CUDA graph (:class:`sglightning.compiling.constant_floats`).
 
     If torch fails to compile the step (an error of its compiler, not of the step), the run goes on with the step
     uncompiled (the same tokens, slower) and says so once, naming the key: a rollout is not lost to a compiler bug."""
