@@ -89,11 +89,13 @@ def test_jvm_killed_mid_episode_through_the_trainer(tmp_path):
     assert not set(live_java_processes()) - before
 
 
-@pytest.mark.parametrize("phase", ["rollout", "update"])
+@pytest.mark.parametrize("phase,wrapped", [("rollout", False), ("update", False), ("update", True)])
 def test_running_out_of_accelerator_memory_is_one_line_naming_the_keys_and_the_last_whole_step(tmp_path, capsys,
-                                                                                              monkeypatch, phase):
+                                                                                              monkeypatch, phase,
+                                                                                              wrapped):
     """A CUDA out-of-memory error (raised here on CPU, where it is the same class) in the second step's rollout or
-    update: one line naming the phase, the step, the keys that shrink it and last.ckpt (which holds step 1), exit 1."""
+    update: one line naming the phase, the step, the keys that shrink it and last.ckpt (which holds step 1), exit 1.
+    ``wrapped``: as torch's compiler raises it when a compiled backward runs out of memory while it compiles."""
     from pathlib import Path
 
     import torch
@@ -108,8 +110,9 @@ def test_running_out_of_accelerator_memory_is_one_line_naming_the_keys_and_the_l
     def fails_the_second_time(self, *a, **kw):
         calls.append(1)
         if len(calls) == 2:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+            oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
                                               "capacity of 139.81 GiB")
+            raise torch._dynamo.exc.BackendCompilerFailed(lambda *a: None, oom, None) if wrapped else oom
         return real(self, *a, **kw)
 
     monkeypatch.setattr(cls, name, fails_the_second_time)

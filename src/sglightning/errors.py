@@ -48,6 +48,14 @@ def memory_error_within(err: BaseException) -> BaseException | None:
     return None
 
 
+def reraise_out_of_memory(phase: str, err: BaseException, step: int) -> None:
+    """Raise :func:`out_of_memory`'s error when ``err`` is or wraps an out-of-memory error (else ``err`` itself)."""
+    oom = memory_error_within(err)
+    if oom is None:
+        raise err
+    raise out_of_memory(phase, oom, step) from None
+
+
 def out_of_memory(phase: str, err: BaseException, step: int) -> OutOfMemory:
     """The one-line error for an out-of-memory ``err`` in ``phase`` (rollout, validation, update) of step ``step``."""
     what = str(err).split("\n")[0].split(". ")[0][:160]

@@ -40,7 +40,7 @@ from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Episode
-from sglightning.errors import ConfigError, nonfinite_stop, out_of_memory
+from sglightning.errors import ConfigError, nonfinite_stop, reraise_out_of_memory
 from sglightning.grpo import GRPOConfig, StepCounts
 from sglightning.guidance import GuidanceConfig, check_calibration
 from sglightning.memory import PhasePeak
@@ -294,8 +294,8 @@ class SelfGuideModule(LightningModule):
         try:
             with timing() as times, phase("update"), compiled_layers(self.policy, self.update_cfg.compile):
                 update_logs = self.update(prepared)
-        except torch.cuda.OutOfMemoryError as err:
-            raise out_of_memory("update", err, self.rollouts_done + 1) from None
+        except RuntimeError as err:  # out of memory, maybe wrapped by the compiler (a backward compiled lazily)
+            reraise_out_of_memory("update", err, self.rollouts_done + 1)
         # the step's numbers, merged over ranks
         logs = step_logs(rb, prepared, step)
         # per-episode means through torchmetrics (under DDP over all ranks' episodes), of the policy's own draw
