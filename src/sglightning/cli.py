@@ -41,7 +41,7 @@ from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
 from sglightning.preemption import PreemptionCheckpoint, validation_pending
 from sglightning.report import run_settings, write_validation_report
-from sglightning.strategies import recover_swapped_checkpoints
+from sglightning.strategies import LOOP_STATE_FILE, recover_swapped_checkpoints
 
 quiet()
 
@@ -477,7 +477,7 @@ class SGLightningCLI(LightningCLI):
         if "://" in str(path):
             return  # an fsspec URL: Lightning's to load
         if p.is_dir():
-            if not (p / "meta.pt").is_file() and not (p / ".metadata").is_file():
+            if not (p / LOOP_STATE_FILE).is_file() and not (p / ".metadata").is_file():
                 print(f"sglightning {sub}: error: --ckpt_path: {p} is a folder, not a checkpoint (give a .ckpt file "
                       f"such as {p / 'last.ckpt'}, a distributed checkpoint folder, or last)", file=sys.stderr)
                 sys.exit(2)
@@ -808,7 +808,7 @@ def nothing_left_to_train(ckpt: str | os.PathLike, trainer: dict) -> None:
         trainer: the ``trainer`` section of the config."""
     max_steps = trainer.get("max_steps")
     path = Path(str(ckpt))
-    loop_state = path / "meta.pt" if path.is_dir() else path  # a folder's loop state sits beside its shards
+    loop_state = path / LOOP_STATE_FILE if path.is_dir() else path  # a folder's loop state sits beside its shards
     if not isinstance(max_steps, int) or max_steps < 0 or not loop_state.is_file():
         return
     try:

@@ -37,7 +37,7 @@ from sglightning.distributed import clean_name, refuse_tensor_parallel
 from sglightning.errors import ConfigError
 
 #: the file Lightning writes next to the shards with everything that is not a model or optimiser tensor
-_METADATA = "meta.pt"
+LOOP_STATE_FILE = "meta.pt"
 
 
 def sharding_of(strategy: Any) -> str | None:
@@ -114,10 +114,10 @@ class _AdapterCheckpoints:
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        if not (path.is_dir() and (path / _METADATA).is_file()):
+        if not (path.is_dir() and (path / LOOP_STATE_FILE).is_file()):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._load_shards(path)
-        return torch.load(path / _METADATA, weights_only=weights_only)
+        return torch.load(path / LOOP_STATE_FILE, weights_only=weights_only)
 
 
 class FSDP2Strategy(_AdapterCheckpoints, ModelParallelStrategy):
