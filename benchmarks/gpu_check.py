@@ -345,6 +345,8 @@ def main(argv=None) -> dict:
            if gpu else None,
            "slot_cache_GB": engine.slots.nbytes() / 2**30 if hasattr(engine, "slots") else None,
            "caches_given_back": engine.slots.given_back if hasattr(engine, "slots") else None,
+           # the compiled decode steps' calls whose guards torch checked (the rest skipped them: CompiledStep)
+           "decode_guard_checks": engine.guard_calls() if hasattr(engine, "guard_calls") else None,
            "validation_before": _success(module.val_report_before), "validation_after": _success(module.val_report),
            "wall_s": time.perf_counter() - t0}
     if profile is not None:  # the phases' shares and device busy, in the JSON; the whole table in --profile's file

@@ -18,9 +18,10 @@
 #   part 3 (<= 8 min): the probe compiled by inductor without CUDA graphs (what the graphs add), without
 #       rollout correction (the ratio spread it corrects), under FSDP2 on one GPU (its step time
 #       against part 1's probe)
-#   part 4, the same (<= 8 min): the engine's host time per lock step on this machine's CPU (the ceiling the host puts
-#       on rollout tokens/s), the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update
-#       with micro-batches by token budget instead of shared prefixes (its MFU against part 1)
+#   part 4, the same (<= 10 min): the engine's host time per lock step on this machine's CPU (the ceiling the host puts
+#       on rollout tokens/s), the compiled decode step with its guards checked at every call and once per signature
+#       (step_guards.py), the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update with
+#       micro-batches by token budget instead of shared prefixes (its MFU against part 1)
 #   part 5, the same (<= 6 min): the Qwen3-1.7B shape at 16 x 8 in the paper's two_call mode, each call's cache kept
 #       across env steps (two caches, a graph per cache) and not kept (rollout.reuse_prefix: false)
 #   part 6, the same (<= 6 min): the Qwen3-1.7B shape at 16 x 8 with its last few rows of a turn running alone
@@ -130,6 +131,9 @@ elif [ "$part" = 8 ]; then
     --set model.update.compile=true
 else
   stage engine_host 90 "$PY" benchmarks/engine_host.py --repeats 3 --json "$OUT/engine_host.json"
+  if [ "${CPU_SMOKE:-0}" != 0 ]; then guards=(--layers 2 --calls 10 --repeats 1)
+  else guards=(--device cuda --mode reduce-overhead); fi
+  stage step_guards 150 "$PY" benchmarks/step_guards.py "${guards[@]}" --json "$OUT/step_guards.json"
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off
   check qwen3-1.7b_16x8_token_budget 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --set model.update.share_prefix=false --set model.update.micro_batch_size=16 \
@@ -139,7 +143,7 @@ rm -rf "$OUT/runs"
 
 {
   echo
-  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB (slot caches) | validation before -> after | sampler ratio outside [0.9, 1.1] / max | compiles / graph skips / graph pieces | GPU busy: rollout / update | rollout s: prefill / decode / draw |"
+  echo "| run | shape | episodes | decode step | rollout tok/s (share of roofline) | rollout s/step | update tok/s (MFU) | peak GB (slot caches) | validation before -> after | sampler ratio outside [0.9, 1.1] / max | compiles / graph skips / graph pieces / decode calls guarded of all | GPU busy: rollout / update | rollout s: prefill / decode / draw |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
   [ -f "$OUT/results.jsonl" ] && "$PY" - "$OUT/results.jsonl" <<'PY'
 import json, sys
@@ -149,6 +153,9 @@ def busy(o, name):
     if not prof.get("device_events"):  # no kernel recorded (no profile, or no CUPTI): unknown, not idle
         return "-"
     return f"{100 * p['device_s'] / p['wall_s']:.0f} %" if p and p["wall_s"] > 0 else "-"
+def guarded(o):
+    g = o.get("decode_guard_checks")
+    return f"{g[0]} of {g[0] + g[1]}" if g and sum(g) else "-"
 for line in open(sys.argv[1]):
     o = json.loads(line)
     share = f" ({100 * o['roofline_share']:.1f} % of {o['decode_roofline_tokens_per_s']:,.0f})" if o.get("roofline_share") else ""
@@ -158,9 +165,16 @@ for line in open(sys.argv[1]):
           f"{o['rollout_tokens_per_s']:,.0f}{share} | {o['rollout_s_per_step']:.2f} | {o['update_tokens_per_s']:,.0f}{mfu} | "
           f"{o.get('peak_memory_GB') or 0:.1f} ({o.get('slot_cache_GB') or 0:.1f}) | {o['validation_before']} -> {o['validation_after']} | "
           f"{o.get('sampler_ratio_outside_0.9_1.1', float('nan')):.4f} / {o.get('sampler_ratio_max', float('nan')):.3f} | "
-          f"{o.get('compiles')} / {o.get('cudagraph_skips')} / {o.get('cudagraph_partitions')} | {busy(o, 'rollout')} / {busy(o, 'update')} | "
+          f"{o.get('compiles')} / {o.get('cudagraph_skips')} / {o.get('cudagraph_partitions')} / {guarded(o)} | {busy(o, 'rollout')} / {busy(o, 'update')} | "
           + " / ".join(f"{o.get('phase_s', {}).get('rollout_' + p, float('nan')):.2f}" for p in ("prefill", "decode", "draw"))
           + " |")
+PY
+  [ -f "$OUT/step_guards.json" ] && "$PY" - "$OUT/step_guards.json" <<'PY'
+import json, sys
+print("\n| decode step, µs per call | guards checked every call | once per signature (the engine's) | graphs |")
+print("|---|---|---|---|")
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(f"| {r['layers']} layers | {r['checked_us']:.0f} | {r['once_us']:.0f} | {r['graphs']} |")
 PY
   echo
   cat "$OUT/stages.md"

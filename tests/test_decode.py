@@ -200,7 +200,8 @@ def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny, 
     physical rows), the contexts crossing several attention views and the cache growing.  The step is compiled once,
     with dynamic shapes: compiled for fixed shapes it was recompiled for each new row count, view and cache size
     (torch stops compiling a function after eight, and on a GPU each compile of a billion-parameter step takes tens
-    of seconds).  No graph input is a CPU scalar: traced with dynamic shapes, the model's float attributes (norm
+    of seconds).  Its guards are checked at the first call of each input signature in a session call, then skipped.
+    No graph input is a CPU scalar: traced with dynamic shapes, the model's float attributes (norm
     epsilons, scales) became float64 inputs on the CPU, copied to the GPU at every step, each splitting the CUDA
     graph."""
     from torch._dynamo.utils import counters
@@ -215,17 +216,53 @@ def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny, 
     monkeypatch.setattr(torch._TorchCompileInductorWrapper, "__call__", spy)
     model, tok = tiny
     engine = BuiltinEngine(EngineConfig(compile="default"))
-    torch._dynamo.reset()  # an earlier test's trace of the same step would serve this one: count from nothing
     compiled_before = counters["frames"]["ok"]
+    weights = types.SimpleNamespace(version=0, sharding=None, gathered=contextlib.nullcontext)
     for seeds in [(1, 2, 3), tuple(range(4, 14)), (1, 2, 3)]:
         plain = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained",
                       "admissible", seeds=seeds)
-        _same(plain, _play(model, tok, engine, "single_stream", "constrained", "admissible", seeds=seeds))
+        before = engine.guard_calls()
+        with engine.sampling(weights) as stats:  # as the rollout callback plays
+            _same(plain, _play(model, tok, engine, "single_stream", "constrained", "admissible", seeds=seeds))
+        checked, skipped = (a - b for a, b in zip(engine.guard_calls(), before))
+        assert engine_logs(stats)["engine/decode_guard_checks"] == checked / (checked + skipped) < 0.5
     assert engine.mode(model) == "default" and len(engine._steps) == 2
     assert {c.batch for c in engine.slots.caches} == {16, 32}
     assert max(c.capacity for c in engine.slots.caches) > 512
     assert counters["frames"]["ok"] - compiled_before == 1
+    step = engine._steps[(id(model), "default")]
+    assert step.graphs == 1 and step.skipped > 2 * step.checked  # guards checked once per signature and run
     assert inputs and not [t for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 0], inputs
+
+
+def test_a_compiled_step_checks_its_guards_once_per_input_signature_within_a_session_call():
+    """Torch checks a compiled function's guards at every call (~50 µs per decoder layer of a LoRA model on a CPU).
+    The step checks them at the first call of each input signature (shapes, strides, offsets, dtypes, grad mode)
+    since ``forget``, and skips them at the calls after.  With a second graph (here: float64 inputs) it checks every
+    call, since the skipped checks would choose between the graphs.  Every result is the eager one."""
+    from sglightning.engines.static import CompiledStep, signature
+
+    step = CompiledStep(lambda x, y: x * 2 + y, "default")
+    a, b, wide = torch.ones(3, 2), torch.arange(10.0).view(5, 2), torch.ones(2, 3)
+
+    def call(x, y):
+        checked, skipped = step.checked, step.skipped
+        assert torch.equal(step(x, y), x * 2 + y)
+        return "checked" if step.checked > checked else "skipped" if step.skipped > skipped else "neither"
+
+    with torch.no_grad():  # as the engine calls it
+        assert [call(a, a), call(a, a), call(b, b), call(b, b), call(a, a)] == [
+            "checked", "skipped", "checked", "skipped", "skipped"]
+        assert step.graphs == 1  # one trace with dynamic shapes serves both row counts
+        step.forget()
+        assert [call(a, a), call(a, a)] == ["checked", "skipped"]
+        assert call(a.double(), a.double()) == "checked" and step.graphs == 2
+        assert [call(a, a), call(a, a)] == ["checked", "checked"]  # two graphs: every call checked
+        no_grad = signature((a,), {})
+    assert signature((a,), {}) != no_grad
+    assert signature((wide.t(),), {}) != signature((wide.t().contiguous(),), {})  # same shape, other strides
+    assert signature((a[1:],), {}) != signature((a[:2],), {})  # views at other offsets of one base
+    assert signature((a,), {"rows": 3}) != signature((a,), {"rows": 2}) != signature((a, 2), {})
 
 
 def test_running_out_of_memory_while_compiling_is_an_out_of_memory_error(monkeypatch):

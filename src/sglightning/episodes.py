@@ -217,7 +217,7 @@ class RolloutBatch:
     #: the rollout's peak memory ({"memory/rollout_peak_rss_gb": GB, ...}; filled by the trainer: sglightning.memory)
     peak_memory: dict[str, float] = field(default_factory=dict)
     #: the engine's counters: the vLLM engine's requests, prompt_tokens, cached_tokens and its adapter sync's sync_s,
-    #: sync_gap, loaded_adapters; the in-process engine's slot_cache_GB and caches_given_back
+    #: sync_gap, loaded_adapters; the in-process engine's slot_cache_GB, caches_given_back and decode_guard_checks
     engine_counts: dict[str, float] = field(default_factory=dict)
 
     def add_groups(self, other: RolloutBatch, groups: set[int]) -> None:

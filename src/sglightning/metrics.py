@@ -141,7 +141,8 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
 
 def engine_logs(engine: dict[str, float]) -> dict[str, float]:
     """The engine's numbers.  The in-process engine: the rows a lock step advanced and their mean context (what a
-    decode step reads, beside the weights), its slot caches' size and the caches it took from kept sessions.  An
+    decode step reads, beside the weights), its slot caches' size, the caches it took from kept sessions and the
+    share of compiled decode steps whose guards torch checked.  An
     external engine: requests, the share of prompt tokens its prefix cache served, and the adapter sync (seconds,
     the probe's log-prob gap, adapters loaded)."""
     out: dict[str, float] = {}
@@ -152,7 +153,7 @@ def engine_logs(engine: dict[str, float]) -> dict[str, float]:
         out["engine/requests"] = engine["requests"]
     if engine.get("prompt_tokens"):
         out["engine/prefix_cache_hit_rate"] = engine.get("cached_tokens", 0.0) / engine["prompt_tokens"]
-    for key in ("sync_s", "sync_gap", "loaded_adapters", "slot_cache_GB", "caches_given_back"):
+    for key in ("sync_s", "sync_gap", "loaded_adapters", "slot_cache_GB", "caches_given_back", "decode_guard_checks"):
         if key in engine:
             out[f"engine/{key}"] = engine[key]
     return out

@@ -39,6 +39,7 @@ from sglightning.engines.prefill import append_row_subset, plan_stages, row_subs
 from sglightning.engines.program import ProgramState, Segment
 from sglightning.engines.rewind import gather_slots, kept_slots
 from sglightning.engines.static import (
+    CompiledStep,
     SlotCache,
     block_mask,
     bucket,
@@ -77,10 +78,20 @@ class BuiltinEngine(Engine):
         self.version = weights.version
         self.sharding = weights.sharding
         stats: dict[str, float] = {}
+        before = self.guard_calls()
         with weights.gathered():
             yield stats
         if self.slots.caches:  # filled on exit, read by the rollout's caller after it
             stats["slot_cache_GB"] = self.slots.nbytes() / 2**30
+        checked, skipped = (a - b for a, b in zip(self.guard_calls(), before))
+        if checked + skipped > 0:
+            stats["decode_guard_checks"] = checked / (checked + skipped)
+
+    def guard_calls(self) -> tuple[int, int]:
+        """Calls of the compiled decode steps so far whose guards torch checked, and those that skipped them
+        (:class:`~sglightning.engines.static.CompiledStep`)."""
+        steps = [s for s in self._steps.values() if isinstance(s, CompiledStep)]
+        return sum(s.checked for s in steps), sum(s.skipped for s in steps)
 
     def mode(self, model: torch.nn.Module) -> str:
         """The decode step for ``model``: ``model.engine.compile`` resolved (:func:`resolve_mode`)."""
@@ -207,6 +218,13 @@ class StaticSession:
     def __init__(self, pool: SlotPool, eager, decode):
         self.pool, self.eager, self.decode = pool, eager, decode
 
+    def begin(self) -> None:
+        """A session call (``run``, ``feed``) begins: the compiled step checks its guards again
+        (:class:`~sglightning.engines.static.CompiledStep`)."""
+        forget = getattr(self.decode, "forget", None)  # a benchmark's stand-in step has none
+        if forget is not None:
+            forget()
+
 
 class DecodeSession(Session):
     """A batch of rows sharing one KV cache.  ``feed`` appends context; ``run`` executes segment programs.
@@ -268,6 +286,7 @@ class DecodeSession(Session):
         self._table = restrictions or RestrictionTable()
         self._must_feed = False  # a rewind happened: the next feed must give every row a token
         self._active: int | None = None  # slot cache: the physical rows decode steps run, while few rows run
+        self._running = False  # inside run: its lock steps feed through feed, all one session call
         self._bound: int | None = None  # slot cache: the physical rows holding rows since a rewind (None: all)
         self.few_rows_alone = few_rows_alone
         self.prefill_tokens = prefill_tokens
@@ -345,6 +364,8 @@ class DecodeSession(Session):
         one pass over the distinct prefixes, the cache rows copied to every row that shares them, one pass over what
         follows each prefix."""
         self._check_cache()
+        if self.static is not None and not self._running:  # a lock step of `run` is part of that call
+            self.static.begin()
         if self._mask is None:
             self._open(len(blocks))
             if self.share_prefix:
@@ -639,6 +660,8 @@ class DecodeSession(Session):
         before it).  The step's samples are drawn together (:func:`draw`).  Once at most a quarter of the rows still
         run their program, the steps left run those rows only (``few_rows_alone``: :meth:`_front`, :meth:`_split`)."""
         self._check_cache()
+        if self.static is not None:
+            self.static.begin()
         if len(programs) != self.batch_size:
             raise ValueError(f"run got {len(programs)} programs for {self.batch_size} rows")
         if self.last_logits is None or self._must_feed:
@@ -648,6 +671,7 @@ class DecodeSession(Session):
         # the session the lock steps feed: this one, or once few rows still run, one of those rows only (`_split`)
         target, where = self, list(range(len(rows)))  # where[i]: row i's row in target
         running, start = [], 0
+        self._running = True
         try:
             while True:
                 want = [i for i, st in enumerate(rows) if not st.done and not blocks[i]]  # rows that sample now
@@ -681,6 +705,7 @@ class DecodeSession(Session):
                 self._join(target, running, start)
         finally:
             self._active = None  # the next turn's decode steps run every physical row again
+            self._running = False
         return [st.pieces for st in rows]
 
     # ------------------------------------------------------------------------------------------------------------------
