@@ -5,11 +5,11 @@ signature and session call saves (``sglightning.engines.static.CompiledStep``).
     python benchmarks/step_guards.py --device cuda --mode reduce-overhead  # the GPU's decode step
 
 Before each call of a compiled function torch checks its guards: the modules the forward touched, every weight's
-metadata, the inputs' sizes.  A LoRA model has ~1 000 per decoder layer.  This script builds random-init models of
-Qwen3's layer design with LoRA on every projection (as the trainer does), at the layer counts of the GPU check's
-shapes (probe and Qwen2.5-0.5B: 24; Qwen3-1.7B: 28; Qwen3-4B: 36) but a width of 32, so the kernels are cheap and a
-call's wall time is the host's.  It times decode steps of ``--rows`` rows on a slot cache, alternating rounds with
-the guards checked at every call and checked once (the engine's way), one process, one step object per model.
+metadata, the inputs' sizes.  A LoRA model has several hundred per decoder layer.  This script builds random-init
+models of Qwen3's layer design with LoRA on every projection (as the trainer does), at the layer counts of the GPU
+check's shapes (probe and Qwen2.5-0.5B: 24; Qwen3-1.7B: 28; Qwen3-4B: 36) but a width of 32, so the kernels are cheap
+and a call's wall time is the host's.  It times decode steps of ``--rows`` rows on a slot cache, alternating rounds
+with the guards checked at every call and once per signature (the engine's way), one process, one step per model.
 
 Prints per layer count: µs per call each way (median of ``--repeats`` rounds of ``--calls`` calls, range in
 brackets), the saving, and the graphs compiled (1: one trace served every call).

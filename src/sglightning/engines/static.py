@@ -241,13 +241,16 @@ class CompiledStep:
     splitting its CUDA graph (:class:`sglightning.compiling.constant_floats`).
 
     Guards.  Before every call of a compiled function torch checks that what it traced still holds: the type and
-    attributes of every module the forward touched, every weight's shape and dtype, the inputs' sizes.  For a model
-    with LoRA on every projection that is ~1 000 checks per decoder layer, ~50 µs per layer on a 2-core Xeon: 1.2 ms
-    per decode step at 24 layers, as long as a GPU's whole step for a small model.  Within one call of a session
-    (a ``run`` of programs, a ``feed``) nothing those checks read can change but the inputs' shapes.  So a call whose
-    inputs match, in shapes and strides, a call checked since :meth:`forget` skips them (torch's
-    ``skip_guard_eval_unsafe`` stance).  Only while the step has exactly one graph: with several, the skipped checks
-    would be the ones choosing between them.  Sessions call :meth:`forget` at the start of every ``run`` and ``feed``.
+    attributes of every module the forward touched, every weight's metadata, the inputs' sizes, the global state.
+    For a model with LoRA on every projection that is several hundred checks per decoder layer: 2.2–3.4 ms per decode
+    step at 24–36 layers on a 2-core Xeon (``benchmarks/step_guards.py``), longer than a GPU's whole step for a small
+    model.  Within one call of a session (a ``run`` of programs, a ``feed``) nothing the module checks read changes.
+    So a call whose inputs match, in shapes, strides and the rest of :func:`signature`, a call checked since
+    :meth:`forget` runs under torch's ``skip_guard_eval_unsafe`` stance.  torch then skips the checks of modules and
+    Python values (~97 % of them) and still checks tensor metadata, global state and sizes; where one of those fails
+    it raises, and the call is checked instead.  Only while the step has one graph (a cautious rule: torch's
+    remaining checks would choose between several).  Sessions call :meth:`forget` at the start of every ``run`` and
+    ``feed``.  The stance is process-wide: no other compiled code runs beside a decode step (one rollout thread).
 
     If torch fails to compile the step (an error of its compiler, not of the step), the run goes on with the step
     uncompiled (the same tokens, slower) and says so once, naming the key: a rollout is not lost to a compiler bug."""
@@ -255,11 +258,12 @@ class CompiledStep:
     def __init__(self, step: Callable, mode: str, skip_guards: bool = True):
         """``skip_guards``: False checks them at every call (benchmarks compare the two)."""
         self.step, self.mode, self.skip_guards = step, mode, skip_guards
-        self.fn = step if mode == "static" else torch.compile(_own_code(step), dynamic=True,
+        self._code = _own_code(step)
+        self.fn = step if mode == "static" else torch.compile(self._code, dynamic=True,
                                                               mode=None if mode == "default" else mode)
-        self.graphs = 0  # graphs torch traced for it (a trace broken in two counts twice)
+        self.graphs = 0  # graphs torch traced in its checked calls (a trace broken in two counts twice)
         self.checked = 0  # calls whose guards torch checked
-        self.skipped = 0  # calls that skipped them
+        self.skipped = 0  # calls that skipped most of them
         self._known: set[tuple] = set()  # the inputs' signatures checked since forget()
 
     def forget(self) -> None:
@@ -273,13 +277,22 @@ class CompiledStep:
         try:
             with constant_floats():
                 if self.skip_guards and self.graphs == 1 and key in self._known:
-                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                        out = self.fn(*args, **kwargs)
-                    self.skipped += 1
-                    return out
+                    try:
+                        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                            out = self.fn(*args, **kwargs)
+                        self.skipped += 1
+                        return out
+                    except RuntimeError as err:  # a remaining check failed: raised on entry, before the step ran
+                        if "skip_guard_eval_unsafe" not in str(err):
+                            raise
+                        self._known.clear()
                 traced = _traced()
-                out = self.fn(*args, **kwargs)
-                self.graphs += _traced() - traced
+                try:
+                    out = self.fn(*args, **kwargs)
+                finally:
+                    self.graphs += _traced() - traced
+                    if self.graphs == 1 and _entries(self._code) not in (None, 1):
+                        self.graphs = 2  # a nested frame was traced, not this one: never skip
                 self.checked += 1
                 self._known.add(key)
                 return out
@@ -296,12 +309,18 @@ class CompiledStep:
 
 def _own_code(step: Callable) -> Callable:
     """``step`` with a code object of its own.  torch keeps compiled graphs per code object, so steps of other models
-    (closures of the same function) would add theirs to this step's: its graph count would not be its own, and a
-    skipped check could be the one telling them apart."""
+    (closures of the same function) would add theirs to this step's: its graph count would not be its own."""
     code = getattr(step, "__code__", None)
     if code is None:
         return step
     return types.FunctionType(code.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__)
+
+
+def _entries(fn: Callable) -> int | None:
+    """The graphs torch holds for ``fn``'s code object (None where this torch cannot say)."""
+    get = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
+    code = getattr(fn, "__code__", None)
+    return None if get is None or code is None else len(get(code))
 
 
 def _traced() -> int:
