@@ -120,3 +120,42 @@ def test_the_engine_samples_outside_inference_mode(tmp_path, monkeypatch):
     tiny_trainer(tmp_path, steps=1, limit_val_batches=1).validate(module, verbose=False)
     assert modes == [True]  # Lightning's standalone loop: the case this guards
     assert made and not any(t.is_inference() for c in made for t in c.keys + c.values)
+
+
+@pytest.mark.slow
+def test_training_and_validation_rollouts_sample_in_eval_mode_on_one_compiled_step(tmp_path, monkeypatch):
+    """Every rollout of a fit (validation before, training steps, validation after) samples in eval mode: the policy
+    acts without dropout, and the compiled decode step (``compile: default``, inductor on this CPU) is traced once.
+    Training rollouts ran in the update's train mode before, and torch guards the mode: the first training rollout
+    after a validation traced a second graph, and with two graphs every call's guards are checked.  The module is
+    back in train mode for its update."""
+    from tiny import tiny_module, tiny_trainer
+
+    from sglightning.data import EvalConfig
+    from sglightning.engines import EngineConfig, builtin
+    from sglightning.rollout import Rollout
+
+    modes, updates, steps = [], [], []
+    make = builtin.compiled
+    monkeypatch.setattr(builtin, "compiled", lambda *a: steps.append(make(*a)) or steps[-1])
+    real = Rollout.run
+
+    def spy(self, *a, **kw):
+        modes.append(self.model.training)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Rollout, "run", spy)
+    module = tiny_module(engine=EngineConfig(compile="default"),
+                         evaluation=EvalConfig(num_tasks=2, tasks_per_batch=2, before_fit=True))
+    update = module.update
+
+    def spied_update(*a, **kw):
+        updates.append(module.peft_model.training)
+        return update(*a, **kw)
+
+    monkeypatch.setattr(module, "update", spied_update)
+    tiny_trainer(tmp_path, steps=2, limit_val_batches=1, val_check_interval=2).fit(module)
+    [step] = [s for s in steps if s.mode == "default"]
+    assert len(modes) >= 4 and not any(modes)  # 2 validations and 2 training rollouts, all in eval mode
+    assert updates == [True, True]  # the updates in train mode
+    assert step.graphs == 1 and step.skipped > step.checked

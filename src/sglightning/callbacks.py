@@ -103,9 +103,19 @@ class RolloutCallback(Callback):
 
         Never in inference mode, which a standalone ``validate`` enters (fit's validations do not): FSDP2's gather
         buffers made there fail on a GPU ("Inference tensors do not track version counter"), a pooled slot cache made
-        there refuses later writes, and a compiled decode step would be compiled once more for it."""
-        with torch.inference_mode(False), torch.no_grad(), self.engine.sampling(TrainerWeights(pl_module)) as synced:
-            yield synced
+        there refuses later writes, and a compiled decode step would be compiled once more for it.
+
+        In eval mode: the policy acts without dropout (training rollouts ran in the update's train mode before), and
+        training and validation rollouts run the same traced decode step (torch guards the mode: a second graph)."""
+        model = pl_module.peft_model
+        training = model.training
+        model.eval()
+        try:
+            with (torch.inference_mode(False), torch.no_grad(),
+                  self.engine.sampling(TrainerWeights(pl_module)) as synced):
+                yield synced
+        finally:
+            model.train(training)
 
     def _play(self, pl_module: LightningModule, seeds, **kw) -> RolloutBatch:
         """One rollout of ``seeds`` on the current weights; the engine's numbers (an adapter sync) in its stats."""
