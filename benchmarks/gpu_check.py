@@ -88,7 +88,7 @@ def parse(argv=None) -> argparse.Namespace:
                  "which fails on this model's tied embeddings")
     if args.cpu_smoke:
         args.shape, args.groups, args.group_size, args.max_env_steps = "tiny", 1, 2, 2
-        if args.compile == "reduce-overhead":  # CUDA graphs need CUDA: the same slot cache, eager
+        if args.compile in ("reduce-overhead", "graphs"):  # CUDA graphs need CUDA: the same slot cache, eager
             args.compile = "static"
         args.val_tasks = min(args.val_tasks, 2)
     return args
@@ -343,10 +343,12 @@ def main(argv=None) -> dict:
            # the phases reset the counter: the steps' logged peaks, and the counter for what ran after them
            "peak_memory_GB": max([torch.cuda.max_memory_allocated() / 2**30, *logged_peaks_GiB(module.history)])
            if gpu else None,
-           "slot_cache_GB": engine.slots.nbytes() / 2**30 if hasattr(engine, "slots") else None,
+           # the engine closed its caches at the fit's end: the largest a step logged
+           "slot_cache_GB": max((h.get("engine/slot_cache_GB", 0.0) for h in module.history), default=None),
            "caches_given_back": engine.slots.given_back if hasattr(engine, "slots") else None,
-           # the compiled decode steps' calls whose guards torch checked (the rest skipped them: CompiledStep)
-           "decode_guard_checks": engine.guard_calls() if hasattr(engine, "guard_calls") else None,
+           # the compiled decode steps' calls: guards checked / skipped (CompiledStep), graphs the engine captured
+           # and steps it replayed from them (compile: graphs)
+           "decode_calls": getattr(engine, "decode_calls", None),
            "validation_before": _success(module.val_report_before), "validation_after": _success(module.val_report),
            "wall_s": time.perf_counter() - t0}
     if profile is not None:  # the phases' shares and device busy, in the JSON; the whole table in --profile's file

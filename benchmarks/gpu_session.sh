@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_bundle.sh             # .gpu/: jsonargparse + gguf wheels, the SmolLM2 GGUF in two halves
 # and run the suite under the GPU machine's package versions on this CPU: bash .ci/versions device
 # then, through the device tool, on one warm machine, the issues' floors first:
-#   part 1 (carry .gpu/wheels .gpu/gguf1 .gpu/env.sh .gpu/stash.sh; <= 6 min, so a fix and a rerun fit): bash benchmarks/gpu_session.sh 1
-#       CUDA tests (every decode step vs the dynamic cache; the tiny config's fit, resume and validate), the 0.39 B
+#   part 1 (carry .gpu/wheels .gpu/gguf1 .gpu/env.sh .gpu/stash.sh; <= 7 min, so a fix and a rerun fit): bash benchmarks/gpu_session.sh 1
+#       CUDA tests (every decode step, the engine's own graphs included, vs the dynamic cache; the tiny config's fit, resume and validate), the 0.39 B
 #       probe at 8 x 8 episodes (floor: 11 k rollout tok/s), the Qwen3-1.7B shape at the paper's 16 x 8 (floors: 3 k
 #       rollout tok/s, 25 % update MFU); each profiles its last step (where the time goes, how busy the GPU is:
 #       $OUT/<run>.profile.md; that step is left out of the throughput)
@@ -34,6 +34,9 @@
 #       with compiled layers (compare with part 1's Qwen3-1.7B row)
 #   part 9, the same (<= 9 min): the shapes part 1 leaves out: Qwen2.5-0.5B's grouped-query layout at 8 x 8 and at
 #       16 x 8, and the Qwen3-1.7B and Qwen3-4B shapes at 64 episodes (8 x 8)
+#   part 10, the same (<= 6 min): the probe with torch's CUDA graphs (reduce-overhead, the default) and with the
+#       engine's own (model.engine.compile: graphs: no torch Python per decode step), one after the other on one
+#       machine; then the Qwen3-1.7B shape at 16 x 8 with the engine's (compare with part 1's row)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 # `CPU_SMOKE=1` runs the same stages on a CPU with tiny shapes (and the tiny config for the quickstart): a check of the
 # script itself, its stages, partial results and table, before device time is spent on it (tests/test_gpu_check.py).
@@ -87,7 +90,7 @@ echo "|---|---|---|" >> "$OUT/stages.md"
 
 if [ "$part" = 1 ]; then
   # no -x: every failure is news; -v: a stage cut by its timeout still shows which test it was in
-  stage cuda_tests 120 "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_gpu.py
+  stage cuda_tests 140 "$PY" -m pytest -v -rA -p no:cacheprovider tests/test_gpu.py
   check probe_8x8 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 \
     --profile "$OUT/probe_8x8.profile.md"
   check qwen3-1.7b_16x8 140 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
@@ -104,6 +107,10 @@ elif [ "$part" = 9 ]; then
   check qwen2.5-0.5b_16x8 120 --shape qwen2.5-0.5b --groups 16 --group-size 8 --val-tasks 4
   check qwen3-1.7b_8x8 130 --shape qwen3-1.7b --groups 8 --group-size 8 --val-tasks 4
   check qwen3-4b_8x8 150 --shape qwen3-4b --groups 8 --group-size 8 --val-tasks 4
+elif [ "$part" = 10 ]; then
+  check probe_8x8 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4
+  check probe_8x8_graphs 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 --compile graphs
+  check qwen3-1.7b_16x8_graphs 140 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 --compile graphs
 elif [ "$part" = 3 ]; then
   check probe_8x8_inductor 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile default
   check probe_8x8_no_correction 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 \
@@ -154,8 +161,9 @@ def busy(o, name):
         return "-"
     return f"{100 * p['device_s'] / p['wall_s']:.0f} %" if p and p["wall_s"] > 0 else "-"
 def guarded(o):
-    g = o.get("decode_guard_checks")
-    return f"{g[0]} of {g[0] + g[1]}" if g and sum(g) else "-"
+    c = o.get("decode_calls") or {}
+    n = c.get("checked", 0) + c.get("skipped", 0)
+    return f"{c['checked']} of {n}" + (f", {c['replayed']} replayed" if c.get("replayed") else "") if n else "-"
 for line in open(sys.argv[1]):
     o = json.loads(line)
     share = f" ({100 * o['roofline_share']:.1f} % of {o['decode_roofline_tokens_per_s']:,.0f})" if o.get("roofline_share") else ""

@@ -221,10 +221,10 @@ def test_a_compiled_decode_step_plays_the_same_episodes_and_compiles_once(tiny, 
     for seeds in [(1, 2, 3), tuple(range(4, 14)), (1, 2, 3)]:
         plain = _play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained",
                       "admissible", seeds=seeds)
-        before = engine.guard_calls()
+        before = dict(engine.decode_calls)
         with engine.sampling(weights) as stats:  # as the rollout callback plays
             _same(plain, _play(model, tok, engine, "single_stream", "constrained", "admissible", seeds=seeds))
-        checked, skipped = (a - b for a, b in zip(engine.guard_calls(), before))
+        checked, skipped = (engine.decode_calls[k] - before[k] for k in ("checked", "skipped"))
         assert engine_logs(stats)["engine/decode_guard_checks"] == checked / (checked + skipped) < 0.5
     assert engine.mode(model) == "default" and len(engine._steps) == 2
     assert {c.batch for c in engine.slots.caches} == {16, 32}
@@ -268,6 +268,64 @@ def test_a_compiled_step_checks_its_guards_once_per_input_signature_within_a_ses
     assert signature((wide.t(),), {}) != signature((wide.t().contiguous(),), {})  # same shape, other strides
     assert signature((a[1:],), {}) != signature((a[:2],), {})  # views at other offsets of one base
     assert signature((a,), {"rows": 3}) != signature((a,), {"rows": 2}) != signature((a, 2), {})
+
+
+class HostGraph:
+    """A CUDA graph's stand-in on a CPU: a capture runs the function and keeps it, a replay runs it again (on CUDA a
+    capture records the kernels and a replay runs them: the same reads and writes of the same buffers).  As a CUDA
+    graph reads the weights at the addresses it recorded, a replay reads the tensors that held ``model``'s weights at
+    the capture, even where the model has been given new ones since."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def capture(self, fn) -> None:
+        self.fn = fn
+        self.held = [(p, p.data) for p in self.model.parameters()]
+        fn()
+
+    def replay(self) -> None:
+        now = [(p, p.data) for p, _ in self.held]
+        for p, t in self.held:
+            p.data = t
+        try:
+            self.fn()
+        finally:
+            for p, t in now:
+                p.data = t
+
+
+@pytest.mark.slow
+def test_engine_captured_graphs_play_the_uncompiled_steps_episodes(tiny, monkeypatch):
+    """``model.engine.compile: graphs`` captures the compiled step per input signature and replays it from buffers
+    of the same layout (here with a stand-in graph on this CPU).  Rollouts of 3 and 10 tasks (contexts crossing
+    attention views, the cache growing, few rows running alone, two_call's two caches) play the uncompiled step's
+    tokens.  Most decode steps are replays.  A weight that moves (a new tensor, as a load might make) drops every
+    graph, and the next rollout plays with the new weights."""
+    from sglightning.engines import builtin, static
+
+    resolve = builtin.resolve_mode  # graphs on this CPU, every other mode as it resolves
+    monkeypatch.setattr(builtin, "resolve_mode", lambda setting, *a: setting if setting == "graphs" else
+                        resolve(setting, *a))
+    model, tok = tiny
+    monkeypatch.setattr(static, "CudaGraph", lambda: HostGraph(model))
+    engine = BuiltinEngine(EngineConfig(compile="graphs"))
+    plain = BuiltinEngine(EngineConfig(compile="off"))
+    for seeds, mode, decoding, action in [((1, 2, 3), "single_stream", "constrained", "admissible"),
+                                          (tuple(range(4, 14)), "single_stream", "constrained", "admissible"),
+                                          ((1, 2, 3), "two_call", "free", "free")]:
+        _same(_play(model, tok, plain, mode, decoding, action, seeds=seeds),
+              _play(model, tok, engine, mode, decoding, action, seeds=seeds))
+    [step] = [s for s in engine._steps.values() if isinstance(s, static.GraphedStep)]
+    assert step.captured >= 3 and step.replayed > 3 * step.captured
+    assert max(c.capacity for c in engine.slots.caches) > 512
+    lora = next(p for n, p in model.named_parameters() if "lora_B" in n)
+    before = step.captured
+    with torch.no_grad():
+        lora.data = lora.data + 0.05  # moved, and other values: a graph on the old address would read stale ones
+    _same(_play(model, tok, plain, "single_stream", "constrained", "admissible"),
+          _play(model, tok, engine, "single_stream", "constrained", "admissible"))
+    assert step.captured > before
 
 
 def test_running_out_of_memory_while_compiling_is_an_out_of_memory_error(monkeypatch):

@@ -42,10 +42,11 @@ def _play(model, tok, compile_mode: str, mode: str, engine: BuiltinEngine | None
 
 
 @pytest.mark.parametrize("compile_mode,mode", [("static", "two_call"), ("default", "single_stream"),
-                                               ("reduce-overhead", "single_stream"), ("reduce-overhead", "two_call")])
+                                               ("reduce-overhead", "single_stream"), ("reduce-overhead", "two_call"),
+                                               ("graphs", "single_stream")])
 def test_every_decode_step_plays_the_dynamic_caches_episodes_on_cuda(tiny_cuda, compile_mode, mode):
     """The same tokens as the dynamic cache; a graph mode ran as CUDA graphs (torch skips them silently when a step
-    cannot be captured: its count of skips must not move)."""
+    cannot be captured: its count of skips must not move).  ``graphs``: the engine captures and replays them."""
     from torch._dynamo.utils import counters
 
     model, tok = tiny_cuda

@@ -38,7 +38,7 @@ PROBE_TEXT = "Reason: the last action brought the goal closer.\nLabel: positive\
 BACKENDS = ("builtin", "vllm")
 
 #: the in-process engine's decode steps (``model.engine.compile``)
-COMPILE_MODES = ("auto", "off", "static", "default", "reduce-overhead")
+COMPILE_MODES = ("auto", "off", "static", "default", "reduce-overhead", "graphs")
 
 #: LoRA ranks vLLM accepts for ``--max-lora-rank``
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -53,9 +53,9 @@ class EngineConfig:
     backend: str = "builtin"
     """``builtin``: batched forwards of the trainer's own model (the reference); ``vllm``: a vLLM server over HTTP;
     or the class path of an ``sglightning.engines.base.Engine`` subclass"""
-    compile: Literal["auto", "off", "static", "default", "reduce-overhead"] = "auto"
-    """builtin decode step: off (dynamic cache), static (slot cache), default or reduce-overhead (slot cache,
-    torch-compiled); auto = reduce-overhead on one CUDA device, else off"""
+    compile: Literal["auto", "off", "static", "default", "reduce-overhead", "graphs"] = "auto"
+    """builtin decode step: off, static (slot cache), default (compiled), reduce-overhead (torch's CUDA graphs), graphs
+    (the engine's CUDA graphs); auto: reduce-overhead on one GPU, else off"""
     few_rows_alone: bool = True
     """builtin: once at most a quarter of the rows still write, the turn's remaining lock steps run those rows only"""
     prefill_tokens: int | None = 16384

@@ -40,6 +40,7 @@ from sglightning.engines.program import ProgramState, Segment
 from sglightning.engines.rewind import gather_slots, kept_slots
 from sglightning.engines.static import (
     CompiledStep,
+    GraphedStep,
     SlotCache,
     block_mask,
     bucket,
@@ -72,26 +73,34 @@ class BuiltinEngine(Engine):
         self.slots = SlotPool(share=self.cfg.cache_memory)
         self.sharding: str | None = None
         self._steps: dict[tuple[int, str], object] = {}  # (id(model), mode) -> the (compiled) decode step
+        #: the compiled decode steps' calls over the engine's rollouts (kept past close): guards "checked" and
+        #: "skipped", graphs "captured" and steps "replayed" (``compile: graphs``)
+        self.decode_calls = dict.fromkeys(("checked", "skipped", "captured", "replayed"), 0)
 
     @contextlib.contextmanager
     def sampling(self, weights: Weights) -> Iterator[dict[str, float]]:
         self.version = weights.version
         self.sharding = weights.sharding
         stats: dict[str, float] = {}
-        before = self.guard_calls()
+        before = self._decode_calls()
         with weights.gathered():
             yield stats
         if self.slots.caches:  # filled on exit, read by the rollout's caller after it
             stats["slot_cache_GB"] = self.slots.nbytes() / 2**30
-        checked, skipped = (a - b for a, b in zip(self.guard_calls(), before))
-        if checked + skipped > 0:
-            stats["decode_guard_checks"] = checked / (checked + skipped)
+        calls = {k: v - before[k] for k, v in self._decode_calls().items()}
+        for k, v in calls.items():
+            self.decode_calls[k] += v
+        if calls["checked"] + calls["skipped"] > 0:
+            stats["decode_guard_checks"] = calls["checked"] / (calls["checked"] + calls["skipped"])
 
-    def guard_calls(self) -> tuple[int, int]:
-        """Calls of the compiled decode steps so far whose guards torch checked, and those that skipped them
-        (:class:`~sglightning.engines.static.CompiledStep`)."""
-        steps = [s for s in self._steps.values() if isinstance(s, CompiledStep)]
-        return sum(s.checked for s in steps), sum(s.skipped for s in steps)
+    def _decode_calls(self) -> dict[str, int]:
+        """The compiled decode steps' calls so far: guards checked, guards skipped (:class:`CompiledStep`); graphs
+        captured, steps replayed from them (``compile: graphs``, :class:`GraphedStep`)."""
+        steps = list(self._steps.values())
+        graphed = [s for s in steps if isinstance(s, GraphedStep)]
+        compiled = [s for s in steps if isinstance(s, CompiledStep)] + [s.step for s in graphed]
+        return {"checked": sum(s.checked for s in compiled), "skipped": sum(s.skipped for s in compiled),
+                "captured": sum(s.captured for s in graphed), "replayed": sum(s.replayed for s in graphed)}
 
     def mode(self, model: torch.nn.Module) -> str:
         """The decode step for ``model``: ``model.engine.compile`` resolved (:func:`resolve_mode`)."""
@@ -103,7 +112,9 @@ class BuiltinEngine(Engine):
         key = (id(model), mode)
         if key not in self._steps:
             self._steps = {k: v for k, v in self._steps.items() if k[0] == id(model)}  # a new model: drop the old
-            self._steps[key] = compiled(decode_step(model, cache_argument_name(model)), mode)
+            step = decode_step(model, cache_argument_name(model))
+            self._steps[key] = (GraphedStep(compiled(step, "default"), model) if mode == "graphs"
+                                else compiled(step, mode))
         return self._steps[key]
 
     def session(self, model, pad_id, temperature=1.0, generator=None, top_k=0, greedy=False) -> DecodeSession:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -34,7 +35,7 @@ from sglightning.compiling import constant_floats
 from sglightning.errors import memory_error_within
 
 #: ``model.engine.compile`` values that take this path, and what each compiles
-STATIC_MODES = ("static", "default", "reduce-overhead")
+STATIC_MODES = ("static", "default", "reduce-overhead", "graphs")
 
 #: attention reads the slots in use rounded up to a multiple of this (one captured graph per multiple reached),
 #: not the whole cache: the cache keeps the longest rollout's capacity, which early steps would read in vain
@@ -55,7 +56,7 @@ def resolve_mode(setting: str, device: str, sharding: str | None, attention: str
     if setting in STATIC_MODES and attention not in ("sdpa", "eager"):
         raise ConfigError(f"model.engine.compile: {setting} needs an attention that takes a 4-D mask (sdpa or eager); "
                           f"the model uses {attention}: set it to off")
-    if setting == "reduce-overhead" and device != "cuda":
+    if setting in ("reduce-overhead", "graphs") and device != "cuda":
         raise ConfigError(f"model.engine.compile: {setting} replays CUDA graphs, and the model is on {device}: set it "
                           "to default, static or off")
     if setting in STATIC_MODES and setting != "static" and sharding is not None:
@@ -305,6 +306,97 @@ class CompiledStep:
                           "to static to skip the attempt)", RuntimeWarning, stacklevel=2)
             self.fn = self.step  # the cache writes of a failed call are the same ones again: safe to repeat
             return self.step(*args, **kwargs)
+
+
+class GraphedStep:
+    """``model.engine.compile: graphs`` (CUDA): the inductor-compiled step (a :class:`CompiledStep` in ``default``
+    mode) captured by the engine as one CUDA graph per input signature, and replayed with nothing of torch's in
+    between.  ``reduce-overhead`` replays graphs too, but each call still passes torch's Python: the guards (mostly
+    skipped, :class:`CompiledStep`), the gathering of every weight as an input, the graph trees' bookkeeping.  On
+    this CPU that Python outside the compiled code was ~1.6 ms per call at 28 layers; here a call is four small
+    copies into the graph's input buffers and a replay.  This is how vLLM runs its compiled model.
+
+    A signature's first call in a session call runs the compiled step (it compiles, checks, warms up); its next call
+    captures the graph: inputs in buffers of the same layout, the output written into a buffer kept outside the
+    graphs (every graph writes the same one, so graphs share a memory pool without holding an output each).  The
+    graphs read the weights and the slot cache where they were: :meth:`forget` (at each session call) drops every
+    graph if a weight or buffer has moved, and a capture drops the graphs of caches that are gone.  Behind its own
+    switch until measured on a GPU (``gpu_session.sh`` part 3)."""
+
+    def __init__(self, step: CompiledStep, model: torch.nn.Module, graph: Callable[[], object] | None = None):
+        """``graph``: makes the object a capture goes into (:class:`CudaGraph`; tests pass a stand-in)."""
+        self.step, self.model = step, model
+        self.new_graph = graph or CudaGraph
+        self.captured = self.replayed = 0
+        self._entries: dict[tuple, tuple] = {}  # signature -> (graph, input buffers, output, cache tensor ref)
+        self._warm: set[tuple] = set()  # signatures run once since forget()
+        self._outputs: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> the buffer every graph writes
+        self._weights: list[int] | None = None  # the addresses of the weights and buffers the graphs read
+
+    def forget(self) -> None:
+        """A session call begins: warm-ups count anew, and graphs that would read moved weights go."""
+        self.step.forget()
+        self._warm.clear()
+        where = [t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())]
+        if where != self._weights:
+            self._entries.clear()
+            self._weights = where
+
+    def __call__(self, ids, pos, mask, slots, cache, rows=None):
+        key = signature((ids, pos, mask, slots, cache, rows), {})
+        entry = self._entries.get(key)
+        if entry is None:
+            if key not in self._warm:
+                self._warm.add(key)
+                return self.step(ids, pos, mask, slots, cache, rows)
+            entry = self._capture(key, (ids, pos, mask, slots), cache, rows)
+        else:
+            for buffer, new in zip(entry[1], (ids, pos, mask, slots)):
+                buffer.copy_(new)
+        entry[0].replay()
+        self.replayed += 1
+        return entry[2]
+
+    def _capture(self, key: tuple, inputs: tuple, cache: SlotCache, rows: int | None) -> tuple:
+        self._entries = {k: e for k, e in self._entries.items() if e[3]() is not None}  # caches gone: graphs go
+        buffers = tuple(_same_layout(t) for t in inputs)
+        for buffer, new in zip(buffers, inputs):
+            buffer.copy_(new)  # before the capture: a stand-in that runs it must see the call's inputs
+        probe = self.step(*buffers, cache, rows)  # the same signature: compiled and checked already
+        out = self._outputs.setdefault((probe.shape, probe.dtype, probe.device), torch.empty_like(probe))
+        graph = self.new_graph()
+        graph.capture(lambda: out.copy_(self.step(*buffers, cache, rows)))
+        self.captured += 1
+        entry = (graph, buffers, out, weakref.ref(cache.keys[0]))
+        self._entries[key] = entry
+        return entry
+
+
+class CudaGraph:
+    """One ``torch.cuda.CUDAGraph``, its memory from one pool shared by every graph of the process's decode steps
+    (they never run at once, and none holds an output of its own)."""
+
+    _pool = None
+
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], object]) -> None:
+        if CudaGraph._pool is None:
+            CudaGraph._pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(self.graph, pool=CudaGraph._pool):
+            fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def _same_layout(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor laid out as ``t``: shape, strides and offset, within a base of its base's shape (a compiled
+    step's guards read a view's base too)."""
+    base = t._base if t._base is not None else t
+    new = torch.empty_strided(base.shape, base.stride(), dtype=t.dtype, device=t.device)
+    return new.as_strided(t.shape, t.stride(), t.storage_offset() - base.storage_offset())
 
 
 def _own_code(step: Callable) -> Callable:
