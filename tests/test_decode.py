@@ -308,7 +308,8 @@ def test_engine_captured_graphs_play_the_uncompiled_steps_episodes(tiny, monkeyp
     monkeypatch.setattr(builtin, "resolve_mode", lambda setting, *a: setting if setting == "graphs" else
                         resolve(setting, *a))
     model, tok = tiny
-    monkeypatch.setattr(static, "CudaGraph", lambda: HostGraph(model))
+    monkeypatch.setattr(static, "CudaGraph", lambda pool: HostGraph(model))
+    monkeypatch.setattr(static, "graph_pool", lambda: None)
     engine = BuiltinEngine(EngineConfig(compile="graphs"))
     plain = BuiltinEngine(EngineConfig(compile="off"))
     for seeds, mode, decoding, action in [((1, 2, 3), "single_stream", "constrained", "admissible"),
@@ -326,6 +327,39 @@ def test_engine_captured_graphs_play_the_uncompiled_steps_episodes(tiny, monkeyp
     _same(_play(model, tok, plain, "single_stream", "constrained", "admissible"),
           _play(model, tok, engine, "single_stream", "constrained", "admissible"))
     assert step.captured > before
+
+
+@pytest.mark.slow
+def test_a_capture_that_fails_ends_the_captures_with_one_warning_and_the_same_episodes(tiny, monkeypatch):
+    """A capture can fail on a GPU (a step that fell back to eager and syncs, a trace in pieces).  The step then runs
+    compiled from there on: the uncompiled step's tokens, one warning naming the key, no second attempt."""
+    import warnings
+
+    from sglightning.engines import builtin, static
+
+    class Refusing(HostGraph):
+        def capture(self, fn) -> None:
+            self.attempts.append(1)
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    model, tok = tiny
+    Refusing.attempts = []
+    resolve = builtin.resolve_mode
+    monkeypatch.setattr(builtin, "resolve_mode", lambda setting, *a: setting if setting == "graphs" else
+                        resolve(setting, *a))
+    monkeypatch.setattr(static, "CudaGraph", lambda pool: Refusing(model))
+    monkeypatch.setattr(static, "graph_pool", lambda: None)
+    engine = BuiltinEngine(EngineConfig(compile="graphs"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for seeds in [(1, 2, 3), (4, 5, 6)]:
+            _same(_play(model, tok, BuiltinEngine(EngineConfig(compile="off")), "single_stream", "constrained",
+                        "admissible", seeds=seeds),
+                  _play(model, tok, engine, "single_stream", "constrained", "admissible", seeds=seeds))
+    said = [str(w.message) for w in seen if "could not capture" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("model.engine.compile: graphs could not capture the decode step")
+    [step] = [s for s in engine._steps.values() if isinstance(s, static.GraphedStep)]
+    assert step.failed and Refusing.attempts == [1] and step.captured == step.replayed == 0
 
 
 def test_running_out_of_memory_while_compiling_is_an_out_of_memory_error(monkeypatch):

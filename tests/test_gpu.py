@@ -49,14 +49,19 @@ def test_every_decode_step_plays_the_dynamic_caches_episodes_on_cuda(tiny_cuda, 
     cannot be captured: its count of skips must not move).  ``graphs``: the engine captures and replays them."""
     from torch._dynamo.utils import counters
 
+    from sglightning.engines.static import GraphedStep
+
     model, tok = tiny_cuda
     skips, pieces = counters["inductor"]["cudagraph_skips"], counters["inductor"]["cudagraph_partitions"]
-    a, b = _play(model, tok, "off", mode), _play(model, tok, compile_mode, mode)
+    engine = BuiltinEngine(EngineConfig(compile=compile_mode))
+    a, b = _play(model, tok, "off", mode), _play(model, tok, compile_mode, mode, engine)
     assert len(a.samples) == len(b.samples) > 0
     for x, y in zip(a.samples, b.samples):
         assert x.ids == y.ids
         assert x.logprobs == pytest.approx(y.logprobs, abs=1e-4)
     assert counters["inductor"]["cudagraph_skips"] == skips
+    graphed = [s for s in engine._steps.values() if isinstance(s, GraphedStep)]
+    assert all(g.captured and g.replayed > g.captured and not g.failed for g in graphed)
     print(f"{compile_mode}, {mode}: {counters['inductor']['cudagraph_partitions'] - pieces} CUDA-graph pieces")  # -rA
 
 

@@ -317,21 +317,24 @@ class GraphedStep:
     copies into the graph's input buffers and a replay.  This is how vLLM runs its compiled model.
 
     A signature's first call in a session call runs the compiled step (it compiles, checks, warms up); its next call
-    captures the graph: inputs in buffers of the same layout, the output written into a buffer kept outside the
-    graphs (every graph writes the same one, so graphs share a memory pool without holding an output each).  The
-    graphs read the weights and the slot cache where they were: :meth:`forget` (at each session call) drops every
-    graph if a weight or buffer has moved, and a capture drops the graphs of caches that are gone.  Behind its own
-    switch until measured on a GPU (``gpu_session.sh`` part 3)."""
+    captures the graph (:class:`CudaGraph`): inputs in buffers of the same layout, the output written into a buffer
+    kept outside the graphs (every graph writes the same one, so graphs share a memory pool without holding an
+    output each).  A signature captured already replays from its first call.  The graphs read the weights and the
+    slot cache where they were: :meth:`forget` (at each session call) drops every graph if a weight or buffer has
+    moved, a lookup drops a graph whose cache is gone, and with no graph left the next capture takes a new pool.
+    A capture that fails (a step that fell back to eager, a trace in pieces) ends the captures: the compiled step
+    runs from then on, with one warning.  Behind its own switch until measured on a GPU (``gpu_session.sh`` part
+    10)."""
 
-    def __init__(self, step: CompiledStep, model: torch.nn.Module, graph: Callable[[], object] | None = None):
-        """``graph``: makes the object a capture goes into (:class:`CudaGraph`; tests pass a stand-in)."""
+    def __init__(self, step: CompiledStep, model: torch.nn.Module):  # noqa: D107
         self.step, self.model = step, model
-        self.new_graph = graph or CudaGraph
         self.captured = self.replayed = 0
-        self._entries: dict[tuple, tuple] = {}  # signature -> (graph, input buffers, output, cache tensor ref)
-        self._warm: set[tuple] = set()  # signatures run once since forget()
+        self.failed = False  # a capture failed: no more captures
+        self._entries: dict[tuple, tuple] = {}  # key -> (graph, input buffers, output, cache tensor ref)
+        self._warm: dict[tuple, tuple] = {}  # key -> the output's (shape, dtype, device), run once since forget()
         self._outputs: dict[tuple, torch.Tensor] = {}  # (shape, dtype, device) -> the buffer every graph writes
         self._weights: list[int] | None = None  # the addresses of the weights and buffers the graphs read
+        self._pool = None  # the graphs' memory pool (a new one once no graph is left)
 
     def forget(self) -> None:
         """A session call begins: warm-ups count anew, and graphs that would read moved weights go."""
@@ -343,49 +346,84 @@ class GraphedStep:
             self._weights = where
 
     def __call__(self, ids, pos, mask, slots, cache, rows=None):
-        key = signature((ids, pos, mask, slots, cache, rows), {})
+        key = (signature((ids, pos, mask, slots, cache, rows), {}), self.model.training, torch.is_autocast_enabled())
         entry = self._entries.get(key)
-        if entry is None:
-            if key not in self._warm:
-                self._warm.add(key)
-                return self.step(ids, pos, mask, slots, cache, rows)
-            entry = self._capture(key, (ids, pos, mask, slots), cache, rows)
-        else:
+        if entry is not None and entry[3]() is not cache.keys[0]:  # a new cache where a freed one was
+            del self._entries[key]
+            entry = None
+        if entry is not None:
             for buffer, new in zip(entry[1], (ids, pos, mask, slots)):
                 buffer.copy_(new)
-        entry[0].replay()
-        self.replayed += 1
-        return entry[2]
+            entry[0].replay()
+            self.replayed += 1
+            return entry[2]
+        ready = not self.failed and self.step.fn is not self.step.step and self.step.graphs == 1
+        if key not in self._warm or not ready:
+            out = self.step(ids, pos, mask, slots, cache, rows)
+            self._warm[key] = (out.shape, out.dtype, out.device)
+            return out
+        return self._capture(key, (ids, pos, mask, slots), cache, rows)
 
-    def _capture(self, key: tuple, inputs: tuple, cache: SlotCache, rows: int | None) -> tuple:
+    def _capture(self, key: tuple, inputs: tuple, cache: SlotCache, rows: int | None) -> torch.Tensor:
+        """Capture ``key``'s graph.  The capture runs the step once as well (:meth:`CudaGraph.capture`): its output
+        is this call's."""
         self._entries = {k: e for k, e in self._entries.items() if e[3]() is not None}  # caches gone: graphs go
+        if not self._entries:
+            self._pool = None  # a pool whose graphs are all gone is not used again
         buffers = tuple(_same_layout(t) for t in inputs)
         for buffer, new in zip(buffers, inputs):
-            buffer.copy_(new)  # before the capture: a stand-in that runs it must see the call's inputs
-        probe = self.step(*buffers, cache, rows)  # the same signature: compiled and checked already
-        out = self._outputs.setdefault((probe.shape, probe.dtype, probe.device), torch.empty_like(probe))
-        graph = self.new_graph()
-        graph.capture(lambda: out.copy_(self.step(*buffers, cache, rows)))
+            buffer.copy_(new)
+        shape, dtype, device = self._warm[key]
+        out = self._outputs.get((shape, dtype, device))
+        if out is None:
+            out = self._outputs[(shape, dtype, device)] = torch.empty(shape, dtype=dtype, device=device)
+        if self._pool is None:
+            self._pool = graph_pool()
+        graph = CudaGraph(self._pool)
+        try:
+            graph.capture(lambda: out.copy_(self.step(*buffers, cache, rows)))
+        except Exception as err:  # noqa: BLE001 (any failure of a capture ends the captures, not the rollout)
+            self.failed = True
+            first = (str(err).strip().splitlines() or [""])[0][:200]
+            warnings.warn(f"model.engine.compile: graphs could not capture the decode step ({type(err).__name__}: "
+                          f"{first}); the compiled step runs from here", RuntimeWarning, stacklevel=3)
+            return self.step(*inputs, cache, rows)
         self.captured += 1
-        entry = (graph, buffers, out, weakref.ref(cache.keys[0]))
-        self._entries[key] = entry
-        return entry
+        self._entries[key] = (graph, buffers, out, weakref.ref(cache.keys[0]))
+        return out
+
+
+def graph_pool():
+    """A new memory pool for CUDA graphs (tests replace it)."""
+    return torch.cuda.graph_pool_handle()
 
 
 class CudaGraph:
-    """One ``torch.cuda.CUDAGraph``, its memory from one pool shared by every graph of the process's decode steps
-    (they never run at once, and none holds an output of its own)."""
+    """One ``torch.cuda.CUDAGraph`` in ``pool``.  A capture first runs the function on the capture's own stream (its
+    libraries' workspaces made there now, outside the pool; the function's effects done once), then records it.
+    torch's ``torch.cuda.graph`` context is not used: it empties the allocator's cache at every capture.  Tests
+    replace this class with one that runs the function instead of recording it."""
 
-    _pool = None
+    _stream = None  # one side stream for every capture
 
-    def __init__(self) -> None:
+    def __init__(self, pool) -> None:
         self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
 
     def capture(self, fn: Callable[[], object]) -> None:
-        if CudaGraph._pool is None:
-            CudaGraph._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(self.graph, pool=CudaGraph._pool):
+        if CudaGraph._stream is None:
+            CudaGraph._stream = torch.cuda.Stream()
+        side, current = CudaGraph._stream, torch.cuda.current_stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
             fn()
+            torch.cuda.synchronize()
+            self.graph.capture_begin(pool=self.pool)
+            try:
+                fn()
+            finally:
+                self.graph.capture_end()
+        current.wait_stream(side)
 
     def replay(self) -> None:
         self.graph.replay()
