@@ -18,10 +18,9 @@
 #   part 3 (<= 8 min): the probe compiled by inductor without CUDA graphs (what the graphs add), without
 #       rollout correction (the ratio spread it corrects), under FSDP2 on one GPU (its step time
 #       against part 1's probe)
-#   part 4, the same (<= 10 min): the engine's host time per lock step on this machine's CPU (the ceiling the host puts
-#       on rollout tokens/s), the compiled decode step with its guards checked at every call and once per signature
-#       (step_guards.py), the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update with
-#       micro-batches by token budget instead of shared prefixes (its MFU against part 1)
+#   part 4, the same (<= 8 min): the engine's host time per lock step on this machine's CPU (the ceiling the host puts
+#       on rollout tokens/s), the probe with the dynamic cache (what the static cache adds), the Qwen3-1.7B update
+#       with micro-batches by token budget instead of shared prefixes (its MFU against part 1)
 #   part 5, the same (<= 6 min): the Qwen3-1.7B shape at 16 x 8 in the paper's two_call mode, each call's cache kept
 #       across env steps (two caches, a graph per cache) and not kept (rollout.reuse_prefix: false)
 #   part 6, the same (<= 6 min): the Qwen3-1.7B shape at 16 x 8 with its last few rows of a turn running alone
@@ -34,9 +33,10 @@
 #       with compiled layers (compare with part 1's Qwen3-1.7B row)
 #   part 9, the same (<= 9 min): the shapes part 1 leaves out: Qwen2.5-0.5B's grouped-query layout at 8 x 8 and at
 #       16 x 8, and the Qwen3-1.7B and Qwen3-4B shapes at 64 episodes (8 x 8)
-#   part 10, the same (<= 6 min): the probe with torch's CUDA graphs (reduce-overhead, the default) and with the
-#       engine's own (model.engine.compile: graphs: no torch Python per decode step), one after the other on one
-#       machine; then the Qwen3-1.7B shape at 16 x 8 with the engine's (compare with part 1's row)
+#   part 10, the same (<= 9 min): torch's Python per decode step at 24 and 36 layers (step_guards.py: guards
+#       checked at every call, once per signature, the engine's own CUDA graphs), then the probe with torch's CUDA
+#       graphs (reduce-overhead, the default) and with the engine's (model.engine.compile: graphs), one after the
+#       other; then the Qwen3-1.7B shape at 16 x 8 with the engine's (compare with part 1's row)
 # Without the bundle, `PY=python bash benchmarks/gpu_session.sh 1` runs where sglightning is installed.
 # `CPU_SMOKE=1` runs the same stages on a CPU with tiny shapes (and the tiny config for the quickstart): a check of the
 # script itself, its stages, partial results and table, before device time is spent on it (tests/test_gpu_check.py).
@@ -108,6 +108,9 @@ elif [ "$part" = 9 ]; then
   check qwen3-1.7b_8x8 130 --shape qwen3-1.7b --groups 8 --group-size 8 --val-tasks 4
   check qwen3-4b_8x8 150 --shape qwen3-4b --groups 8 --group-size 8 --val-tasks 4
 elif [ "$part" = 10 ]; then
+  if [ "${CPU_SMOKE:-0}" != 0 ]; then guards=(--layers 2 --calls 10 --repeats 1)
+  else guards=(--device cuda --mode reduce-overhead --graphs --layers 24 36 --repeats 3); fi
+  stage step_guards 150 "$PY" benchmarks/step_guards.py "${guards[@]}" --json "$OUT/step_guards.json"
   check probe_8x8 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4
   check probe_8x8_graphs 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 --compile graphs
   check qwen3-1.7b_16x8_graphs 140 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 --compile graphs
@@ -138,9 +141,6 @@ elif [ "$part" = 8 ]; then
     --set model.update.compile=true
 else
   stage engine_host 90 "$PY" benchmarks/engine_host.py --repeats 3 --json "$OUT/engine_host.json"
-  if [ "${CPU_SMOKE:-0}" != 0 ]; then guards=(--layers 2 --calls 10 --repeats 1)
-  else guards=(--device cuda --mode reduce-overhead); fi
-  stage step_guards 150 "$PY" benchmarks/step_guards.py "${guards[@]}" --json "$OUT/step_guards.json"
   check probe_8x8_dynamic 150 --shape probe --groups 8 --group-size 8 --val-tasks 4 --compile off
   check qwen3-1.7b_16x8_token_budget 200 --shape qwen3-1.7b --groups 16 --group-size 8 --val-tasks 4 \
     --set model.update.share_prefix=false --set model.update.micro_batch_size=16 \
@@ -179,10 +179,12 @@ for line in open(sys.argv[1]):
 PY
   [ -f "$OUT/step_guards.json" ] && "$PY" - "$OUT/step_guards.json" <<'PY'
 import json, sys
-print("\n| decode step, µs per call | guards checked every call | once per signature (the engine's) | graphs |")
-print("|---|---|---|---|")
+print("\n| decode step, µs per call [outside compiled code] | guards checked every call | once per signature | "
+      "the engine's CUDA graphs | traces |")
+print("|---|---|---|---|---|")
 for r in json.load(open(sys.argv[1]))["rows"]:
-    print(f"| {r['layers']} layers | {r['checked_us']:.0f} | {r['once_us']:.0f} | {r['graphs']} |")
+    cell = lambda a: f"{r[a]['us']:.0f} [{r[a]['outside_us']:.0f}]" if a in r else "-"
+    print(f"| {r['layers']} layers | {cell('checked')} | {cell('once')} | {cell('graphs')} | {r['graphs']} |")
 PY
   echo
   cat "$OUT/stages.md"
