@@ -184,7 +184,7 @@ print("\n| decode step, µs per call [outside compiled code] | guards checked ev
 print("|---|---|---|---|---|")
 for r in json.load(open(sys.argv[1]))["rows"]:
     cell = lambda a: f"{r[a]['us']:.0f} [{r[a]['outside_us']:.0f}]" if a in r else "-"
-    print(f"| {r['layers']} layers | {cell('checked')} | {cell('once')} | {cell('graphs')} | {r['graphs']} |")
+    print(f"| {r['layers']} layers | {cell('checked')} | {cell('once')} | {cell('graphs')} | {r['traces']} |")
 PY
   echo
   cat "$OUT/stages.md"

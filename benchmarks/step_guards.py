@@ -13,7 +13,7 @@ with the guards checked at every call and once per signature (the engine's way),
 
 Prints per layer count: µs per call each way (median of ``--repeats`` rounds of ``--calls`` calls, range in
 brackets), and of it the time outside inductor's compiled code (torch's Python around the call), and the graphs
-compiled (1: one trace served every call).  ``--graphs`` (CUDA) adds the engine's own CUDA graphs
+traced (1: one trace served every call).  ``--graphs`` (CUDA) adds the engine's own CUDA graphs
 (``compile: graphs``), which replay with none of torch's Python.
 """
 
@@ -128,7 +128,7 @@ def main(argv=None) -> dict:
     arms = ["checked", "once"] + (["graphs"] if args.graphs else [])
     print(f"torch {torch.__version__}, {device.type}, model.engine.compile {args.mode}, {args.rows} rows; µs per "
           "decode step, median of rounds (range) [outside inductor's compiled code]")
-    print(f"{'layers':>6} " + " ".join(f"{names[a]:>32}" for a in arms) + f" {'graphs':>6}")
+    print(f"{'layers':>6} " + " ".join(f"{names[a]:>32}" for a in arms) + f" {'traces':>6}")
     report: dict = {"args": vars(args), "torch": torch.__version__, "rows": []}
     for layers in args.layers:
         shape = TinyModelConfig(num_layers=layers, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
         if args.graphs:
             steps["graphs"] = (static.GraphedStep(static.CompiledStep(decode, "default"), model), True)
         times = rounds(steps, model, args.rows, args.calls, args.repeats, device)
-        row: dict = {"layers": layers, "graphs": step.graphs}
+        row: dict = {"layers": layers, "traces": step.graphs}
         cells = []
         for arm in arms:
             us, outside = times[arm]["us"], times[arm]["outside_us"]

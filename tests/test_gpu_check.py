@@ -229,3 +229,18 @@ def test_the_session_script_runs_its_first_part_on_a_cpu(tmp_path):
     rows = [line.split(" | ")[0] for line in table.splitlines() if " | tiny | 2 | " in line]
     assert rows == ["| probe_8x8", "| qwen3-1.7b_16x8"], table
     assert (out / "probe_8x8.profile.md").is_file()
+
+
+@pytest.mark.slow
+def test_the_step_guards_benchmark_times_both_arms_on_one_trace(tmp_path):
+    """``benchmarks/step_guards.py`` on this CPU, small: every arm timed, the time outside inductor's code within
+    the whole, one trace per model (the script's numbers are published; this checks the script, not a speed)."""
+    import step_guards
+
+    out = tmp_path / "guards.json"
+    report = step_guards.main(["--layers", "2", "--calls", "5", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    [row] = report["rows"]
+    assert row["layers"] == 2 and row["traces"] == 1 and "graphs" not in row  # --graphs: CUDA only
+    for arm in ("checked", "once"):
+        assert 0 < row[arm]["outside_us"] < row[arm]["us"]

@@ -243,7 +243,7 @@ class CompiledStep:
 
     Guards.  Before every call of a compiled function torch checks that what it traced still holds: the type and
     attributes of every module the forward touched, every weight's metadata, the inputs' sizes, the global state.
-    For a model with LoRA on every projection that is several hundred checks per decoder layer: 2.2–3.4 ms per decode
+    For a model with LoRA on every projection that is several hundred checks per decoder layer: 1.4–3.1 ms per decode
     step at 24–36 layers on a 2-core Xeon (``benchmarks/step_guards.py``), longer than a GPU's whole step for a small
     model.  Within one call of a session (a ``run`` of programs, a ``feed``) nothing the module checks read changes.
     So a call whose inputs match, in shapes, strides and the rest of :func:`signature`, a call checked since
@@ -313,7 +313,7 @@ class GraphedStep:
     mode) captured by the engine as one CUDA graph per input signature, and replayed with nothing of torch's in
     between.  ``reduce-overhead`` replays graphs too, but each call still passes torch's Python: the guards (mostly
     skipped, :class:`CompiledStep`), the gathering of every weight as an input, the graph trees' bookkeeping.  On
-    this CPU that Python outside the compiled code was ~1.6 ms per call at 28 layers; here a call is four small
+    this CPU that Python outside the compiled code was 0.9–2.5 ms per call at 24–36 layers; here a call is four small
     copies into the graph's input buffers and a replay.  This is how vLLM runs its compiled model.
 
     A signature's first call in a session call runs the compiled step (it compiles, checks, warms up); its next call
