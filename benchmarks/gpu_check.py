@@ -68,7 +68,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-env-steps", type=int, default=6)
     ap.add_argument("--val-tasks", type=int, default=8, help="validation tasks, before and after training (0: none)")
     ap.add_argument("--compile", default="auto", help="model.engine.compile (auto, off, static, default, "
-                    "reduce-overhead)")
+                    "reduce-overhead, graphs)")
     ap.add_argument("--precision", default=None, help="trainer precision (default: bf16-mixed on GPU, 32-true on CPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="any other sglightning fit key, e.g. --set model.grpo.rollout_correction=null (repeatable)")

@@ -14,7 +14,7 @@
 #       $OUT/<run>.profile.md; that step is left out of the throughput)
 #   part 2 (carry .gpu/wheels .gpu/gguf2 .gpu/env.sh; <= 5 min): bash benchmarks/gpu_session.sh 2
 #       the quickstart (embedded SmolLM2, bf16; floor: rollout <= 1.5 s/step), the Qwen3-4B shape at 16 x 8
-#   parts 3-9 need no model (carry .gpu/wheels): each fits a session of its own, or the time parts 1-2 leave
+#   parts 3-10 need no model (carry .gpu/wheels): each fits a session of its own, or the time parts 1-2 leave
 #   part 3 (<= 8 min): the probe compiled by inductor without CUDA graphs (what the graphs add), without
 #       rollout correction (the ratio spread it corrects), under FSDP2 on one GPU (its step time
 #       against part 1's probe)
@@ -33,7 +33,7 @@
 #       with compiled layers (compare with part 1's Qwen3-1.7B row)
 #   part 9, the same (<= 9 min): the shapes part 1 leaves out: Qwen2.5-0.5B's grouped-query layout at 8 x 8 and at
 #       16 x 8, and the Qwen3-1.7B and Qwen3-4B shapes at 64 episodes (8 x 8)
-#   part 10, the same (<= 9 min): torch's Python per decode step at 24 and 36 layers (step_guards.py: guards
+#   part 10, the same (<= 9 min): torch's Python per decode step at 28 layers (step_guards.py: guards
 #       checked at every call, once per signature, the engine's own CUDA graphs), then the probe with torch's CUDA
 #       graphs (reduce-overhead, the default) and with the engine's (model.engine.compile: graphs), one after the
 #       other; then the Qwen3-1.7B shape at 16 x 8 with the engine's (compare with part 1's row)
@@ -109,7 +109,8 @@ elif [ "$part" = 9 ]; then
   check qwen3-4b_8x8 150 --shape qwen3-4b --groups 8 --group-size 8 --val-tasks 4
 elif [ "$part" = 10 ]; then
   if [ "${CPU_SMOKE:-0}" != 0 ]; then guards=(--layers 2 --calls 10 --repeats 1)
-  else guards=(--device cuda --mode reduce-overhead --graphs --layers 24 36 --repeats 3); fi
+  else guards=(--device cuda --mode reduce-overhead --graphs --layers 28 --repeats 3); fi
+  rm -f "$OUT/step_guards.json"  # an earlier session's numbers must not pass for this one's
   stage step_guards 150 "$PY" benchmarks/step_guards.py "${guards[@]}" --json "$OUT/step_guards.json"
   check probe_8x8 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4
   check probe_8x8_graphs 100 --shape probe --groups 8 --group-size 8 --val-tasks 4 --steps 4 --compile graphs
@@ -183,7 +184,8 @@ print("\n| decode step, µs per call [outside compiled code] | guards checked ev
       "the engine's CUDA graphs | traces |")
 print("|---|---|---|---|---|")
 for r in json.load(open(sys.argv[1]))["rows"]:
-    cell = lambda a: f"{r[a]['us']:.0f} [{r[a]['outside_us']:.0f}]" if a in r else "-"
+    cell = lambda a: (f"{r[a]['us']:.0f} [" + (f"{r[a]['outside_us']:.0f}" if r[a]["outside_us"] is not None
+                      else "-") + "]") if a in r else "-"
     print(f"| {r['layers']} layers | {cell('checked')} | {cell('once')} | {cell('graphs')} | {r['traces']} |")
 PY
   echo

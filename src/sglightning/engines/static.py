@@ -313,8 +313,8 @@ class GraphedStep:
     mode) captured by the engine as one CUDA graph per input signature, and replayed with nothing of torch's in
     between.  ``reduce-overhead`` replays graphs too, but each call still passes torch's Python: the guards (mostly
     skipped, :class:`CompiledStep`), the gathering of every weight as an input, the graph trees' bookkeeping.  On
-    this CPU that Python outside the compiled code was 0.9–2.5 ms per call at 24–36 layers; here a call is four small
-    copies into the graph's input buffers and a replay.  This is how vLLM runs its compiled model.
+    a 2-core CPU that Python outside the compiled code was 0.9–2.5 ms per call at 24–36 layers; here a call is four
+    small copies into the graph's input buffers and a replay.  This is how vLLM runs its compiled model.
 
     A signature's first call in a session call runs the compiled step (it compiles, checks, warms up); its next call
     captures the graph (:class:`CudaGraph`): inputs in buffers of the same layout, the output written into a buffer
@@ -377,10 +377,10 @@ class GraphedStep:
         out = self._outputs.get((shape, dtype, device))
         if out is None:
             out = self._outputs[(shape, dtype, device)] = torch.empty(shape, dtype=dtype, device=device)
-        if self._pool is None:
-            self._pool = graph_pool()
-        graph = CudaGraph(self._pool)
         try:
+            if self._pool is None:
+                self._pool = graph_pool()
+            graph = CudaGraph(self._pool)
             graph.capture(lambda: out.copy_(self.step(*buffers, cache, rows)))
         except Exception as err:  # noqa: BLE001 (any failure of a capture ends the captures, not the rollout)
             self.failed = True
