@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from sglightning.errors import memory_error_within
+from sglightning.errors import memory_error_within, summary
 
 #: the attribute of a layer that holds its compiled forward (made once, reused by every update)
 _COMPILED = "_sglightning_compiled_forward"
@@ -184,9 +184,8 @@ class _Fallback:
                 if (oom := memory_error_within(err)) is not None:
                     raise oom from None  # the update's out-of-memory line, not a fallback
                 self.failed = True
-                first = (str(err).strip().splitlines() or [""])[0][:200]
                 warnings.warn(f"model.update.compile: torch could not compile the decoder layers "
-                              f"({type(err).__name__}: {first}); the update runs them uncompiled from here (set "
+                              f"({summary(err)}); the update runs them uncompiled from here (set "
                               "model.update.compile to false to skip the attempt)", RuntimeWarning, stacklevel=2)
                 return eager(*args, **kwargs)
 

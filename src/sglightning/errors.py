@@ -48,6 +48,12 @@ def memory_error_within(err: BaseException) -> BaseException | None:
     return None
 
 
+def summary(err: BaseException) -> str:
+    """``err`` in a warning's words: its type and the first line of its message (at most 200 characters)."""
+    first = (str(err).strip().splitlines() or [""])[0][:200]
+    return f"{type(err).__name__}: {first}"
+
+
 def reraise_out_of_memory(phase: str, err: BaseException, step: int) -> None:
     """Raise :func:`out_of_memory`'s error when ``err`` is or wraps an out-of-memory error (else ``err`` itself)."""
     oom = memory_error_within(err)

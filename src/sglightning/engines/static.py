@@ -32,7 +32,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from sglightning.compiling import constant_floats
-from sglightning.errors import memory_error_within
+from sglightning.errors import memory_error_within, summary
 
 #: ``model.engine.compile`` values that take this path, and what each compiles
 STATIC_MODES = ("static", "default", "reduce-overhead", "graphs")
@@ -259,8 +259,8 @@ class CompiledStep:
     def __init__(self, step: Callable, mode: str, skip_guards: bool = True):
         """``skip_guards``: False checks them at every call (benchmarks compare the two)."""
         self.step, self.mode, self.skip_guards = step, mode, skip_guards
-        self._code = _own_code(step)
-        self.fn = step if mode == "static" else torch.compile(self._code, dynamic=True,
+        self._own = _own_code(step)
+        self.fn = step if mode == "static" else torch.compile(self._own, dynamic=True,
                                                               mode=None if mode == "default" else mode)
         self.graphs = 0  # graphs torch traced in its checked calls (a trace broken in two counts twice)
         self.checked = 0  # calls whose guards torch checked
@@ -292,7 +292,7 @@ class CompiledStep:
                     out = self.fn(*args, **kwargs)
                 finally:
                     self.graphs += _traced() - traced
-                    if self.graphs == 1 and _entries(self._code) not in (None, 1):
+                    if self.graphs == 1 and _graphs_held(self._own) not in (None, 1):
                         self.graphs = 2  # a nested frame was traced, not this one: never skip
                 self.checked += 1
                 self._known.add(key)
@@ -300,9 +300,8 @@ class CompiledStep:
         except torch._dynamo.exc.TorchDynamoException as err:
             if (oom := memory_error_within(err)) is not None:
                 raise oom from None  # the rollout's out-of-memory line, not a fallback
-            first = (str(err).strip().splitlines() or [""])[0][:200]
             warnings.warn(f"model.engine.compile: {self.mode} could not compile the decode step "
-                          f"({type(err).__name__}: {first}); it runs uncompiled from here (set model.engine.compile "
+                          f"({summary(err)}); it runs uncompiled from here (set model.engine.compile "
                           "to static to skip the attempt)", RuntimeWarning, stacklevel=2)
             self.fn = self.step  # the cache writes of a failed call are the same ones again: safe to repeat
             return self.step(*args, **kwargs)
@@ -384,9 +383,8 @@ class GraphedStep:
             graph.capture(lambda: out.copy_(self.step(*buffers, cache, rows)))
         except Exception as err:  # noqa: BLE001 (any failure of a capture ends the captures, not the rollout)
             self.failed = True
-            first = (str(err).strip().splitlines() or [""])[0][:200]
-            warnings.warn(f"model.engine.compile: graphs could not capture the decode step ({type(err).__name__}: "
-                          f"{first}); the compiled step runs from here", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"model.engine.compile: graphs could not capture the decode step ({summary(err)}); the "
+                          "compiled step runs from here", RuntimeWarning, stacklevel=3)
             return self.step(*inputs, cache, rows)
         self.captured += 1
         self._entries[key] = (graph, buffers, out, weakref.ref(cache.keys[0]))
@@ -446,7 +444,7 @@ def _own_code(step: Callable) -> Callable:
     return types.FunctionType(code.replace(), step.__globals__, step.__name__, step.__defaults__, step.__closure__)
 
 
-def _entries(fn: Callable) -> int | None:
+def _graphs_held(fn: Callable) -> int | None:
     """The graphs torch holds for ``fn``'s code object (None where this torch cannot say)."""
     get = getattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", None)
     code = getattr(fn, "__code__", None)
