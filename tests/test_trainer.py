@@ -22,7 +22,7 @@ from sglightning.data import RolloutConfig
 from sglightning.engines import EngineConfig
 from sglightning.episodes import KIND_GUIDANCE
 from sglightning.guidance import GuidanceConfig
-from sglightning.module import GRPOConfig
+from sglightning.module import GRPOConfig, SelfGuideModule
 from sglightning.update import UpdateConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +172,62 @@ def test_nonfinite_loss_skips_the_update(tmp_path, monkeypatch):
     assert module.skipped_updates == 2
     assert all(torch.equal(before[n], p) for n, p in module.policy.named_parameters() if p.requires_grad)
     assert module.history[-1]["train/skipped_updates"] == 2.0
+
+
+def _float16_mixed(init_scale: float = 2.0**16) -> list:
+    """Lightning's 16-mixed precision with its loss scaler, on a CPU (the CLI runs 16-mixed as bf16-mixed there)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))]
+
+
+def _sgd_step(tmp_path, plugins: list, max_grad_norm: float | None, **over) -> tuple[SelfGuideModule, float]:
+    """One step with SGD at lr 1 (the adapters move by the clipped gradient): the module and how far they moved."""
+    torch.manual_seed(0)
+    module = tiny_module(optimizer=lambda p: torch.optim.SGD(p, lr=1.0),
+                         grpo=GRPOConfig(kl_coef=0.0, trust_constant=1.0, max_grad_norm=max_grad_norm),
+                         rollout=RolloutConfig(groups_per_step=2, group_size=4, max_steps=3), **over)
+    module.configure_model()
+    before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
+    tiny_trainer(tmp_path / str(len(list(tmp_path.iterdir()))), steps=1, plugins=plugins).fit(module)
+    moved = sum(float((p.detach() - before[n]).norm() ** 2)
+                for n, p in module.policy.named_parameters() if p.requires_grad) ** 0.5
+    return module, moved
+
+
+def test_float16_mixed_clips_and_logs_the_true_gradient(tmp_path):
+    # 16-mixed: the gradients are still loss-scaled (× 65 536) when the update measures and clips them; they must be
+    # measured and clipped as the true gradients are (unscaled: a norm 65 536× too large, a step 65 536× too small)
+    fp32, moved32 = _sgd_step(tmp_path, [], max_grad_norm=10.0)
+    fp16, moved16 = _sgd_step(tmp_path, _float16_mixed(), max_grad_norm=10.0)
+    norm32, norm16 = fp32.history[0]["train/grad_norm"], fp16.history[0]["train/grad_norm"]
+    assert norm32 > 0.01 and norm16 == pytest.approx(norm32, rel=0.1)  # autocast's float16 rounds, no more
+    assert moved32 == pytest.approx(norm32, rel=1e-3) and moved16 == pytest.approx(norm16, rel=1e-2)  # not clipped
+    clip = norm32 / 4
+    _, clipped32 = _sgd_step(tmp_path, [], max_grad_norm=clip)
+    _, clipped16 = _sgd_step(tmp_path, _float16_mixed(), max_grad_norm=clip)
+    assert clipped32 == pytest.approx(clip, rel=1e-3) and clipped16 == pytest.approx(clip, rel=1e-2)
+
+
+def test_float16_mixed_skips_a_nonfinite_loss_and_an_overflow(tmp_path, monkeypatch):
+    # a NaN loss under the loss scaler: skipped as in fp32, said once (the scaler's step must not crash on it)
+    real = grpo.grpo_loss
+    def nan_loss(*a, **kw):
+        loss, st = real(*a, **kw)
+        return loss * float("nan"), st
+
+    monkeypatch.setattr(sglightning.grpo, "grpo_loss", nan_loss)
+    with pytest.warns(RuntimeWarning, match="update skipped"):
+        module, moved = _sgd_step(tmp_path, _float16_mixed(), max_grad_norm=1.0)
+    assert module.skipped_updates == 1 and moved == 0.0 and module.history[0]["train/update_skipped"] == 1.0
+    monkeypatch.setattr(sglightning.grpo, "grpo_loss", real)
+    # scaled gradients past float16 (a scale of 2^40): the scaler's routine — skipped, its scale halved, no warning
+    plugins = _float16_mixed(init_scale=2.0**40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        module, moved = _sgd_step(tmp_path, plugins, max_grad_norm=1.0)
+    assert module.skipped_updates == 1 and moved == 0.0 and module.history[0]["train/update_skipped"] == 1.0
+    assert plugins[0].scaler.get_scale() == 2.0**39 and module.consecutive_skips == 0
 
 
 def _scalars(run_dir: Path) -> tuple[set[str], set[str]]:

@@ -142,10 +142,15 @@ def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpoi
 
 
 def finish_gradients(policy: torch.nn.Module, params: list[torch.nn.Parameter], sharding: str | None, finite: bool,
-                     max_norm: float) -> tuple[bool, torch.Tensor | None]:
+                     max_norm: float, scaler=None) -> tuple[bool, torch.Tensor | None]:
     """After the step's backward passes: agree across ranks whether every rank's loss was finite (skip together or
     update together), sum the DDP gradients (FSDP reduced them in its backward), then take the total gradient norm and
-    clip it to ``max_norm`` in one pass.  Returns (update?, grad norm or None when skipped)."""
+    clip it to ``max_norm`` in one pass.
+
+    ``scaler``: :func:`loss_scaler`.  Its gradients still carry the loss scale s (Lightning unscales them inside the
+    optimiser step, after this): their norm is clipped to ``max_norm`` · s, the same clip as on the true gradients.
+    Returns (update?, the true grad norm): the norm is None where a loss was not finite, and not finite where a
+    gradient was not (under a loss scale, an overflow)."""
     if is_distributed():
         flag = all_reduce(torch.tensor([1.0 if finite else 0.0], device=params[0].device),
                           op=torch.distributed.ReduceOp.MIN)
@@ -154,13 +159,42 @@ def finish_gradients(policy: torch.nn.Module, params: list[torch.nn.Parameter], 
             sync_grads(params)
     if not finite:
         return False, None
+    scale = scaler.get_scale() if scaler is not None else 1.0
     if sharding == "fsdp1":  # the norm over every rank's shards (a collective); clips in place
-        grad_norm = policy.clip_grad_norm_(max_norm)
+        grad_norm = policy.clip_grad_norm_(max_norm * scale)
     else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm * scale)
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the shards
         grad_norm = grad_norm.full_tensor()
+    grad_norm = grad_norm / scale
     return bool(torch.isfinite(grad_norm)), grad_norm
+
+
+def loss_scaler(trainer) -> Any | None:
+    """The gradient scaler of a ``16-mixed`` run (Lightning's precision plugin holds it; it scales each backward's
+    loss and unscales the gradients inside the optimiser step), else None."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None) if trainer is not None else None
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def fill_missing_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Zero gradients where the backward left none (the optimiser then steps every parameter, as with all rows)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+
+def skip_optimiser_step(opt, params: list[torch.nn.Parameter], scaler) -> None:
+    """The optimiser step of a skipped update (Lightning counts steps by it): no parameter or optimiser state moves.
+    Without a loss scaler, gradients of None do it.  ``scaler``'s step checks the gradients first, and NaN ones make
+    it skip (and halve its scale, as after an overflow); a scaler that has scaled nothing sets its scale up first."""
+    opt.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(torch.zeros((), device=params[0].device))  # a no-op once its scale exists
+        for p in params:
+            p.grad = torch.full_like(p, float("nan"))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def extreme(key: str) -> Callable[..., float] | None:

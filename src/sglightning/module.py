@@ -323,8 +323,7 @@ class SelfGuideModule(LightningModule):
         totals = StepCounts.from_tensor(distributed.all_reduce(prepared.counts.to_tensor(self.device)))
         data = {k: v.to(self.device) for k, v in prepared.data.items()} if prepared.data is not None else None
         adv = prepared.adv.to(self.device) if prepared.adv is not None else None
-        u = self.update_cfg
-        rows = scoring.microbatch_rows(data, u.micro_batch_size, u.micro_batch_tokens)  # the step's micro-batches
+        rows = scoring.microbatch_rows(data, self.update_cfg.micro_batch_size, self.update_cfg.micro_batch_tokens)
         # FSDP: every forward/backward is a collective, so ranks with fewer micro-batches pad with dummy ones
         pad = distributed.most_over_ranks(len(rows), self.device) - len(rows) if self._sharded() else 0
         out: dict[str, float] = {}
@@ -406,26 +405,27 @@ class SelfGuideModule(LightningModule):
             stats.add(part)
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if skipped:  # a skipped sample's gradient is an exact 0: the optimiser sees the same step (AdamW's momentum
-            for p in params:  # and weight decay still move the weights when every sample of the step was skipped)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-        max_norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
+            distributed.fill_missing_gradients(params)  # and weight decay move the weights when every sample was)
+        norm = c.max_grad_norm if c.max_grad_norm is not None else float("inf")
         with phase("update/optimiser"):
-            finite, grad_norm = distributed.finish_gradients(self.policy, params, self.sharding, finite, max_norm)
+            scaler = distributed.loss_scaler(self._trainer)  # 16-mixed: the gradients are still loss-scaled here
+            finite, grad_norm = distributed.finish_gradients(self.policy, params, self.sharding, finite, norm, scaler)
             if not finite:
-                return self._skip_update(opt)
+                return self._skip_update(opt, params, scaler, overflow=scaler is not None and grad_norm is not None)
             self.consecutive_skips = 0
             opt.step()
         return {**stats.result(), "train/grad_norm": float(grad_norm), "train/update_skipped": 0.0}
 
-    def _skip_update(self, opt) -> dict[str, float]:
+    def _skip_update(self, opt, params: list, scaler, overflow: bool) -> dict[str, float]:
         """A non-finite loss or gradient: no parameter (or optimiser state) moves, the step still counts; after
-        ``update.max_consecutive_skips`` in a row the run stops with a checkpoint and says why (the CLI exits 1)."""
+        ``update.max_consecutive_skips`` in a row the run stops with a checkpoint and says why (the CLI exits 1).
+        An ``overflow`` (16-mixed: scaled gradients past float16) is the scaler's routine: counted, not warned of."""
         self.skipped_updates += 1
+        distributed.skip_optimiser_step(opt, params, scaler)
+        if overflow:
+            return {"train/update_skipped": 1.0}
         warnings.warn(f"step {self.rollouts_done}: non-finite loss or gradient; update skipped "
                       f"({self.skipped_updates} skipped so far)", RuntimeWarning, stacklevel=2)
-        opt.zero_grad(set_to_none=True)  # grads None: the optimiser step leaves every parameter untouched
-        opt.step()
         self.consecutive_skips += 1
         limit = self.update_cfg.max_consecutive_skips
         if limit and self.consecutive_skips >= limit:
@@ -478,8 +478,8 @@ class SelfGuideModule(LightningModule):
                                      "trust_horizon": self.schedule_horizon() if self._trainer is not None else None}
         # the config lives in the run's config.yaml; kept out of the checkpoint so that `validate --ckpt_path` uses the
         # config it is given (LightningCLI would otherwise re-apply the training-time values over it)
-        checkpoint.pop("hyper_parameters", None)
-        checkpoint.pop("hparams_name", None)
+        for key in ("hyper_parameters", "hparams_name"):
+            checkpoint.pop(key, None)
 
     def adapter_state_dict(self, tree_names: bool = False) -> dict[str, torch.Tensor]:
         """The adapter as full CPU tensors on every rank (:func:`distributed.adapter_state_dict`: a collective under
