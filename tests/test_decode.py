@@ -67,8 +67,7 @@ def _row_by_row(logp_row: torch.Tensor, r: Restriction | None, top_k: int, gen: 
     full = float(logp_row[tok])
     if r is None:
         return tok, full, full, None
-    lse = torch.logsumexp(logp_row[list(r.ids)], dim=0)
-    mass = torch.log(-torch.expm1(lse.clamp(max=-1e-20))) if r.exclude else lse
+    mass = torch.logsumexp(scores if r.exclude else logp_row[list(r.ids)], dim=0)  # log Z(A), summed over A
     return tok, full - float(mass), full, r
 
 

@@ -12,6 +12,7 @@ from tiny import rollout, tiny_module, tiny_trainer
 from sglightning import grpo, scoring
 from sglightning.data import RolloutConfig
 from sglightning.engines.builtin import DecodeSession
+from sglightning.engines.draw import draw
 from sglightning.engines.program import Choice
 from sglightning.episodes import KIND_ACTION, Restriction, Sample
 from sglightning.guidance import GuidanceConfig
@@ -96,6 +97,34 @@ def test_restricted_logprob_and_gradient_equal_a_hand_computed_restricted_softma
         outside = [t for t in everything if t not in support[k]]
         # no push to move mass into the allowed set (the unrestricted log π would give −π(a)/T ≈ −0.1 here)
         assert float(g[k, outside].abs().max()) < 1e-6
+
+
+@pytest.mark.parametrize("banned_logit", [0.0, 10.0, 15.0, 25.0])
+def test_banned_tokens_holding_most_of_the_mass_score_exactly_in_the_sampler_and_the_trainer(banned_logit):
+    """A ``Free`` segment's banned token (e.g. the end of the turn inside a reason) that the model all but insists on:
+    log Z(A) = log(1 − π(banned)) lost digits as Z shrank (an error of 1e-5 at Z ≈ 0.01, 1e-2 at 1e-4, a positive
+    log q at 4e-9) and its clamp cut the gradient.  The draw's log q, the trainer's, and its gradient match float64."""
+    ids = [0, 3, 5, 9]
+    banned = Restriction((0, 7), exclude=True)
+    data = scoring.collate([_sample_with({1: banned, 2: banned}, ids)], pad_id=0)
+    raw = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    raw[:, 0] = banned_logit  # position 0: the banned token's pull; position 1: a moderate one; position 2 unrestricted
+    raw[1, 0] = 1.0
+    raw.requires_grad_(True)
+    logp, _ = scoring.logprobs_from_logits(data["ids"], data["mask"][:, 1:], raw, scoring.restrictions_of(data))
+    exact = raw.detach().double().clone()
+    exact[:2, [0, 7]] = float("-inf")
+    want = torch.log_softmax(exact, dim=-1)[[0, 1, 2], [3, 5, 9]]  # [3]
+    assert torch.allclose(logp[0, 1:].double(), want, atol=2e-6, rtol=0)
+    (g,) = torch.autograd.grad(logp[0, 1], raw)
+    assert float(g[0, [0, 7]].abs().max()) < 1e-6  # nothing pushes on a token that cannot be drawn
+    # the sampler's log q of the same token: the draw with a generator forced onto token 3
+    row = torch.log_softmax(raw.detach()[:1], dim=-1)  # [1, V]
+    for seed in range(200):
+        (tok, logq, _, _), = draw(row, [banned], generator=torch.Generator().manual_seed(seed))
+        if tok == 3:
+            break
+    assert tok == 3 and abs(logq - float(want[0])) < 2e-6
 
 
 def test_second_ppo_epoch_clips_on_the_restricted_ratio():

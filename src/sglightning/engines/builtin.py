@@ -21,7 +21,7 @@ it was *actually drawn from*, at the sampling temperature: when sampling was res
     log q(y) = log π(y) − log Σ_{a∈A} π(a)          (A = every token but the banned ones, for an exclusion)
 
 together with the :class:`~sglightning.episodes.Restriction` A itself, so that the trainer scores log q_θ over the
-same set (with the same function, :func:`~sglightning.scoring.restricted_log_mass`); the unrestricted log π(y) is kept
+same set (with the same sums, :func:`~sglightning.scoring.restricted_log_mass`); the unrestricted log π(y) is kept
 beside it as a diagnostic.
 """
 

@@ -4,8 +4,9 @@ Each row's restriction (a ``Choice``'s allowed continuations, a ``Free`` segment
 mask on the device — from a table of the step's distinct sets, kept across steps — then one batched draw uses the
 seeded generator, log q and log π are gathered there, and one copy to the host brings back the step's tokens and
 log-probs.  Drawn in row order from one generator, the tokens are those of drawing row by row (on CPU bit for bit).
-log q is computed by the trainer's own function (:func:`~sglightning.scoring.restricted_log_mass`), over the same
-sets, so that the sampler's and the trainer's log-probs of a token agree to float rounding.
+log q is computed over the same sets as the trainer computes it (:func:`~sglightning.scoring.restricted_log_mass`;
+for banned ids the allowed mass is summed directly, as the trainer does where it is small:
+:func:`~sglightning.scoring.heavy_banned_mass`), so the two log-probs of a token agree to float rounding.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
         else:
             allowed = allowed_u[rows_u] | (index[:R] < 0)[:, None]  # [R, V]
     scores = logp if allowed is None else torch.where(allowed, logp, neg_inf)  # [R, V]
+    restricted = scores  # [R, V] before top-k
     topk_rows = [i for i, r in enumerate(restrictions) if r is None or r.exclude] if top_k else []
     top_idx = None
     if topk_rows:
@@ -138,6 +140,10 @@ def draw(logp: torch.Tensor, restrictions: Sequence[Restriction | None], top_k: 
             sel = logp[m[:, None], ids[u]]  # [M, K] log π of the listed ids
             log_z = torch.zeros(R, dtype=logp.dtype, device=dev).index_copy(
                 0, m, restricted_log_mass(sel, valid[u], exclude[u]))  # [R]
+        if mass_rows and any(r is not None and r.exclude for r in restrictions):
+            # banned ids: log Z(A) summed over A itself (log(1 − Σ banned) loses digits where the banned hold most)
+            banned = exclude[rows_u] if every else exclude[rows_u] & (index[:R] >= 0)  # [R]
+            log_z = torch.where(banned, torch.logsumexp(restricted, dim=-1), log_z)  # [R]
         if topk_rows:
             sel = logp[rows[:, None], top_idx.clamp(min=0)]  # [T, k]
             no = torch.zeros(len(topk_rows), dtype=torch.bool, device=dev)
