@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.machinery
 import importlib.util
+import math
 import os
 import time
 
@@ -545,3 +546,76 @@ def test_an_adapter_without_a_record_is_checked_tensor_by_tensor(tmp_path):
     shallow = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, tiny=TinyModelConfig(num_layers=1))
     with pytest.raises(ConfigError, match="model.adapter_path: .*have no place in the model"):
         models.load_policy(shallow, adapter_path=str(tmp_path / "adapter"))
+
+
+# =============================================================================================== the LM head
+
+
+@pytest.fixture(scope="module")
+def capped_folder(tmp_path_factory):
+    """A tiny Gemma 2 (its forward soft-caps the logits: tanh(l / c) · c) saved as a plain HF folder; a cap of 0.1 on
+    random logits of ~0.2 changes every log-prob."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("capped-hf")
+    tok = build_tiny_tokenizer(TinyModelConfig().vocab_size)
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, final_logit_softcapping=0.1,
+                       attn_logit_softcapping=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    Gemma2ForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _model_logprobs(model, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Log π(ids[:, i] | ids[:, :i]) from the model's own forward (what the sampler reads), [B, L-1]."""
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[:, :-1].float() / temperature, dim=-1)
+    return logp.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+@pytest.mark.parametrize("share_prefix", [False, True])
+def test_the_update_scores_the_logits_the_model_samples_from(capped_folder, monkeypatch, share_prefix):
+    """The update's fast paths apply the LM head to the decoder's states; a family that changes its logits after the
+    head (Gemma's soft-capping) must be scored with that change (1e-5 in fp32), and one it does not know of falls back
+    to the whole model's forward (:func:`head_is_exact`), never to the raw head."""
+    from sglightning.scoring import token_logprobs
+
+    ids = torch.tensor([[5, 9, 13, 7, 21, 30], [5, 9, 13, 8, 4, 11]])  # two rows sharing a prefix
+    attn, mask = torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool)
+    mask[:, 0] = False
+    model, _ = load_policy(PolicyConfig(name_or_path=str(capped_folder), lora_r=4, lora_alpha=8))
+    model.eval()
+    want = _model_logprobs(model, ids, 0.7)  # [2, 5]
+    got, _ = token_logprobs(model, ids, attn, mask, 0.7, share_prefix=share_prefix)
+    assert torch.allclose(got[:, 1:], want, atol=1e-5)
+    assert models.head_is_exact(model)
+    base = model.get_base_model()
+    with torch.no_grad():
+            raw = torch.log_softmax(base.get_output_embeddings()(base.get_decoder()(input_ids=ids).last_hidden_state)
+                                [:, :-1].float() / 0.7, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    assert float((raw - want).abs().max()) > 1e-2  # the raw head's log-probs are not what was sampled
+    # a family whose change to its logits is not known: checked against the model's forward, scored through it
+    plain = lambda b, h: b.get_output_embeddings()(h)  # noqa: E731
+    monkeypatch.setattr(models, "head_logits", plain)
+    monkeypatch.setattr("sglightning.scoring.head_logits", plain)
+    unknown, _ = load_policy(PolicyConfig(name_or_path=str(capped_folder), lora_r=4, lora_alpha=8))
+    unknown.eval()
+    assert not models.head_is_exact(unknown)
+    got, _ = token_logprobs(unknown, ids, attn, mask, 0.7, share_prefix=share_prefix)
+    assert torch.allclose(got[:, 1:], _model_logprobs(unknown, ids, 0.7), atol=1e-5)
+
+
+def test_a_4bit_policy_trains_after_eval_mode_rollouts(tiny_folder, tmp_path):
+    """Bitsandbytes repacks 4-bit weights for its CPU inference kernel at an eval-mode no-grad forward (on CPUs with
+    AVX512-BF16), after which its training matmul fails.  Rollouts sample in eval mode and the update trains: a QLoRA
+    fit must run both (before the fix it crashed at the first update on such a CPU)."""
+    from tiny import tiny_module, tiny_trainer
+
+    module = tiny_module(policy=PolicyConfig(name_or_path=str(tiny_folder), quantization="4bit", lora_r=4,
+                                             lora_alpha=8))
+    tiny_trainer(tmp_path, steps=2).fit(module)
+    assert [math.isfinite(h["train/grad_norm"]) for h in module.history] == [True, True]
+    four_bit = [m for m in module.policy.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
+    assert four_bit and not any(m.support_avx512bf16_for_cpu for m in four_bit)

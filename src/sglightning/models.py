@@ -23,6 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -405,7 +406,17 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
         # checkpointing is switched on by add_lora, once, through the current API (peft's call uses the name that
         # transformers 5 deprecates, and the reentrant variant)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        keep_cpu_layout(model)
     return model
+
+
+def keep_cpu_layout(model: torch.nn.Module) -> None:
+    """bitsandbytes (0.50) repacks a 4-bit layer's weights for its CPU inference kernel at the first eval-mode, no-grad
+    forward on a CPU with AVX512-BF16, and its training matmul then fails ("a view of a leaf Variable ... in-place").
+    Rollouts run in eval mode and the update trains, so the layers keep the layout both read."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def add_lora(model, cfg: PolicyConfig):
@@ -602,6 +613,7 @@ def load_policy(cfg: PolicyConfig, device: torch.device | str = "cpu", adapter_p
         model = load_adapter(base, cfg, adapter_path)
     else:
         model = add_lora(base, cfg)
+    head_is_exact(model)  # now, not inside the first update (whose compiled layers would trace this call too)
     return model, tok
 
 
@@ -653,6 +665,40 @@ def eval_mode(model: torch.nn.Module):
         yield model
     finally:
         model.train(was_training)
+
+
+def head_logits(base: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head on decoder states ``hidden`` [M, H] as the model's forward applies it: the output embedding, then
+    what the family does to its logits (tanh soft-capping: Gemma 2 and 3; × ``logit_scale``: Cohere; ÷
+    ``logits_scaling``: Granite).  The sampler reads the model's own logits; :func:`head_is_exact` checks this."""
+    logits = base.get_output_embeddings()(hidden)  # [M, V]
+    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    if cap := getattr(cfg, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / cap) * cap
+    if scale := getattr(cfg, "logit_scale", None):
+        logits = logits * scale
+    if scaling := getattr(cfg, "logits_scaling", None):
+        logits = logits / scaling
+    return logits
+
+
+_HEAD_EXACT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def head_is_exact(policy: torch.nn.Module) -> bool:
+    """Whether :func:`head_logits` on the decoder's states gives ``policy``'s own logits (checked once per model, on 8
+    tokens, in eval mode).  A family that changes its logits in a way it does not know is scored through the whole
+    model instead (``scoring.token_logprobs``: ``logits_to_keep``, no shared prefixes): slower, but what was sampled."""
+    if policy not in _HEAD_EXACT:
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        emb = base.get_input_embeddings()
+        ids = (torch.arange(1, 9, device=emb.weight.device) % emb.num_embeddings)[None]  # [1, 8]
+        with eval_mode(policy):
+            want = policy(input_ids=ids, use_cache=False).logits.float()  # [1, 8, V]
+            got = head_logits(base, base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state).float()
+        _HEAD_EXACT[policy] = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()) + 1e-6))
+    return _HEAD_EXACT[policy]
 
 
 def drops_out(model: torch.nn.Module) -> bool:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Restriction
 from sglightning.grpo import entropy_from_logits, masked_mean
-from sglightning.models import cache_argument_name
+from sglightning.models import cache_argument_name, head_is_exact, head_logits
 from sglightning.prefixes import cluster_heads, microbatch_runs, shared_prefixes
 
 
@@ -324,10 +324,11 @@ def token_logprobs(
     (nothing decodes after a scoring pass; with gradient checkpointing transformers would drop it with a warning).
     Returns (logp [B, L], and with ``entropy`` the entropies of :func:`logprobs_from_logits`, else None)."""
     sel = mask[:, 1:]  # [B, L-1] token i is predicted at position i-1
+    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+    whole_model = whole_model or not head_is_exact(policy)
     if share_prefix and not whole_model:
-        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         hidden = shared_prefix_hidden(base.get_decoder(), ids, attn)  # [B, L, H]
-        logits = base.get_output_embeddings()(hidden[:, :-1][sel]).float() / temperature  # [M, V]
+        logits = head_logits(base, hidden[:, :-1][sel]).float() / temperature  # [M, V]
         return logprobs_from_logits(ids, sel, logits, restrict, entropy)
     if whole_model:
         # the LM head only at the positions some row reads (the policy tokens are a fraction of a long episode; with a
@@ -336,10 +337,9 @@ def token_logprobs(
         logits_k = policy(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=cols).logits  # [B, K, V]
         logits = logits_k[sel[:, cols]].float() / temperature  # [M, V] (row-major: the order of [:, :-1][sel])
         return logprobs_from_logits(ids, sel, logits, restrict, entropy)
-    base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
     hidden = base.get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state  # [B, L, H]
     h = hidden[:, :-1][sel]  # [M, H]
-    logits = base.get_output_embeddings()(h).float() / temperature  # [M, V]
+    logits = head_logits(base, h).float() / temperature  # [M, V]
     return logprobs_from_logits(ids, sel, logits, restrict, entropy)
 
 
