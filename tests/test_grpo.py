@@ -171,6 +171,26 @@ def test_group_advantages_two_groups_of_four_by_hand():
     assert abs(adv[groups == 7].sum().item()) < 1e-6 and abs(adv[groups == 3].sum().item()) < 1e-6
 
 
+def test_the_same_step_rewards_in_another_order_make_a_degenerate_group(monkeypatch):
+    """Sums of the same labels' rewards in another order differ in float32's last bit; such a group has no signal.
+    Bitwise equality called it informative: advantages of ±0.01 of noise, a dynamic-sampling slot used up."""
+    import types
+
+    from sglightning import rewards
+
+    steps = [[-0.1, -0.1, -0.1, 0.1], [-0.1, 0.1, -0.1, -0.1], [0.1, -0.1, -0.1, -0.1], [-0.1, -0.1, 0.1, -0.1]]
+    internal = grpo.internal_returns([torch.tensor(r) for r in steps])  # [4]
+    returns = grpo.blend(torch.zeros(4), internal, lam=1.0)  # [4]
+    assert len(set(returns.tolist())) > 1  # the control: the order shows in the bits
+    groups = torch.zeros(4, dtype=torch.long)
+    assert torch.equal(group_advantages(returns, groups), torch.zeros(4)) and degenerate_groups(returns, groups) == 1
+    real = torch.tensor([-0.2, -0.2, -0.2, -0.2 + 0.1 * 0.01])  # one label differs, at λ = 0.01: a real difference
+    assert degenerate_groups(real, groups) == 0 and group_advantages(real, groups).abs().max() > 0.5
+    monkeypatch.setattr(rewards, "episode_returns", lambda episodes, *a: (torch.cat([returns, real]), None, None))
+    episodes = [types.SimpleNamespace(group=g) for g in (0, 0, 0, 0, 1, 1, 1, 1)]
+    assert rewards.informative_groups(episodes, 1.0) == {1}
+
+
 def test_group_advantages_degenerate_groups_exact_zero():
     # group 0: all 0.3 (float noise would appear from 0.3 - mean(0.3...) without explicit zeroing)
     # group 1: size 1;  group 2: [1, 0] -> mean 0.5, unbiased std = sqrt(0.5) = 0.7071068, A = +-0.7071068

@@ -49,8 +49,10 @@ Departures from the paper (and why)
   eq. 9 writes one symmetric epsilon (pass ``clip_high=clip_low`` for that).
 * Group std is the *sample* (unbiased, N-1) std, ``torch.std``'s default, as in TRL and verl. The paper does not
   say which.
-* Degenerate groups (all returns bitwise equal, incl. groups of size 1) get advantage exactly 0, set explicitly,
-  rather than 0/(0+eps) which can leave float noise. They carry no learning signal; ``degenerate_groups`` counts them.
+* Degenerate groups (all returns equal to float rounding, ``RETURN_TOL``, incl. groups of size 1) get advantage
+  exactly 0, set explicitly, rather than 0/(0+eps) which can leave float noise. The same labels in another order sum to
+  returns that differ in the last float32 bit; bitwise equality called such groups informative, and their advantages
+  were ±0.01 of noise. They carry no learning signal; ``degenerate_groups`` counts them.
 * KL estimator: default ``low_var_kl`` (Schulman's k3, e^d − d − 1 with d = log π_ref − log π_θ); past d* ≈ 2.6,
   where it reaches 10, it continues as its tangent line (value ≤ a line, gradient e^d* − 1 ≈ 12.6). verl clamps the
   value at 10, which zeroes the gradient of exactly the tokens that drifted farthest; the paper only says "KL
@@ -329,8 +331,18 @@ def _group_stats(returns: Tensor, group_ids: Tensor):
     init = torch.zeros_like(mean)
     gmax = init.scatter_reduce(0, inv, r, reduce="amax", include_self=False)  # [G]
     gmin = init.scatter_reduce(0, inv, r, reduce="amin", include_self=False)  # [G]
-    degenerate = gmax == gmin  # [G] exact equality: all returns identical (includes size-1 groups)
+    degenerate = ~returns_differ(gmax, gmin)  # [G] all returns equal to rounding (includes size-1 groups)
     return dev, std[inv], degenerate[inv], degenerate
+
+
+RETURN_TOL = 1e-6
+"""Returns closer than this (relative to the larger, or absolute below 1) are equal: sums of the same step rewards in
+another order differ by float32 rounding (~1e-8), real differences by a step reward (0.1) × λ or more."""
+
+
+def returns_differ(hi: Tensor, lo: Tensor) -> Tensor:
+    """Whether a group's largest return ``hi`` and smallest ``lo`` (same shapes) differ beyond ``RETURN_TOL``."""
+    return (hi - lo) > RETURN_TOL * torch.maximum(hi.abs(), lo.abs()).clamp(min=1.0)
 
 
 def group_advantages(returns: Tensor, group_ids: Tensor, eps: float = 1e-6, scale: str = "std") -> Tensor:
@@ -351,7 +363,7 @@ def group_advantages(returns: Tensor, group_ids: Tensor, eps: float = 1e-6, scal
 
 
 def degenerate_groups(returns: Tensor, group_ids: Tensor) -> int:
-    """Number of groups whose returns are all identical (zero variance, incl. size-1 groups)."""
+    """Number of groups whose returns are all equal (to ``RETURN_TOL``; incl. size-1 groups)."""
     if returns.numel() == 0:
         return 0
     *_, per_group = _group_stats(returns, group_ids)

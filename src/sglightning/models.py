@@ -411,9 +411,9 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
 
 
 def keep_cpu_layout(model: torch.nn.Module) -> None:
-    """bitsandbytes (0.50) repacks a 4-bit layer's weights for its CPU inference kernel at the first eval-mode, no-grad
-    forward on a CPU with AVX512-BF16, and its training matmul then fails ("a view of a leaf Variable ... in-place").
-    Rollouts run in eval mode and the update trains, so the layers keep the layout both read."""
+    """The 4-bit layers keep one layout.  On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a layer's weights for
+    its inference kernel at the first eval-mode, no-grad forward, and its training matmul then fails ("a view of a
+    leaf Variable ... in-place").  Rollouts run in eval mode and the update trains, so both must read one layout."""
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False

@@ -112,10 +112,11 @@ def informative_groups(episodes: Sequence[Episode], lam: float, normalise: str =
     if not episodes:
         return set()
     returns, _, _ = episode_returns(episodes, lam, normalise, penalty, terms)
-    by: dict[int, set[float]] = {}
+    by: dict[int, list[float]] = {}
     for e, r in zip(episodes, returns.tolist()):
-        by.setdefault(e.group, set()).add(r)
-    return {g for g, values in by.items() if len(values) > 1}
+        by.setdefault(e.group, []).append(r)
+    return {g for g, values in by.items()
+            if bool(grpo.returns_differ(*torch.tensor([max(values), min(values)], dtype=torch.float64)))}
 
 
 class TrustMeter:
