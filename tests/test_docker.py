@@ -74,6 +74,10 @@ def test_dockerignore_keeps_runs_history_caches_and_environments_out_but_not_the
 
     for path in ("runs", ".git", ".cache", ".venv", "venv", ".pytest_cache", "src/sglightning/__pycache__"):
         assert ignored(path), path
+    # what the project's own scripts make in a checkout (.ci/run, .ci/versions, gpu_bundle.sh): gigabytes of context
+    for line in (ROOT / ".gitignore").read_text().splitlines():
+        if line.strip().startswith("/."):
+            assert ignored(line.strip().strip("/")), line
     copied = [a for kind, args in _instructions() if kind == "COPY" for a in args.split()[:-1]]
     assert copied and not [p for p in copied if ignored(p)], copied
     assert all((ROOT / p).exists() for p in copied)

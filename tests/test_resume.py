@@ -4,6 +4,7 @@ metrics)."""
 from __future__ import annotations
 
 import io
+import os
 import sys
 from pathlib import Path
 
@@ -137,6 +138,7 @@ def test_the_progress_bar_after_a_resume_counts_on_from_the_restored_step(resume
     assert "Training" not in text
     assert any(" 3/4 " in f for f in frames) and " 4/4 " in frames[-1], frames
     assert "1.00s/step" in frames[-1], frames[-1]
+    assert "validation:" in text and "DataLoader" not in text  # one dataloader: Lightning's label says nothing
 
 
 def test_tensorboard_keeps_every_step_once_across_a_resume(resumed):
@@ -154,3 +156,22 @@ def test_tensorboard_keeps_every_step_once_across_a_resume(resumed):
     assert [e.step for e in acc.Tensors(text)] == [1, 2, 3, 4]
     assert [(e.step, e.value) for e in acc.Scalars("val/global_step")] == [(2, 2.0), (4, 4.0)]
     assert [e.step for e in acc.Scalars("val/sg/success_rate")] == [2, 4]
+
+
+def test_a_terminal_that_reports_no_width_gets_plain_lines():
+    """A pseudo-terminal whose size nobody set (``script`` without one) reports 0 columns, where tqdm drew the bar as
+    nothing at all: such a terminal gets the plain lines; one with a width gets the bar."""
+    import fcntl
+    import struct
+    import termios
+
+    from sglightning.console import is_terminal
+
+    master, slave = os.openpty()
+    with os.fdopen(slave, "w") as tty:
+        assert tty.isatty() and os.get_terminal_size(slave).columns == 0  # a new pty has no size
+        assert not is_terminal(tty)
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        assert is_terminal(tty)
+    os.close(master)
+    assert is_terminal(_Terminal()) and not is_terminal(io.StringIO())

@@ -497,6 +497,26 @@ def test_a_bad_environment_variable_is_one_line_naming_it(var, value, needle, mo
     assert not any(tmp_path.rglob("*"))
 
 
+@pytest.mark.parametrize("where", ["SGLIGHTNING_CACHE", "model.policy.cache_dir"])
+def test_a_cache_folder_that_cannot_be_made_is_one_line_naming_it(where, monkeypatch, tmp_path, capsys):
+    """The embedded model is converted into the cache folder on the first run; a folder that cannot be made (here: under
+    a file) ends before anything runs, not in a traceback after the run folder was made."""
+    (tmp_path / "file").write_text("")
+    bad, runs = tmp_path / "file" / "cache", tmp_path / "runs"
+    args = ["fit", "--config", str(ROOT / "configs" / "quickstart.yaml"), f"--trainer.default_root_dir={runs}",
+            f"--trainer.logger.init_args.save_dir={runs}"]
+    if where == "SGLIGHTNING_CACHE":
+        monkeypatch.setenv("SGLIGHTNING_CACHE", str(bad))
+    else:
+        args.append(f"--model.policy.cache_dir={bad}")
+    with pytest.raises(SystemExit) as exc:
+        cli_main(args)
+    assert exc.value.code == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"sglightning fit: error: {where}: {bad} cannot hold the converted model")
+    assert not runs.exists()
+
+
 def test_fit_without_a_config_uses_the_default_optimiser(tmp_path):
     """No --config: the defaults (AdamW, lr 1e-5) train; the optimiser default used to be an unresolved string."""
     cli = cli_main(["fit", "--model.policy.name_or_path=embedded:tiny", "--trainer.max_steps=1",
@@ -676,6 +696,16 @@ def test_options_before_the_subcommand_are_one_line_naming_the_order(argv, capsy
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1, err
     assert "goes after the subcommand, e.g. sglightning " in err[0] and err[0].startswith("sglightning: error: -")
+
+
+@pytest.mark.parametrize("word", ["fitt", "test"])
+def test_a_misspelt_subcommand_is_named_with_the_choices(word, capsys):
+    """``sglightning fitt --config X``: the subcommand is wrong, not the order (which the line used to blame)."""
+    with pytest.raises(SystemExit) as exc:
+        cli_main([word, "--config", TINY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert f"invalid choice: '{word}' (choose from 'fit', 'validate')" in err[0]
 
 
 def test_an_env_module_whose_own_import_fails_names_what_is_missing(tmp_path, capsys, monkeypatch):

@@ -757,6 +757,8 @@ def _check_options_follow_the_subcommand(argv: list[str]) -> None:
     """``sglightning -c X fit``: LightningCLI's top-level ``--config`` reads only top-level keys, so a config of ours
     fails on its first section, and ``--print_config`` there prints the defaults.  One line naming the right order."""
     sub = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
+    if sub is None and argv and not argv[0].startswith("-"):
+        return  # a misspelt subcommand (`fitt --config X`): the parser names the choices
     before = argv[:sub] if sub is not None else argv
     given = []
     for i, a in enumerate(before):

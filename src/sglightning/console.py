@@ -11,6 +11,8 @@ Each filter below removes one message we understand and that says nothing about 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import sys
 import time
 import warnings
@@ -109,12 +111,30 @@ def quiet_resume() -> None:
 
 
 def is_terminal(stream) -> bool:
-    """Whether ``stream`` is a terminal (a bar can redraw itself there)."""
+    """Whether ``stream`` is a terminal a bar can redraw itself on: one that reports no width (a pseudo-terminal whose
+    size nobody set) showed tqdm's bar as nothing at all, so it gets plain lines."""
     isatty = getattr(stream, "isatty", None)
     try:
-        return bool(isatty and isatty())
+        if not (isatty and isatty()):
+            return False
     except ValueError:  # a closed stream
         return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (OSError, ValueError, AttributeError):  # no file descriptor with a size (a stand-in stream): a bar
+        return True
+
+
+class _OneLoaderTqdm(Tqdm):
+    """A validation bar whose label leaves out Lightning's `` DataLoader 0`` (there is one), before it is drawn."""
+
+    def set_description(self, desc=None, refresh=True):
+        super().set_description(re.sub(r" DataLoader \d+$", "", desc or ""), refresh)
+
+
+def _one_loader(bar: Tqdm) -> Tqdm:
+    bar.__class__ = _OneLoaderTqdm
+    return bar
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -146,17 +166,11 @@ class StepProgressBar(TQDMProgressBar):
     def validation_description(self) -> str:
         return "validation"
 
-    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx: int = 0) -> None:
-        super().on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
-        if not self.plain:  # one dataloader: Lightning's " DataLoader 0" says nothing
-            desc = self.sanity_check_description if trainer.sanity_checking else self.validation_description
-            self.val_progress_bar.set_description(desc)
-
     def init_sanity_tqdm(self):
-        return Tqdm(disable=True) if self.plain else super().init_sanity_tqdm()
+        return Tqdm(disable=True) if self.plain else _one_loader(super().init_sanity_tqdm())
 
     def init_validation_tqdm(self):
-        return Tqdm(disable=True) if self.plain else super().init_validation_tqdm()
+        return Tqdm(disable=True) if self.plain else _one_loader(super().init_validation_tqdm())
 
     def init_train_tqdm(self):
         """The bar, made at the start of fit with its final label, total and start (Lightning's would first print

@@ -465,6 +465,20 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
         return False
 
 
+def check_cache_writable(cfg: PolicyConfig) -> None:
+    """The cache folder can take a converted model: made if missing, a file written and removed in it.  Else a
+    ``ConfigError`` naming where the folder came from (``model.policy.cache_dir``, ``SGLIGHTNING_CACHE``)."""
+    root = cache_root(cfg)
+    key = ("model.policy.cache_dir" if cfg.cache_dir else "SGLIGHTNING_CACHE" if os.environ.get("SGLIGHTNING_CACHE")
+           else "the model cache")
+    try:
+        (root / "models").mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=root / "models").close()
+    except OSError as err:
+        raise ConfigError(f"{key}: {root} cannot hold the converted model ({err.strerror or err}); give a folder "
+                          "this user can write") from None
+
+
 def check_model_source(cfg: PolicyConfig, key: str = "model.policy.name_or_path") -> None:
     """Where the model comes from, checked in seconds before anything loads: a ``ConfigError`` naming ``key`` for a
     local folder that does not exist or holds no model, a missing embedded package, or a hub id that is neither in the
@@ -480,6 +494,7 @@ def check_model_source(cfg: PolicyConfig, key: str = "model.policy.name_or_path"
                 smollm2_gguf_path()
             except RuntimeError as err:
                 raise ConfigError(f"{key}: {err}") from None
+            check_cache_writable(cfg)
         return
     path = Path(name).expanduser()
     if path.exists():
