@@ -413,6 +413,14 @@ def test_every_shipped_config_parses(cfg, capsys):
          "take new folders"),
         (["--trainer.logger=false", "--trainer.default_root_dir=/proc/sglightning"],
          "trainer.default_root_dir: cannot write the run folder /proc/sglightning: /proc does not take new folders"),
+        # keys that take a class: the parser's dumps (NestedArg(...), Namespace(...), union listings) in words
+        (["--model.optimizer.init_args.lr=abc"], "model.optimizer.init_args.lr: 'abc' is not a number"),
+        (["--trainer.callbacks+=Nope"], "trainer.callbacks: 'Nope' is not a class it takes; give its import path"),
+        (["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"],
+         "trainer.callbacks: EarlyStopping needs monitor: give --trainer.callbacks.monitor=VALUE after it"),
+        (["--trainer.logger.class_path=nope.Logger"], "trainer.logger: nope.Logger: no module nope"),
+        (["--model.optimizer=torch.optim.Adamw"],
+         "model.optimizer: torch.optim.Adamw: torch.optim has no Adamw (did you mean torch.optim.Adam?)"),
     ],
 )
 def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys, tmp_path, monkeypatch):

@@ -148,20 +148,57 @@ def value_in_words(message: str) -> str:
             return message  # the class is there: the parser's complaint is about something else
         close = difflib.get_close_matches(name, shipped, n=1, cutoff=0.6)
         why = "no environment class of that name" + (f" (did you mean {close[0]}?)" if close else "")
-    else:
-        try:
-            found = importlib.import_module(module)
-        except ImportError as err:
-            if err.name is None or not (module == err.name or module.startswith(err.name + ".")):
-                return f"model.env: {given}: importing {module} failed ({type(err).__name__}: {err})"
-            why = f"no module {module}"
-        else:
-            if hasattr(found, name):
-                return message  # the class is there: the complaint is about something else (an init argument)
-            close = difflib.get_close_matches(name, [n for n in dir(found) if not n.startswith("_")], n=1, cutoff=0.6)
-            why = f"{module} has no {name}" + (f" (did you mean {module}.{close[0]}?)" if close else "")
+    elif (why := import_problem(given)) is None:
+        return message  # the class is there: the complaint is about something else (an init argument)
+    if why.startswith("importing "):
+        return f"model.env: {given}: {why}"
     return (f"model.env: {given}: {why}; the shipped environments are {', '.join(SHIPPED_ENVS)}, or give the import "
             "path of a TextEnv subclass of your own")
+
+
+def import_problem(path: str) -> str | None:
+    """Why the dotted ``path`` (``module.Name``) names nothing, in words, with the nearest name its module has; None
+    when it does."""
+    module, _, name = path.rpartition(".")
+    try:
+        found = importlib.import_module(module)
+    except ImportError as err:
+        if err.name is None or not (module == err.name or module.startswith(err.name + ".")):
+            return f"importing {module} failed ({type(err).__name__}: {err})"
+        return f"no module {module}"
+    if hasattr(found, name):
+        return None
+    close = difflib.get_close_matches(name, [n for n in dir(found) if not n.startswith("_")], n=1, cutoff=0.6)
+    return f"{module} has no {name}" + (f" (did you mean {module}.{close[0]}?)" if close else "")
+
+
+_CLASS_ARG = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?Parser key "(?P<arg>\w+)":.*?Expected a <class '
+                        r"'(?P<type>\w+)'>.*?Given value: (?P<value>.*?)\. Got value: ", re.DOTALL)
+_REQUIRED = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?Problem with given class_path \'(?P<cls>[\w.]+)\':\s*'
+                       r"the following arguments are required: (?P<args>[\w, ]+)", re.DOTALL)
+_CLASS_GIVEN = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?(?:Problem with given class_path \'(?P<path>[\w.]+)\''
+                          r"|Given value: (?P<value>[\w.]+)\s*$)", re.DOTALL)
+
+
+def class_in_words(message: str) -> str:
+    """The parser's dump for a key that takes a class (``trainer.callbacks``, ``trainer.logger``, ``model.optimizer``)
+    as one sentence: an init argument of the wrong type, a required one not given, or a class path that names
+    nothing (with the nearest name)."""
+    text = message.strip()
+    if m := _CLASS_ARG.match(text):
+        return f"{m['key']}.init_args.{m['arg']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
+    if m := _REQUIRED.match(text):
+        args = [a.strip() for a in m["args"].split(",")]
+        return (f"{m['key']}: {m['cls'].rpartition('.')[2]} needs {', '.join(args)}: give --{m['key']}.{args[0]}="
+                "VALUE after it")
+    if not re.search(r"class_path|dot import path|callable class", text) or not (m := _CLASS_GIVEN.match(text)) \
+            or m["key"] == "model.env":
+        return message  # not a class key's complaint (or the environment's, which value_in_words words)
+    given = m["path"] or m["value"]
+    if "." not in given:
+        return f"{m['key']}: {given!r} is not a class it takes; give its import path (module.Class)"
+    why = import_problem(given)
+    return f"{m['key']}: {given}: {why}" if why else message
 
 
 #: the sections of ``model`` whose checks name their keys from the section down (``update.micro_batch_size``)
@@ -317,7 +354,7 @@ class OneLineParser(LightningArgumentParser):
                 for p in a.choices.values() if isinstance(p, argparse.ArgumentParser)]
         parser = subs[0] if len(subs) == 1 else parser  # a config file's key, reported by the root: its subcommand's
         prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
-        message = moved_key_hint(union_in_words(value_in_words(unknown_init_arg(message))))
+        message = moved_key_hint(union_in_words(class_in_words(value_in_words(unknown_init_arg(message)))))
         if " is now " not in message:
             message = close_key_hint(message, parser)
         sys.stderr.write(f"{prog}: error: {one_line(message)} (see: {prog} --help)\n")
