@@ -131,6 +131,13 @@ SHIPPED_ENVS = ("sglightning.envs.household.HouseholdEnv", "sglightning.envs.alf
                 "sglightning.envs.textworld_express.TextWorldExpressEnv", "sglightning.envs.webshop.WebShopEnv")
 
 
+def import_shipped_envs() -> None:
+    """Import every shipped environment's module (cheap: their simulators load on first use), so that ``--help``
+    lists them and ``--model.env.help TextWorldExpressEnv`` finds one by its bare name."""
+    for path in SHIPPED_ENVS:
+        importlib.import_module(path.rpartition(".")[0])
+
+
 def value_in_words(message: str) -> str:
     """The parser's dump for a value of the wrong type (``--model.rollout.group_size four``) or an environment
     class that cannot be imported (``--model.env HouseEnv``) as one sentence naming the key and what it allows."""
@@ -831,7 +838,7 @@ def _check_something_configured(argv: list[str], prog: str) -> None:
     if not argv or argv[0] not in ("fit", "validate"):
         return
     if any(a in ("-h", "--help", "--print_config") or a.startswith(("--config", "-c", "--model", "--print_config"))
-           for a in argv[1:]):
+           or a.split("=")[0].endswith(".help") for a in argv[1:]):  # a class's help (--trainer.strategy.help X)
         return
     sys.stderr.write(f"{prog}: error: no --config: start from configs/quickstart.yaml (the embedded SmolLM2, minutes "
                      f"on CPU) or configs/tiny.yaml (a tiny model, seconds), e.g. {prog} --config configs/tiny.yaml\n")
@@ -878,6 +885,7 @@ def cli_main(args: list[str] | None = None, callbacks: Sequence[Callback] = ()) 
     _check_something_configured(argv, prog.strip())
     _check_config_files(argv, prog)
     subcommand = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    import_shipped_envs()
     return SGLightningCLI(
         SelfGuideModule,
         subcommand=subcommand,

@@ -204,6 +204,14 @@ class ALFWorldEnv(TextEnv):
 
     def __init__(self, data_path: str | None = None, task_types: list[str] | None = None, max_steps: int = 50,
                  expert: bool = True):
+        """ALFWorld's games of the given task types, from its data folder.
+
+        Args:
+            data_path: the folder holding json_2.1.1 (or json_2.1.1 itself); null: $ALFWORLD_DATA.
+            task_types: task types to sample (Pick, Look, Clean, Heat, Cool, Pick2); null: all six.
+            max_steps: end an unsolved episode after this many steps (truncated).
+            expert: run ALFWorld's handcoded expert beside each game (expert_action: its next command).
+        """
         if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
             raise ValueError(f"env.init_args.max_steps must be a positive integer (got {max_steps!r})")
         if task_types is not None:

@@ -102,9 +102,16 @@ class HouseholdEnv(TextEnv):
         info_actions: bool = True,
         reveal_contents: bool = False,
     ):
-        """``info_actions=False`` drops ``look``/``inventory``/``examine`` (actions that never change the world) from
-        the game: the easiest setting for tiny models, which otherwise loop on them.  ``reveal_contents=True`` lists
-        what lies on every open receptacle in the room overview (no search needed: a pure planning task)."""
+        """A household task room of the given difficulty.
+
+        Args:
+            difficulty: 0-3: rooms of 3-4 up to 15-20 receptacles, more distractors, closed and hidden targets.
+            max_steps: end an unsolved episode after this many steps (truncated); null: the rollout's limit alone.
+            task_types: task kinds to sample (pick_and_place, clean/heat/cool_and_place, pick_two, pick_up); null: the
+                level's.
+            info_actions: keep look, inventory and examine (they never change the world; tiny models loop on them).
+            reveal_contents: list what lies on every open receptacle in the overview (no search: a pure planning task).
+        """
         if isinstance(difficulty, bool) or difficulty not in _LEVELS:
             raise ValueError(f"env.init_args.difficulty: must be one of 0, 1, 2, 3 (got {difficulty!r})")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):

@@ -81,11 +81,13 @@ class ScienceWorldEnv(JvmGoldPathEnv):
         gold_path: bool = False,
         env_step_limit: int = 100_000,
     ):
-        """Args:
-        task_names: tasks to sample from (default: all 30, in :data:`TASK_NAMES` order).
-        simplifications: ScienceWorld's simplification string, e.g. ``"easy"`` or ``"openDoors,teleportAction"``.
-        gold_path: generate the gold action sequence at each load (enables ``expert_action``; slower loads).
-        env_step_limit: the simulator's own move limit (keep it above ``rollout.max_steps``).
+        """ScienceWorld's tasks (its Java simulator).
+
+        Args:
+            task_names: tasks to sample from (default: all 30, in :data:`TASK_NAMES` order).
+            simplifications: ScienceWorld's simplification string, e.g. ``"easy"`` or ``"openDoors,teleportAction"``.
+            gold_path: generate the gold action sequence at each load (enables ``expert_action``; slower loads).
+            env_step_limit: the simulator's own move limit (keep it above ``rollout.max_steps``).
         """
         names = tuple(task_names) if task_names else TASK_NAMES
         unknown = [t for t in names if t not in TASK_NAMES]

@@ -55,11 +55,13 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
     splits = ("train", "dev", "test")
 
     def __init__(self, game: str = "twc", game_params: str | None = None, env_step_limit: int = 1000):
-        """Args:
-        game: one of cookingworld, twc, coin, mapreader, arithmetic, sorting, simonsays, peckingorder.
-        game_params: the simulator's parameter string (default: a small setting for twc and coin, the simulator's
-            defaults otherwise).
-        env_step_limit: the simulator's own limit (keep it above ``rollout.max_steps``).
+        """One TextWorldExpress game (its Java simulator).
+
+        Args:
+            game: one of cookingworld, twc, coin, mapreader, arithmetic, sorting, simonsays, peckingorder.
+            game_params: the simulator's parameter string (default: a small setting for twc and coin, the simulator's
+                defaults otherwise).
+            env_step_limit: the simulator's own limit (keep it above ``rollout.max_steps``).
         """
         if game not in GAMES:
             raise ValueError(f"env.init_args.game: {game!r} is not one of {', '.join(GAMES)}")

@@ -119,11 +119,13 @@ class WebShopEnv(TextEnv):
         file_path: str | None = None,
         simulator: Any = None,
     ):
-        """Args:
-        num_products: products loaded by the simulator (``None``: all; WebShop's small set is 1000).
-        human_goals: the human-written instructions (the paper's setting) rather than synthetic ones.
-        file_path: the product file (``None``: the simulator's default).
-        simulator: a class with ``web_agent_site``'s ``WebAgentTextEnv`` interface (tests); default: the real one.
+        """WebShop's simulated shop.
+
+        Args:
+            num_products: products loaded by the simulator (``None``: all; WebShop's small set is 1000).
+            human_goals: the human-written instructions (the paper's setting) rather than synthetic ones.
+            file_path: the product file (``None``: the simulator's default).
+            simulator: a class with ``web_agent_site``'s ``WebAgentTextEnv`` interface (tests); default: the real one.
         """
         cls = simulator if simulator is not None else _require_web_agent_site()
         kwargs: dict[str, Any] = {"observation_mode": "text", "human_goals": human_goals}
