@@ -230,6 +230,30 @@ def test_float16_mixed_skips_a_nonfinite_loss_and_an_overflow(tmp_path, monkeypa
     assert plugins[0].scaler.get_scale() == 2.0**39 and module.consecutive_skips == 0
 
 
+def test_float16_mixed_steps_when_no_backward_ran(tmp_path):
+    # every group's returns equal (λ 0, the tiny model wins nothing) and no KL: every row is left out, no backward
+    # runs, and the scaler's step had no scale yet (its AssertionError crashed the first step)
+    torch.manual_seed(0)
+    module = tiny_module(grpo=GRPOConfig(kl_coef=0.0, trust_constant=0.0))
+    tiny_trainer(tmp_path, steps=1, plugins=_float16_mixed()).fit(module)
+    h = module.history[0]
+    assert h["tokens/skipped_zero_advantage_samples"] > 0 and h["train/update_skipped"] == 0.0
+    assert h["rollout/degenerate_groups"] == 2
+
+
+def test_float16_mixed_non_finite_gradients_below_a_scale_of_one_are_warned_of(tmp_path):
+    # at a loss scale below 1 a gradient that is not finite is not an overflow: warned of and counted toward the stop
+    # (silent, each halving the scale to 0, the run skipped every later step without a word)
+    module = tiny_module(grpo=GRPOConfig(kl_coef=0.01, trust_constant=1.0))
+    module.configure_model()
+    lora = next(p for n, p in module.policy.named_parameters() if p.requires_grad)
+    lora.register_hook(lambda g: g * float("nan"))
+    plugins = _float16_mixed(init_scale=0.5)
+    with pytest.warns(RuntimeWarning, match="non-finite loss or gradient; update skipped"):
+        tiny_trainer(tmp_path, steps=1, plugins=plugins).fit(module)
+    assert module.consecutive_skips == 1 and module.skipped_updates == 1 and plugins[0].scaler.get_scale() == 0.25
+
+
 def _scalars(run_dir: Path) -> tuple[set[str], set[str]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -415,6 +439,9 @@ def test_every_shipped_config_parses(cfg, capsys):
          "trainer.default_root_dir: cannot write the run folder /proc/sglightning: /proc does not take new folders"),
         # keys that take a class: the parser's dumps (NestedArg(...), Namespace(...), union listings) in words
         (["--model.optimizer.init_args.lr=abc"], "model.optimizer.init_args.lr: 'abc' is not a number"),
+        (["--model.optimizer.init_args.amsgrad=abc"], "model.optimizer.init_args.amsgrad: 'abc' is not true or false"),
+        (["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping", "--trainer.callbacks.monitor=x",
+          "--trainer.callbacks.patience=abc"], "trainer.callbacks.init_args.patience: 'abc' is not an integer"),
         (["--trainer.callbacks+=Nope"], "trainer.callbacks: 'Nope' is not a class it takes; give its import path"),
         (["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"],
          "trainer.callbacks: EarlyStopping needs monitor: give --trainer.callbacks.monitor=VALUE after it"),

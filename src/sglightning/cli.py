@@ -179,8 +179,10 @@ def import_problem(path: str) -> str | None:
     return f"{module} has no {name}" + (f" (did you mean {module}.{close[0]}?)" if close else "")
 
 
-_CLASS_ARG = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?Parser key "(?P<arg>\w+)":.*?Expected a <class '
-                        r"'(?P<type>\w+)'>.*?Given value: (?P<value>.*?)\. Got value: ", re.DOTALL)
+_CLASS_ARG = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?Parser key "(?P<arg>\w+)":\s*(?:'
+                        r"Expected a <class '(?P<type>\w+)'>\. Got value: (?P<value>.*?)(?:\. Got value: |\n|$)"
+                        r"|.*?Expected a <class '(?P<utype>\w+)'>.*?Given value: (?P<uvalue>.*?)\. Got value: )",
+                        re.DOTALL)  # a plain type; a union's first member (lr: float or Tensor)
 _REQUIRED = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?Problem with given class_path \'(?P<cls>[\w.]+)\':\s*'
                        r"the following arguments are required: (?P<args>[\w, ]+)", re.DOTALL)
 _CLASS_GIVEN = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?(?:Problem with given class_path \'(?P<path>[\w.]+)\''
@@ -193,7 +195,8 @@ def class_in_words(message: str) -> str:
     nothing (with the nearest name)."""
     text = message.strip()
     if m := _CLASS_ARG.match(text):
-        return f"{m['key']}.init_args.{m['arg']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
+        value, kind = (m["value"], m["type"]) if m["type"] else (m["uvalue"], m["utype"])
+        return f"{m['key']}.init_args.{m['arg']}: {value!r} is not {_TYPE_WORDS.get(kind, kind)}"
     if m := _REQUIRED.match(text):
         args = [a.strip() for a in m["args"].split(",")]
         return (f"{m['key']}: {m['cls'].rpartition('.')[2]} needs {', '.join(args)}: give --{m['key']}.{args[0]}="
@@ -361,7 +364,7 @@ class OneLineParser(LightningArgumentParser):
                 for p in a.choices.values() if isinstance(p, argparse.ArgumentParser)]
         parser = subs[0] if len(subs) == 1 else parser  # a config file's key, reported by the root: its subcommand's
         prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
-        message = moved_key_hint(union_in_words(class_in_words(value_in_words(unknown_init_arg(message)))))
+        message = moved_key_hint(union_in_words(value_in_words(unknown_init_arg(class_in_words(message)))))
         if " is now " not in message:
             message = close_key_hint(message, parser)
         sys.stderr.write(f"{prog}: error: {one_line(message)} (see: {prog} --help)\n")

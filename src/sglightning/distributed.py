@@ -159,7 +159,11 @@ def finish_gradients(policy: torch.nn.Module, params: list[torch.nn.Parameter], 
             sync_grads(params)
     if not finite:
         return False, None
-    scale = scaler.get_scale() if scaler is not None else 1.0
+    scale = 1.0
+    if scaler is not None:  # its step needs a scale and gradients to check, even on a rank that ran no backward
+        scaler.scale(torch.zeros((), device=params[0].device))  # sets its scale up; a no-op once it exists
+        fill_missing_gradients(params)
+        scale = scaler.get_scale()
     if sharding == "fsdp1":  # the norm over every rank's shards (a collective); clips in place
         grad_norm = policy.clip_grad_norm_(max_norm * scale)
     else:
@@ -190,7 +194,7 @@ def skip_optimiser_step(opt, params: list[torch.nn.Parameter], scaler) -> None:
     it skip (and halve its scale, as after an overflow); a scaler that has scaled nothing sets its scale up first."""
     opt.zero_grad(set_to_none=True)
     if scaler is not None:
-        scaler.scale(torch.zeros((), device=params[0].device))  # a no-op once its scale exists
+        scaler.scale(torch.zeros((), device=params[0].device))  # sets its scale up; a no-op once it exists
         for p in params:
             p.grad = torch.full_like(p, float("nan"))
     opt.step()

@@ -410,8 +410,9 @@ class SelfGuideModule(LightningModule):
         with phase("update/optimiser"):
             scaler = distributed.loss_scaler(self._trainer)  # 16-mixed: the gradients are still loss-scaled here
             finite, grad_norm = distributed.finish_gradients(self.policy, params, self.sharding, finite, norm, scaler)
-            if not finite:
-                return self._skip_update(opt, params, scaler, overflow=scaler is not None and grad_norm is not None)
+            if not finite:  # under 16-mixed gradients past float16 are an overflow, while the scale can still fall
+                overflow = scaler is not None and grad_norm is not None and scaler.get_scale() >= 1.0
+                return self._skip_update(opt, params, scaler, overflow)
             self.consecutive_skips = 0
             opt.step()
         return {**stats.result(), "train/grad_norm": float(grad_norm), "train/update_skipped": 0.0}
@@ -419,9 +420,9 @@ class SelfGuideModule(LightningModule):
     def _skip_update(self, opt, params: list, scaler, overflow: bool) -> dict[str, float]:
         """A non-finite loss or gradient: no parameter (or optimiser state) moves, the step still counts; after
         ``update.max_consecutive_skips`` in a row the run stops with a checkpoint and says why (the CLI exits 1).
-        An ``overflow`` (16-mixed: scaled gradients past float16) is the scaler's routine: counted, not warned of."""
+        An ``overflow`` (16-mixed, scale ≥ 1: scaled gradients past float16) is the scaler's routine: not warned of."""
         self.skipped_updates += 1
-        distributed.skip_optimiser_step(opt, params, scaler)
+        distributed.skip_optimiser_step(opt, params, scaler)  # a scaler's halves its scale
         if overflow:
             return {"train/update_skipped": 1.0}
         warnings.warn(f"step {self.rollouts_done}: non-finite loss or gradient; update skipped "
@@ -482,8 +483,7 @@ class SelfGuideModule(LightningModule):
             checkpoint.pop(key, None)
 
     def adapter_state_dict(self, tree_names: bool = False) -> dict[str, torch.Tensor]:
-        """The adapter as full CPU tensors on every rank (:func:`distributed.adapter_state_dict`: a collective under
-        FSDP)."""
+        """The adapter as full CPU tensors on every rank (a collective under FSDP)."""
         return distributed.adapter_state_dict(self.policy, self.sharding, tree_names)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -211,19 +211,21 @@ def restricted_log_mass(logp_sel: Tensor, valid: Tensor, exclude: Tensor) -> Ten
     return torch.where(exclude, complement_log_mass(lse), lse)  # [R]
 
 
-def heavy_banned_mass(log_z: Tensor, logp: Tensor, ids: Tensor, valid: Tensor, exclude: Tensor) -> Tensor:
+def heavy_banned_mass(log_z: Tensor, logp: Tensor, rows: Tensor, ids: Tensor, valid: Tensor, exclude: Tensor
+                      ) -> Tensor:
     """``log_z`` [R] (:func:`restricted_log_mass`) again, summed over A itself, where A is everything but banned ids
     and holds under half the mass.  There log Z = log(1 − e^lse) loses digits as 1/Z (lse's rounding near 0: an
     error of 1e-5 at Z ≈ 0.01, a positive log q below Z ≈ 1e-8), and its clamp cuts the gradient.  Elsewhere it is
     exact to rounding, and costs no [R, V] copy.
 
-    ``logp`` [R, V]: log π of the rows; ``ids``, ``valid`` [R, K]: the banned ids; ``exclude`` [R].  Returns [R]."""
+    ``logp`` [M, V]: log π; ``rows`` [R]: the rows of ``logp`` restricted; ``ids``, ``valid`` [R, K]: their listed ids;
+    ``exclude`` [R].  Returns [R]."""
     heavy = (exclude & (log_z < -math.log(2.0))).nonzero().squeeze(-1)  # [H]
     if not heavy.numel():
         return log_z
-    rows = logp[heavy]  # [H, V]
-    V = rows.shape[-1]
-    allowed = torch.cat([rows, rows.new_full((len(heavy), 1), float("-inf"))], dim=-1)  # [H, V+1] (V: padding)
+    part = logp[rows[heavy]]  # [H, V]
+    V = part.shape[-1]
+    allowed = torch.cat([part, part.new_full((len(heavy), 1), float("-inf"))], dim=-1)  # [H, V+1] (V: padding)
     allowed = allowed.scatter(1, torch.where(valid[heavy], ids[heavy], V), float("-inf"))[:, :V]  # banned: −∞
     return log_z.index_put((heavy,), torch.logsumexp(allowed, dim=-1))  # [R]
 
@@ -251,7 +253,7 @@ def logprobs_from_logits(
             table_ids = restrict["ids"].to(ids.device)[u]  # [R, K]
             listed = logp_all[rows[:, None], table_ids]  # [R, K] log π of the listed ids
             valid, exclude = restrict["valid"].to(ids.device)[u], restrict["exclude"].to(ids.device)[u]  # [R, K], [R]
-            log_z = heavy_banned_mass(restricted_log_mass(listed, valid, exclude), logp_all[rows], table_ids, valid,
+            log_z = heavy_banned_mass(restricted_log_mass(listed, valid, exclude), logp_all, rows, table_ids, valid,
                                       exclude)  # [R]
             logp_sel = logp_sel.index_add(0, rows, -log_z)  # [M] log q(y) = log π(y) − log Z(A)
             restricted = (rows, listed, valid, exclude, log_z)
