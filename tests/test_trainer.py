@@ -156,7 +156,8 @@ def test_every_policy_token_carries_its_episode_advantage(tmp_path, monkeypatch,
     assert share == pytest.approx(float((guidance & mask).sum() / mask.sum()))
 
 
-def test_nonfinite_loss_skips_the_update(tmp_path, monkeypatch):
+def _nan_loss(monkeypatch) -> None:
+    """Every GRPO loss NaN from here on (the test's monkeypatch undoes it)."""
     real = grpo.grpo_loss
 
     def nan_loss(*a, **kw):
@@ -164,6 +165,10 @@ def test_nonfinite_loss_skips_the_update(tmp_path, monkeypatch):
         return loss * float("nan"), st
 
     monkeypatch.setattr(sglightning.grpo, "grpo_loss", nan_loss)
+
+
+def test_nonfinite_loss_skips_the_update(tmp_path, monkeypatch):
+    _nan_loss(monkeypatch)
     module = tiny_module()
     module.configure_model()
     before = {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
@@ -211,16 +216,11 @@ def test_float16_mixed_clips_and_logs_the_true_gradient(tmp_path):
 
 def test_float16_mixed_skips_a_nonfinite_loss_and_an_overflow(tmp_path, monkeypatch):
     # a NaN loss under the loss scaler: skipped as in fp32, said once (the scaler's step must not crash on it)
-    real = grpo.grpo_loss
-    def nan_loss(*a, **kw):
-        loss, st = real(*a, **kw)
-        return loss * float("nan"), st
-
-    monkeypatch.setattr(sglightning.grpo, "grpo_loss", nan_loss)
+    _nan_loss(monkeypatch)
     with pytest.warns(RuntimeWarning, match="update skipped"):
         module, moved = _sgd_step(tmp_path, _float16_mixed(), max_grad_norm=1.0)
     assert module.skipped_updates == 1 and moved == 0.0 and module.history[0]["train/update_skipped"] == 1.0
-    monkeypatch.setattr(sglightning.grpo, "grpo_loss", real)
+    monkeypatch.undo()
     # scaled gradients past float16 (a scale of 2^40): the scaler's routine — skipped, its scale halved, no warning
     plugins = _float16_mixed(init_scale=2.0**40)
     with warnings.catch_warnings():
