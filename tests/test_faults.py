@@ -242,3 +242,29 @@ def test_running_out_of_accelerator_memory_in_a_validation_is_one_line_naming_it
     assert exc.value.code == 1 and len(err) == 1, err
     assert "out of accelerator memory in the validation of step 0 (CUDA out of memory" in err[0], err
     assert "lower evaluation.tasks_per_batch, evaluation.episodes_per_task" in err[0] and "Traceback" not in err[0]
+
+
+@pytest.mark.parametrize("left", ["old_beside", "old_alone", "temp"])
+def test_an_adapter_export_killed_midway_is_mended_by_the_next(tmp_path, left):
+    """The export swaps a finished folder in: ``adapter`` → ``adapter.old``, the temp folder → ``adapter``, ``.old``
+    removed.  A kill after the second rename left ``adapter.old`` beside ``adapter``, and every later export (every
+    checkpoint save) failed renaming onto it, so the run could not resume.  A kill between the renames left only
+    ``.old``; one while writing, a temp folder nothing removed.  The next save mends each and the run goes on."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    tiny_trainer(tmp_path, steps=1, enable_checkpointing=True).fit(tiny_module())
+    adapter, old = tmp_path / "adapter", tmp_path / "adapter.old"
+    if left == "old_beside":
+        shutil.copytree(adapter, old)
+    elif left == "old_alone":
+        adapter.rename(old)
+    else:
+        shutil.copytree(adapter, tmp_path / ".adapter-k1ll3d")
+    module = tiny_module()
+    tiny_trainer(tmp_path, steps=2, enable_checkpointing=True).fit(module, ckpt_path=str(tmp_path / "checkpoints" /
+                                                                                       "last.ckpt"))
+    assert module.rollouts_done == 2
+    assert sorted(p.name for p in tmp_path.iterdir() if "adapter" in p.name) == ["adapter"]
+    assert any("lora_B" in k for k in load_file(adapter / "adapter_model.safetensors"))  # a whole adapter

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sglightning import distributed
-from sglightning.checkpointing import run_dir
+from sglightning.checkpointing import recover_folder, run_dir, swap_in_folder
 from sglightning.data import EvalConfig, RolloutConfig, sampling_generator, task_seeds
 from sglightning.distributed import clean_name
 from sglightning.engines import make_engine
@@ -256,14 +255,11 @@ class AdapterExport(Callback):
             return None
         target = run_dir(trainer) / self.dirname
         target.parent.mkdir(parents=True, exist_ok=True)
+        recover_folder(target)  # a killed export's leftovers (its .old made every later export fail)
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.dirname}-", dir=target.parent))
         try:
             write_adapter(pl_module, state, tmp)
-            old = target.with_name(target.name + ".old")
-            if target.exists():
-                os.replace(target, old)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
+            swap_in_folder(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         self.last_export = target

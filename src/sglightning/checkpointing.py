@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import warnings
 from pathlib import Path
@@ -122,14 +123,47 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
+    _fsync_dir(path.parent)  # make the rename itself durable
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (where the filesystem lets a folder be fsynced)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
     except OSError:
         pass
+
+
+def recover_folder(target: Path) -> None:
+    """Before a folder of ``target``'s is written anew: undo what a killed :func:`swap_in_folder` left.  Its previous
+    folder (``<name>.old``) goes back where a kill between the two renames left none; a leftover ``.old`` (a kill
+    before the cleanup) and temp folders (``.<name>-*``, a kill while writing) go."""
+    old = target.with_name(target.name + ".old")
+    if old.is_dir() and not target.exists():
+        os.replace(old, target)
+    shutil.rmtree(old, ignore_errors=True)
+    for stale in target.parent.glob(f".{target.name}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def swap_in_folder(tmp: Path, target: Path) -> None:
+    """Put the finished folder ``tmp`` (a sibling of ``target``) in ``target``'s place: its files fsynced, ``target``
+    moved to ``<name>.old``, ``tmp`` renamed to ``target``, the folder fsynced, ``.old`` removed.  A reader sees the
+    old folder or the new one; :func:`recover_folder` mends a kill between the renames."""
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+    old = target.with_name(target.name + ".old")
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    _fsync_dir(target.parent)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:
