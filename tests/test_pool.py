@@ -66,7 +66,10 @@ class GarbageStepEnv(HouseholdEnv):
 
     def reset(self, seed: int, split: str = "train") -> ResetResult:
         self._seed = seed
-        return super().reset(seed, split)
+        res = super().reset(seed, split)
+        if seed == 1 and self.kind == "help":
+            res.action_help = 42  # type: ignore[assignment]
+        return res
 
     def step(self, action: str) -> StepResult:
         res = super().step(action)
@@ -74,7 +77,8 @@ class GarbageStepEnv(HouseholdEnv):
             if self.kind == "type":
                 return "garbage"  # type: ignore[return-value]
             bad = {"field": ("reward", "lots"), "nan": ("reward", float("nan")),
-                   "letters": ("admissible_actions", "go"), "no_observation": ("observation", None)}[self.kind]
+                   "letters": ("admissible_actions", "go"), "no_observation": ("observation", None),
+                   "score": ("score", float("nan")), "progress": ("progress", float("inf"))}[self.kind]
             setattr(res, *bad)
         return res
 
@@ -163,7 +167,8 @@ def test_a_hanging_step_times_out_and_fails_only_its_episode(tok):
 @pytest.mark.parametrize("kind, reason", [
     ("field", "reward 'lots' is not a finite number"), ("nan", "reward nan is not a finite number"),
     ("letters", "admissible_actions 'go' is not a list of str"), ("no_observation", "observation None is not a str"),
-    ("type", "expected StepResult")])
+    ("type", "expected StepResult"), ("score", "score nan is not a finite number"),
+    ("progress", "progress inf is not a finite number"), ("help", "action_help 42 is not a str")])
 def test_garbage_step_results_fail_the_episode_with_a_reason(tok, kind, reason):
     factory = functools.partial(GarbageStepEnv, kind=kind, difficulty=0, info_actions=False)
     r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(),

@@ -677,3 +677,24 @@ def test_a_fed_block_runs_the_lm_head_as_one_matrix_product(tiny):
     with torch.no_grad():
         ref = model(input_ids=torch.tensor(blocks)).logits[:, -1].float()
     torch.testing.assert_close(s.last_logits, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["two_call", "single_stream"])
+def test_a_json_action_holding_half_a_surrogate_pair_is_an_invalid_action_not_a_crashed_step(tok, mode):
+    """JSON decodes an escape of half a surrogate pair to a lone surrogate, which tokenizers and TensorBoard refuse:
+    it went into the next prompt and the step ended with a TypeError (the paper's configs: two_call, free, json)."""
+    from sglightning.report import trajectory_markdown
+
+    def reply(context):
+        if "Answer in exactly two lines" in context.rsplit("<|im_start|>user", 1)[-1]:
+            return "Reason: ok\nLabel: positive"
+        action = '{"think": "x", "action": "\\ud800 go"}'
+        return action if mode == "two_call" else "Reason: ok\nLabel: positive\n" + action
+
+    gc = GuidanceConfig(prompt_mode=mode, decoding="free", actor_format="json", max_action_tokens=64,
+                        max_guidance_tokens=64)
+    batch = Rollout(ScriptedLM(tok, reply), tok, ENV, gc, RolloutConfig(group_size=2, max_steps=2)).run([3])
+    for ep in batch.episodes:
+        assert ep.error is None and [s.invalid for s in ep.steps] == [True, True]
+        assert all(s.action == "? go" for s in ep.steps)
+        trajectory_markdown(ep).encode("utf-8")  # what TensorBoard's text panel takes

@@ -4,6 +4,8 @@ programs need (end of turn, newlines, how a thought can close) (no Lightning imp
 
 from __future__ import annotations
 
+from sglightning.guidance import valid_text
+
 
 def pad_token_id(tokenizer) -> int:
     """The id used to pad rows, in the engine's cache and in the update's batches: the tokenizer's pad token, else its
@@ -53,7 +55,7 @@ class ChatFormat:
         if ids is None:
             if len(self._ids) >= 65_536:
                 self._ids.clear()
-            ids = self._ids[text] = tuple(self.tok.encode(text, add_special_tokens=False))
+            ids = self._ids[text] = tuple(self.tok.encode(valid_text(text), add_special_tokens=False))
         return list(ids)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:

@@ -378,9 +378,15 @@ def parse_action(text: object, prefer: str | None = None) -> ParsedAction:
                 break
     if found is None:
         return ParsedAction(None, notes=["empty"])
-    action = " ".join(found.strip().split("\n")[0].split())
+    action = " ".join(valid_text(found).strip().split("\n")[0].split())
     action = action.lstrip("`*\"' ").rstrip("`*\"'. ")[:200].rstrip()
     return ParsedAction(action or None, source)
+
+
+def valid_text(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a lone surrogate (a JSON escape of half a pair decodes to one) becomes ``?``.
+    Tokenizers and TensorBoard raise on one, which would end the step, not the episode."""
+    return text if text.isascii() else text.encode("utf-8", "replace").decode("utf-8")
 
 
 def match_admissible(action: str | None, admissible: list[str] | None) -> str | None:

@@ -22,6 +22,7 @@ from sglightning import distributed, memory
 from sglightning.calibration import calibration_stats
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS, episode_summary, failure_pattern_rates
 from sglightning.episodes import Episode, RolloutBatch
+from sglightning.guidance import valid_text
 from sglightning.metrics import EpisodeMetrics, per_task_type_success
 from sglightning.profiling import PHASES, log_key
 
@@ -250,7 +251,7 @@ def trajectory_markdown(ep: Episode) -> str:
         flag = " (invalid)" if s.invalid else ""
         lines.append(f"action{flag}: `{(s.action or s.action_text or '').replace('`', '')}`")
         lines.append("")
-    return "\n".join(lines)
+    return valid_text("\n".join(lines))  # the guidance text is the model's, as it wrote it
 
 
 def _phase_lines(hist: list[dict], mean) -> list[str]:

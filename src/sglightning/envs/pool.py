@@ -138,8 +138,9 @@ def _reset(env: TextEnv, seed: int, split: str) -> ResetResult:
     if not isinstance(res, ResetResult):
         raise TypeError(f"reset returned {type(res).__name__}, expected ResetResult")
     _check_fields(res, ("observation", "task"))
-    if res.score is not None and not _finite(res.score):
-        raise ValueError(f"malformed ResetResult: score {res.score!r} is not a finite number")
+    if res.action_help is not None and not isinstance(res.action_help, str):
+        raise TypeError(f"malformed ResetResult: action_help {res.action_help!r} is not a str or None")
+    _check_numbers(res, ("score",))
     return res
 
 
@@ -150,7 +151,16 @@ def _step(env: TextEnv, action: str) -> StepResult:
     _check_fields(res, ("observation",))
     if not _finite(res.reward):  # a NaN would reach the advantages and stop the run
         raise ValueError(f"malformed StepResult: reward {res.reward!r} is not a finite number")
+    _check_numbers(res, ("score", "progress"))  # a NaN progress read as a negative label's target
     return res
+
+
+def _check_numbers(res: ResetResult | StepResult, names: tuple[str, ...]) -> None:
+    """The optional numbers a rollout reads are finite where given: else the episode fails, naming the field."""
+    for name in names:
+        value = getattr(res, name)
+        if value is not None and not _finite(value):
+            raise ValueError(f"malformed {type(res).__name__}: {name} {value!r} is not a finite number or None")
 
 
 def _finite(value: Any) -> bool:
