@@ -175,3 +175,14 @@ def test_a_terminal_that_reports_no_width_gets_plain_lines():
         assert is_terminal(tty)
     os.close(master)
     assert is_terminal(_Terminal()) and not is_terminal(io.StringIO())
+
+
+def test_a_resumed_runs_config_starts_fresh_when_run_again(resumed):
+    """The resumed run's config.yaml kept ``ckpt_path``: a fit of it resumed that checkpoint again (in a new folder) or
+    found nothing left to train.  It names the checkpoint in a comment instead."""
+    import yaml
+
+    _, out, _ = resumed
+    text = (out / "tiny" / "version_0" / "config.yaml").read_text()
+    assert yaml.safe_load(text)["ckpt_path"] is None
+    assert "# resumed from " in text and "last.ckpt" in text

@@ -914,6 +914,30 @@ def test_cli_validate_from_a_lightning_checkpoint(cli_run, tmp_path):
     assert cli.model.val_report["modes"]["sg"]["memory/validation_peak_rss_gb"] > 0.05  # the evaluation's own peak
 
 
+def test_a_plain_trainer_validates_a_checkpoint_without_max_steps(tmp_path):
+    """Loading a checkpoint restored the trust schedule's horizon in every stage, which needs trainer.max_steps:
+    ``Trainer().validate(module, ckpt_path=...)`` failed with a ConfigError (the horizon matters in fit only)."""
+    tiny_trainer(tmp_path, steps=1, enable_checkpointing=True).fit(tiny_module())
+    module = tiny_module()
+    tiny_trainer(tmp_path, steps=-1, limit_val_batches=1).validate(module, ckpt_path=str(tmp_path / "checkpoints" /
+                                                                                          "last.ckpt"))
+    assert module.val_report is not None and module.rollouts_done == 1
+
+
+def test_a_resumed_run_counts_its_consecutive_skips_on(tmp_path, monkeypatch):
+    """``update.max_consecutive_skips`` counts across a resume: 2 skipped updates, then a resume, stops at the 3rd
+    (the count restarted at 0, so a preempted run stopped later than an uninterrupted one)."""
+    _nan_loss(monkeypatch)
+    kw = dict(update=UpdateConfig(micro_batch_size=2, max_consecutive_skips=3))
+    with pytest.warns(RuntimeWarning, match="update skipped"):
+        tiny_trainer(tmp_path, steps=2, enable_checkpointing=True).fit(tiny_module(**kw))
+    module = tiny_module(**kw)
+    with pytest.warns(RuntimeWarning, match="consecutive non-finite"):
+        tiny_trainer(tmp_path, steps=5, enable_checkpointing=True).fit(
+            module, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
+    assert module.consecutive_skips == 3 and module.rollouts_done == 3
+
+
 def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
     cli, run_dir = cli_run
     leftovers = [p.name for p in run_dir.iterdir() if p.name.startswith(".") or p.name.endswith(".old")]

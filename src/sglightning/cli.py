@@ -64,13 +64,24 @@ class VersionedSaveConfig(SaveConfigCallback):
     """Saves the resolved config like Lightning does, then appends the package versions of this run as YAML comments
     (benchmark versions change scores between releases), so the file stays a valid ``--config`` and records what ran."""
 
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        """The checkpoint a run resumed from is noted as a comment, not kept as ``ckpt_path``: a fit of the saved
+        config would otherwise resume that checkpoint again, in a new folder, or find nothing left to train."""
+        self._resumed_from = self.config.get("ckpt_path") if "ckpt_path" in self.config else None
+        if self._resumed_from:
+            self.config = self.config.clone()
+            self.config.ckpt_path = None
+        super().setup(trainer, pl_module, stage)
+
     def save_config(self, trainer, pl_module, stage: str) -> None:
         if not self.save_to_log_dir:
             return
         path = run_dir(trainer) / self.config_filename  # rank 0 only: no trainer.log_dir (a broadcast)
         versions = pl_module.package_versions() if hasattr(pl_module, "package_versions") else {}
-        if path.is_file() and versions:
+        if path.is_file() and (versions or self._resumed_from):
             with path.open("a") as f:
+                if self._resumed_from:
+                    f.write(f"# resumed from {self._resumed_from} (give --ckpt_path to resume again)\n")
                 f.write("# package versions of this run (written by sglightning):\n")
                 for k, v in versions.items():
                     f.write(f"#   {k}: {v}\n")

@@ -475,10 +475,10 @@ class SelfGuideModule(LightningModule):
         if not strategies.writes_distributed_checkpoint(self.trainer.strategy):  # those keep the whole model
             checkpoint["state_dict"] = strategies.trainable_entries(checkpoint["state_dict"], self)  # adapters only
         checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates,
+                                     "consecutive_skips": self.consecutive_skips,
                                      "trust_meter": self.trust.meter.state_dict(),
                                      "trust_horizon": self.schedule_horizon() if self._trainer is not None else None}
-        # the config lives in the run's config.yaml; kept out of the checkpoint so that `validate --ckpt_path` uses the
-        # config it is given (LightningCLI would otherwise re-apply the training-time values over it)
+        # no config in the checkpoint: `validate --ckpt_path` uses the one given (LightningCLI would re-apply it)
         for key in ("hyper_parameters", "hparams_name"):
             checkpoint.pop(key, None)
 
@@ -491,10 +491,10 @@ class SelfGuideModule(LightningModule):
             check_shapes(checkpoint, dict(self.named_parameters()))
         state = checkpoint.get("sglightning", {})
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
-        self.rollouts_done = int(state.get("rollouts_done", 0))
-        self.skipped_updates = int(state.get("skipped_updates", 0))
+        self.rollouts_done, self.skipped_updates, self.consecutive_skips = (
+            int(state.get(k, 0)) for k in ("rollouts_done", "skipped_updates", "consecutive_skips"))
         self.trust.meter.load_state_dict(state.get("trust_meter", {}))
-        if state.get("trust_horizon") is not None and self._trainer is not None:  # it matters in fit only
-            line = self.trust.restore(state["trust_horizon"], self.total_steps())
-            if line and self.trainer.global_rank == 0 and self.trainer.state.fn == "fit":
+        if state.get("trust_horizon") is not None and self._trainer is not None and self.trainer.state.fn == "fit":
+            line = self.trust.restore(state["trust_horizon"], self.total_steps())  # validate needs no horizon
+            if line and self.trainer.global_rank == 0:
                 print(f"sglightning: {line}", file=sys.stderr, flush=True)
