@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -362,11 +363,21 @@ def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
     plain = tmp_path / "plain"
     (plain / "deep" / "x" / "y" / "checkpoints").mkdir(parents=True)
     (plain / "deep" / "x" / "y" / "checkpoints" / "last.ckpt").write_bytes(b"deep")
+    (plain / "arm_a" / "version_0" / "checkpoints").mkdir(parents=True)  # another config's run, with a logger
+    (plain / "arm_a" / "version_0" / "checkpoints" / "last.ckpt").write_bytes(b"arm a")
     cfg = {"trainer": {"default_root_dir": str(plain), "logger": False}}
     assert find_last_checkpoint(cfg) is None
     (plain / "checkpoints").mkdir()
     (plain / "checkpoints" / "last.ckpt").write_bytes(b"plain")
     assert find_last_checkpoint(cfg) == ((plain / "checkpoints" / "last.ckpt").resolve(), None)
+    # a ModelCheckpoint of one's own keeps last.ckpt (and a stop saves it) in its dirpath: found there
+    own = tmp_path / "mine"
+    own.mkdir()
+    keeper = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(own)}}
+    cfg["trainer"]["callbacks"] = [keeper]
+    time.sleep(0.01)
+    (own / "last.ckpt").write_bytes(b"own")
+    assert find_last_checkpoint(cfg) == ((own / "last.ckpt").resolve(), None)
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_point(tmp_path):

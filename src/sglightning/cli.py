@@ -746,25 +746,42 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
     """The newest ``last.ckpt`` of this config's runs, with the version folder name to continue in: with a logger
     that has a ``save_dir``, only under ``save_dir/name/version_*/checkpoints/`` (another run's checkpoints — another
     logger name in the same folder — are never taken); without one, under ``trainer.default_root_dir`` (its
-    ``checkpoints/`` and ``<logger name>/version_*/checkpoints/``, not deeper)."""
+    ``checkpoints/``, and with Lightning's default logger its ``lightning_logs/version_*/checkpoints/``).  A
+    ModelCheckpoint's own ``dirpath`` is searched too."""
     trainer = cfg.get("trainer") or {}
     inits = resumed_logger_inits(trainer.get("logger"))
     init = inits[0] if inits else None  # the first logger's folder is the run's (checkpoints, adapter, reports)
     if init is not None and init.get("save_dir") is not None:
         root = Path(str(init.get("save_dir"))) / str(init.get("name") or "lightning_logs")
         patterns = [("version_*/checkpoints", True)]
-    else:
+    else:  # no logger: Lightning's checkpoints/; Lightning's default logger (true): lightning_logs/version_*/
         root = Path(str(trainer.get("default_root_dir") or "."))
-        patterns = [("checkpoints", False), ("*/version_*/checkpoints", True)]
+        logger = trainer.get("logger")
+        patterns = [("checkpoints", False)] + ([] if logger in (False, None, []) else
+                                               [("lightning_logs/version_*/checkpoints", True)])
+    folders = [(folder, versioned) for pattern, versioned in patterns for folder in root.glob(pattern)]
+    folders += [(folder, False) for folder in checkpoint_dirpaths(trainer)]  # where a stop saves, if a callback says
     best: tuple[float, Path, str | None] | None = None
-    for pattern, versioned in patterns:
-        for folder in root.glob(pattern):
-            recover_swapped_checkpoints(folder)  # a distributed save killed between its two renames
-            for path in folder.glob("last*.ckpt"):
-                mtime = path.stat().st_mtime
-                if best is None or mtime > best[0]:
-                    best = (mtime, path.resolve(), path.parent.parent.name if versioned else None)
+    for folder, versioned in folders:
+        recover_swapped_checkpoints(folder)  # a distributed save killed between its two renames
+        for path in folder.glob("last*.ckpt"):
+            mtime = path.stat().st_mtime
+            if best is None or mtime > best[0]:
+                best = (mtime, path.resolve(), path.parent.parent.name if versioned else None)
     return None if best is None else (best[1], best[2])
+
+
+def checkpoint_dirpaths(trainer) -> list[Path]:
+    """The ``dirpath`` of each ModelCheckpoint in the config's ``trainer.callbacks`` (its ``last.ckpt`` is where a
+    stop saves and what ``--ckpt_path last`` resumes)."""
+    found = []
+    for cb in trainer.get("callbacks") or []:
+        get = getattr(cb, "get", None)
+        init = get("init_args") if get else None
+        dirpath = init.get("dirpath") if hasattr(init, "get") else None
+        if dirpath and str(get("class_path") or "").endswith("ModelCheckpoint") and Path(str(dirpath)).is_dir():
+            found.append(Path(str(dirpath)))
+    return found
 
 
 def _remove_unstarted_run(trainer) -> None:
