@@ -268,3 +268,15 @@ def test_an_adapter_export_killed_midway_is_mended_by_the_next(tmp_path, left):
     assert module.rollouts_done == 2
     assert sorted(p.name for p in tmp_path.iterdir() if "adapter" in p.name) == ["adapter"]
     assert any("lora_B" in k for k in load_file(adapter / "adapter_model.safetensors"))  # a whole adapter
+
+
+def test_one_task_whose_reset_fails_fails_its_group_not_the_run(tmp_path):
+    """A step of one group (``groups_per_step`` 1) whose task cannot reset: its episodes fail and training goes on.
+    The check for a split without playable tasks took it for one (every episode failed in reset) and ended the run;
+    it now needs several tasks, none started."""
+    probe = tiny_module()
+    seed = task_seeds(probe.rollout_cfg.seed, 0, 1, 0, 1, probe.eval_cfg.seed_offset)[0]
+    env = functools.partial(FaultyEnv, env=HOUSE, faults={seed: "reset_raise"})
+    module = tiny_module(env=env, rollout=RolloutConfig(groups_per_step=1, group_size=2, max_steps=2))
+    tiny_trainer(tmp_path, steps=2).fit(module)
+    assert module.rollouts_done == 2 and module.history[0]["rollout/env_error_rate"] == 1.0

@@ -386,10 +386,13 @@ def _steps_done(trainer: Trainer, pl_module: LightningModule) -> int:
 
 
 def _none_started(rb: RolloutBatch, key: str, split: str) -> None:
-    """Every episode of a batch failed in ``reset``: the split has no playable tasks (e.g. ALFWorld's valid_unseen
-    when only train games were downloaded) — a configuration problem, not bad luck."""
+    """Every episode of a batch failed in ``reset``, on several tasks, not by timing out: the split has no playable
+    tasks (e.g. ALFWorld's valid_unseen when only train games were downloaded) — a configuration problem.  One task
+    (a group shares its seed: ``groups_per_step`` 1, a last validation batch of one) or timeouts can be bad luck: those
+    episodes fail, and the run goes on."""
     eps = rb.episodes
-    if eps and all(e.error is not None and e.error.startswith("reset") for e in eps):
+    if (eps and len({e.seed for e in eps}) > 1
+            and all(e.error is not None and e.error.startswith("reset") and "timeout" not in e.error for e in eps)):
         raise ConfigError(f"{key}: no episode of split {split!r} could start ({len(eps)} tried); the environment said: "
                           f"{eps[0].error}")
 
