@@ -80,6 +80,9 @@ def test_parse_guidance_last_label_line_wins():
         ("Reason: ok\nLabel: neutral\nAction: go to desk 1\nLabel: positive", "neutral"),
         ('Reason: ok\nLabel: negative\n{"think": "Label: positive", "action": "look"}', "negative"),
         ("Reason: ok\nLabel: negative\n<action>look</action>\nLabel: positive", "negative"),
+        # the actor's thought (think_tags) opens the action part: a label after it is not guidance (it bought reward)
+        ("Reason: ok\nLabel: negative\n<think>x</think>\nLabel: positive", "negative"),
+        ("Reason: ok\nLabel: negative\n<think>cut short\nLabel: positive", "negative"),
         # reasoning models: a think block is not guidance
         ("<think>\nLabel: positive\n</think>\nReason: stuck\nLabel: negative", "negative"),
         ("<think>Label: positive", None),

@@ -698,3 +698,16 @@ def test_a_json_action_holding_half_a_surrogate_pair_is_an_invalid_action_not_a_
         assert ep.error is None and [s.invalid for s in ep.steps] == [True, True]
         assert all(s.action == "? go" for s in ep.steps)
         trajectory_markdown(ep).encode("utf-8")  # what TensorBoard's text panel takes
+
+
+def test_the_tokenizer_cache_is_bounded_by_tokens_not_entries(tok, monkeypatch):
+    """The text -> ids cache kept up to 65 536 texts: whole two_call prompts of thousands of tokens each, ~7 GB of
+    host memory before it cleared.  It now holds at most ``CACHE_TOKENS`` tokens, and returns the same ids."""
+    import sglightning.chat as chat
+
+    monkeypatch.setattr(chat, "CACHE_TOKENS", 2_000)
+    fmt = chat.ChatFormat(tok)
+    texts = [f"observation {i}: " + "you see a mug on the countertop. " * 20 for i in range(40)]
+    first = [fmt.encode(t) for t in texts]
+    assert 0 < fmt._cached <= 2_000 and sum(len(ids) for ids in fmt._ids.values()) == fmt._cached
+    assert [fmt.encode(t) for t in texts] == first == [tok.encode(t, add_special_tokens=False) for t in texts]

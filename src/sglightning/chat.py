@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from sglightning.guidance import valid_text
 
+#: the most tokens the text -> ids cache holds (~40 MB of Python ints and their texts); past it, it starts anew
+CACHE_TOKENS = 1_000_000
+
 
 def pad_token_id(tokenizer) -> int:
     """The id used to pad rows, in the engine's cache and in the update's batches: the tokenizer's pad token, else its
@@ -44,6 +47,7 @@ class ChatFormat:
         # text -> ids: the forced words, label options and admissible actions recur in every turn of every episode,
         # and a tokenizer call costs ~80 µs of Python (more than a GPU's decode step per hundred calls)
         self._ids: dict[str, tuple[int, ...]] = {}
+        self._cached = 0  # tokens held by _ids: whole two_call prompts (thousands of tokens, ~100 KB each) add up
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         return self.tok.apply_chat_template(
@@ -53,9 +57,12 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         ids = self._ids.get(text)
         if ids is None:
-            if len(self._ids) >= 65_536:
+            ids = tuple(self.tok.encode(valid_text(text), add_special_tokens=False))
+            if len(self._ids) >= 65_536 or self._cached + len(ids) > CACHE_TOKENS:
                 self._ids.clear()
-            ids = self._ids[text] = tuple(self.tok.encode(valid_text(text), add_special_tokens=False))
+                self._cached = 0
+            self._ids[text] = ids
+            self._cached += len(ids)
         return list(ids)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:

@@ -219,6 +219,7 @@ _GUIDANCE_END = re.compile(r"^[^\S\n]*(?:\**action\**[^\S\n]*[:=]|\{|<action>)",
 # where the actor's part of a free single-stream turn starts: the same line rule, and for the think_tags format a line
 # that opens the thought (the thought belongs to the actor's answer)
 _ACTION_PART = re.compile(r"^[^\S\n]*(?:\**action\**[^\S\n]*[:=]|\{|<action>|<think>)", re.IGNORECASE | re.MULTILINE)
+_THINK_LINE = re.compile(r"^[^\S\n]*<think>", re.IGNORECASE | re.MULTILINE)
 _ACTION_LINE = re.compile(r"^[^\S\n]*\**action\**\s*[:=]\s*(.+)", re.IGNORECASE | re.MULTILINE)
 _ACTION_TAG = re.compile(r"<action>(.*?)(?:</action>|$)", re.IGNORECASE | re.DOTALL)
 # the "action" member of a JSON object that did not parse (cut by the token cap, a missing brace): its string value
@@ -276,7 +277,8 @@ def parse_guidance(text: object) -> Guidance:
     The rule (free decoding; constrained decoding takes the label the sampler chose, not a parse):
 
     1. ``<think>…</think>`` blocks are removed, and the guidance ends where the action part starts (a line starting
-       ``Action:``, ``{`` or ``<action>``): nothing the model writes after it counts as guidance.
+       ``Action:``, ``{`` or ``<action>``, or ``<think>`` after some text: the actor's thought): nothing the model
+       writes after it counts as guidance.
     2. The reason is the text after the first ``Reason:``.
     3. The label is the **last** *label line* — a line that starts with ``Label:`` (markdown allowed) followed by
        ``positive``, ``neutral`` or ``negative`` — that starts after the ``Reason:``.  A label mentioned inside the
@@ -285,7 +287,12 @@ def parse_guidance(text: object) -> Guidance:
     """
     if not isinstance(text, str):
         return Guidance(None, "", "")
-    clean = strip_think(_CTRL.sub(" ", text)[:20000])
+    clean = _CTRL.sub(" ", text)[:20000]
+    for think in _THINK_LINE.finditer(clean):  # a thought opened after some text: the actor's (think_tags) begins
+        if clean[: think.start()].strip():
+            clean = clean[: think.start()]
+            break
+    clean = strip_think(clean)
     end = _GUIDANCE_END.search(clean)
     if end:
         clean = clean[: end.start()]
