@@ -187,8 +187,12 @@ def test_the_same_step_rewards_in_another_order_make_a_degenerate_group(monkeypa
     real = torch.tensor([-0.2, -0.2, -0.2, -0.2 + 0.1 * 0.01])  # one label differs, at λ = 0.01: a real difference
     assert degenerate_groups(real, groups) == 0 and group_advantages(real, groups).abs().max() > 0.5
     monkeypatch.setattr(rewards, "episode_returns", lambda episodes, *a: (torch.cat([returns, real]), None, None))
-    episodes = [types.SimpleNamespace(group=g) for g in (0, 0, 0, 0, 1, 1, 1, 1)]
+    episodes = [types.SimpleNamespace(group=g, error=None) for g in (0, 0, 0, 0, 1, 1, 1, 1)]
     assert rewards.informative_groups(episodes, 1.0) == {1}
+    # failed_episodes: drop_group: a group with a failed episode is dropped from the update, so it carries no signal
+    episodes[5].error = "step: timeout after 1 s"
+    assert rewards.informative_groups(episodes, 1.0) == {1} and rewards.informative_groups(episodes, 1.0,
+                                                                                           drop_failed=True) == set()
 
 
 def test_group_advantages_degenerate_groups_exact_zero():

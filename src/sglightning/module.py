@@ -264,9 +264,9 @@ class SelfGuideModule(LightningModule):
 
     def informative_groups(self, episodes: list[Episode]) -> set[int]:
         """The groups whose returns, blended with this step's scheduled λ, are not all equal (dynamic sampling)."""
-        c = self.grpo_cfg
+        c, drop = self.grpo_cfg, self.rollout_cfg.failed_episodes == "drop_group"  # those the update drops: none
         return rewards.informative_groups(episodes, self.trust_lambda(), c.internal_reward_norm,
-                                          c.invalid_action_penalty, self.reward_terms)
+                                          c.invalid_action_penalty, self.reward_terms, drop_failed=drop)
 
     def token_logprobs(self, ids, attn, mask, temperature: float, entropy: bool = False, restrict=None):
         """:func:`scoring.token_logprobs` on this policy (through the FSDP root when sharded)."""

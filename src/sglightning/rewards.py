@@ -107,16 +107,18 @@ def advantage_inputs(episodes: Sequence[Episode], returns: torch.Tensor, lam: fl
 
 
 def informative_groups(episodes: Sequence[Episode], lam: float, normalise: str = "sum", penalty: float = 0.0,
-                       terms: Sequence[RewardTerm] = ()) -> set[int]:
-    """The groups whose blended returns are not all equal (the others get advantage 0 and carry no gradient)."""
+                       terms: Sequence[RewardTerm] = (), drop_failed: bool = False) -> set[int]:
+    """The groups whose blended returns are not all equal (the others get advantage 0 and carry no gradient); with
+    ``drop_failed`` (``rollout.failed_episodes: drop_group``) none with a failed episode, which the update drops."""
     if not episodes:
         return set()
     returns, _, _ = episode_returns(episodes, lam, normalise, penalty, terms)
     by: dict[int, list[float]] = {}
     for e, r in zip(episodes, returns.tolist()):
         by.setdefault(e.group, []).append(r)
-    return {g for g, values in by.items()
-            if bool(grpo.returns_differ(*torch.tensor([max(values), min(values)], dtype=torch.float64)))}
+    failed = {e.group for e in episodes if e.error is not None} if drop_failed else set()
+    return {g for g, values in by.items() if g not in failed
+            and bool(grpo.returns_differ(*torch.tensor([max(values), min(values)], dtype=torch.float64)))}
 
 
 class TrustMeter:
