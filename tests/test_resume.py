@@ -186,3 +186,24 @@ def test_a_resumed_runs_config_starts_fresh_when_run_again(resumed):
     text = (out / "tiny" / "version_0" / "config.yaml").read_text()
     assert yaml.safe_load(text)["ckpt_path"] is None
     assert "# resumed from " in text and "last.ckpt" in text
+
+
+def test_a_resume_trains_with_the_configs_optimiser_settings(tmp_path, capsys):
+    """Torch's optimiser ``load_state_dict`` put the checkpoint's learning rate back: a resume with another
+    ``model.optimizer.lr`` trained at the old one, silently.  The config's applies, and one line says so."""
+    import torch
+    from tiny import tiny_module, tiny_trainer
+
+    def adamw(lr):
+        return lambda params: torch.optim.AdamW(params, lr=lr)
+
+    tiny_trainer(tmp_path, steps=1, enable_checkpointing=True).fit(tiny_module(optimizer=adamw(1e-2)))
+    ckpt = str(tmp_path / "checkpoints" / "last.ckpt")
+    capsys.readouterr()
+    same = tiny_trainer(tmp_path, steps=2, enable_checkpointing=True)
+    same.fit(tiny_module(optimizer=adamw(1e-2)), ckpt_path=ckpt)
+    assert "optimiser settings" not in capsys.readouterr().err  # nothing changed: nothing said
+    other = tiny_trainer(tmp_path, steps=3, enable_checkpointing=True)
+    other.fit(tiny_module(optimizer=adamw(1e-3)), ckpt_path=ckpt)
+    assert other.optimizers[0].param_groups[0]["lr"] == 1e-3
+    assert "resumed with the config's optimiser settings: lr 0.001 (the checkpoint's 0.01)" in capsys.readouterr().err

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -493,17 +494,43 @@ def _as_made(ckpt: Callback) -> bool:
     return type(ckpt) is ModelCheckpoint and all(getattr(ckpt, k, None) == getattr(fresh, k, None) for k in keys)
 
 
+class ConfiguredOptimiser(Callback):
+    """A resume trains with the config's optimiser settings: torch's ``load_state_dict`` puts back the checkpoint's
+    learning rate, weight decay, betas…, so a changed ``model.optimizer`` was silently ignored.  The moments stay the
+    checkpoint's; one line names each setting that changed."""
+
+    KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "alpha", "dampening")
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        factory = getattr(pl_module, "optimizer_factory", None)
+        if trainer.ckpt_path is None or factory is None:
+            return
+        wanted = factory([torch.nn.Parameter(torch.zeros(1))]).defaults
+        changed: dict[str, tuple[Any, Any]] = {}
+        for opt in trainer.optimizers:
+            for group in opt.param_groups:
+                for key in self.KEYS:
+                    if key in wanted and key in group and group[key] != wanted[key]:
+                        changed[key] = (group[key], wanted[key])
+                        group[key] = wanted[key]
+        if changed and trainer.global_rank == 0:
+            said = ", ".join(f"{k} {new} (the checkpoint's {old})" for k, (old, new) in changed.items())
+            print(f"sglightning: resumed with the config's optimiser settings: {said}", file=sys.stderr, flush=True)
+
+
 def default_callbacks(trainer: Trainer | None, rollout: RolloutCallback) -> list[Callback]:
     """The callbacks every run gets (``SelfGuideModule.configure_callbacks``; the one list, for the CLI and for a
-    plain ``Trainer`` alike): ``rollout``, adapter export, preemption checkpoints and the summary — those the trainer
-    does not have yet (e.g. ``validate`` after ``fit``: kept) — and ``last.ckpt`` after every step (adapters,
-    optimiser, counters: a killed or preempted run loses at most one step; ``--ckpt_path last`` resumes): a
+    plain ``Trainer`` alike): ``rollout``, adapter export, preemption checkpoints, the summary and
+    :class:`ConfiguredOptimiser` — those the trainer does not have yet (e.g. ``validate`` after ``fit``: kept) — and
+    ``last.ckpt`` after every step (adapters, optimiser, counters: a killed or preempted run loses at most one step;
+    ``--ckpt_path last`` resumes): a
     ModelCheckpoint in place of Lightning's default, or :class:`LastCheckpoint` beside a user's own that keeps no
     ``last.ckpt``; none in ``fast_dev_run``.  (The CLI also gives the Trainer its one progress bar,
     :class:`sglightning.console.StepProgressBar`, unless the user gives one.)"""
     present = {type(c) for c in trainer.callbacks} if trainer is not None else set()
     callbacks: list[Callback] = [rollout] if RolloutCallback not in present else []
-    callbacks += [cb() for cb in (AdapterExport, PreemptionCheckpoint, FitSummary) if cb not in present]
+    callbacks += [cb() for cb in (AdapterExport, PreemptionCheckpoint, FitSummary, ConfiguredOptimiser)
+                  if cb not in present]
     ckpts = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)] if trainer is not None else []
     if ckpts and not any(c.save_last for c in ckpts) and not trainer.fast_dev_run:  # fast_dev_run saves nothing
         lightnings = len(ckpts) == 1 and _as_made(ckpts[0])  # a ModelCheckpoint here would replace every one
