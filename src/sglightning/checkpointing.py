@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from sglightning.errors import ConfigError
+from sglightning.errors import ConfigError, not_writable
 
 
 def run_dir(trainer) -> Path:
@@ -56,24 +55,9 @@ def check_run_dir(trainer) -> None:
     if folder is None or "://" in str(folder):
         return  # a logger without a local folder, or a remote file system: its own business
     folder = Path(folder).absolute()
-    reason = _not_writable(folder)
+    reason = not_writable(folder)
     if reason:
         raise ConfigError(f"{key}: cannot write the run folder {folder}: {reason}; give a folder you can write to")
-
-
-def _not_writable(folder: Path) -> str | None:
-    """Why ``folder`` cannot be created or written (its deepest existing ancestor is tried), or None."""
-    existing = folder
-    while not existing.exists() and existing.parent != existing:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is a file, not a folder"
-    try:
-        probe = tempfile.mkdtemp(prefix=".sglightning-write-check-", dir=existing)
-    except OSError as err:
-        return f"{existing} does not take new folders ({err.strerror or type(err).__name__})"
-    os.rmdir(probe)
-    return None
 
 
 class CheckpointError(ValueError):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work, found at setup time (env, splits, model loading); the message starts
@@ -73,3 +77,19 @@ def nonfinite_stop(limit: int, step: int, path) -> str:
     return (f"stopped after {limit} consecutive non-finite updates (update.max_consecutive_skips={limit}) at step "
             f"{step}; last good adapters saved in {path}. Lower the learning rate, set grpo.max_grad_norm, or check "
             f"the rollouts' log-prob gap.")
+
+
+def not_writable(folder: Path) -> str | None:
+    """Why ``folder`` cannot be created or written (its deepest existing ancestor is tried), or None.  Nothing is left
+    behind: the probe is an empty folder, removed at once."""
+    existing = folder
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        probe = tempfile.mkdtemp(prefix=".sglightning-write-check-", dir=existing)
+    except OSError as err:
+        return f"{existing} does not take new folders ({err.strerror or type(err).__name__})"
+    os.rmdir(probe)
+    return None

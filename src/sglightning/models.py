@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from sglightning.errors import ConfigError
+from sglightning.errors import ConfigError, not_writable
 
 log = logging.getLogger(__name__)
 
@@ -466,17 +466,13 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
 
 
 def check_cache_writable(cfg: PolicyConfig) -> None:
-    """The cache folder can take a converted model: made if missing, a file written and removed in it.  Else a
-    ``ConfigError`` naming where the folder came from (``model.policy.cache_dir``, ``SGLIGHTNING_CACHE``)."""
+    """The cache folder can take a converted model (:func:`~sglightning.errors.not_writable`).  Else a ``ConfigError``
+    naming where the folder came from (``model.policy.cache_dir``, ``SGLIGHTNING_CACHE``)."""
     root = cache_root(cfg)
     key = ("model.policy.cache_dir" if cfg.cache_dir else "SGLIGHTNING_CACHE" if os.environ.get("SGLIGHTNING_CACHE")
            else "the model cache")
-    try:
-        (root / "models").mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=root / "models").close()
-    except OSError as err:
-        raise ConfigError(f"{key}: {root} cannot hold the converted model ({err.strerror or err}); give a folder "
-                          "this user can write") from None
+    if reason := not_writable((root / "models").absolute()):
+        raise ConfigError(f"{key}: {root} cannot hold the converted model ({reason}); give a folder you can write to")
 
 
 def check_model_source(cfg: PolicyConfig, key: str = "model.policy.name_or_path") -> None:
