@@ -224,10 +224,15 @@ def heavy_banned_mass(log_z: Tensor, logp: Tensor, rows: Tensor, ids: Tensor, va
     if not heavy.numel():
         return log_z
     part = logp[rows[heavy]]  # [H, V]
-    V = part.shape[-1]
-    allowed = torch.cat([part, part.new_full((len(heavy), 1), float("-inf"))], dim=-1)  # [H, V+1] (V: padding)
-    allowed = allowed.scatter(1, torch.where(valid[heavy], ids[heavy], V), float("-inf"))[:, :V]  # banned: −∞
-    return log_z.index_put((heavy,), torch.logsumexp(allowed, dim=-1))  # [R]
+    banned = listed_mask(ids[heavy], valid[heavy], part.shape[-1])  # [H, V]
+    return log_z.index_put((heavy,), torch.logsumexp(part.masked_fill(banned, float("-inf")), dim=-1))  # [R]
+
+
+def listed_mask(ids: Tensor, valid: Tensor, vocab: int) -> Tensor:
+    """[R, V] bool: True at each row's listed ids.  ``ids``, ``valid`` [R, K] (padded entries: not ``valid``)."""
+    listed = torch.zeros(ids.shape[0], vocab + 1, dtype=torch.bool, device=ids.device)  # [R, V+1] (column V: padding)
+    listed.scatter_(1, torch.where(valid, ids, vocab), True)
+    return listed[:, :vocab]
 
 
 def logprobs_from_logits(

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from sglightning.episodes import Restriction
-from sglightning.scoring import restricted_log_mass
+from sglightning.scoring import listed_mask, restricted_log_mass
 
 
 class RestrictionTable:
@@ -58,9 +58,7 @@ class RestrictionTable:
             return out
         ids, valid = self.stack(rs, device)  # [U, K]
         exclude = _h2d([r.exclude for r in rs], torch.bool, device)  # [U]
-        listed = torch.zeros(len(rs), vocab + 1, dtype=torch.bool, device=device)  # [U, V+1] (column V: padding)
-        listed.scatter_(1, torch.where(valid, ids, vocab), True)
-        listed = listed[:, :vocab]  # [U, V]
+        listed = listed_mask(ids, valid, vocab)  # [U, V]
         out = ids, valid, exclude, torch.where(exclude[:, None], ~listed, listed)
         size = sum(t.numel() * t.element_size() for t in out)
         if self._bytes + size > self.table_bytes:
