@@ -132,8 +132,6 @@ def union_in_words(message: str) -> str:
 
 _SCALAR = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*Expected a <class \'(?P<type>\w+)\'>\. '
                      r'Got value: (?P<value>.*?)\s*$', re.DOTALL)
-_ENV_ARG = re.compile(r'^Parser key "model\.env":.*?Parser key "(?P<arg>\w+)":\s*Expected a <class \'(?P<type>\w+)\'>'
-                      r'\. Got value: (?P<value>.*?)\. Got value: ', re.DOTALL)
 _ENV = re.compile(r'^Parser key "model\.env":.*?(?:class_path=\'(?P<path>[^\']+)\'|dot import path string: '
                   r'(?P<given>\S+)|Got value: (?P<value>[\w.]+)\s*$)', re.DOTALL)
 #: the environments sglightning ships (``model.env.class_path``)
@@ -154,8 +152,6 @@ def value_in_words(message: str) -> str:
     class that cannot be imported (``--model.env HouseEnv``) as one sentence naming the key and what it allows."""
     if m := _SCALAR.match(message.strip()):
         return f"{m['key']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
-    if m := _ENV_ARG.match(message.strip()):  # an init argument of the right class, of the wrong type
-        return f"model.env.init_args.{m['arg']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
     if not (m := _ENV.match(message.strip())):
         return message
     given = m["path"] or m["given"] or m["value"]
