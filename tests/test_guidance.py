@@ -89,6 +89,10 @@ def test_parse_guidance_last_label_line_wins():
         ("Reason: I wrote <think> here\nLabel: negative", "negative"),  # an unclosed tag inside text is text
         ("- Label: neutral", "neutral"),
         ("> **Label**: negative", "negative"),
+        # "reason:" inside a sentence is not a reason line: the label line before it still counts
+        ("Label: positive\nI chose it for one reason: it worked", "positive"),
+        ("Label: negative\nThe reason - it looped", "negative"),
+        ("Label: positive\n**Reason:** looped\nLabel: negative", "negative"),
     ],
 )
 def test_parse_guidance_label_rule(text, label):
@@ -122,6 +126,19 @@ def test_parse_guidance_missing_label(text):
     g = parse_guidance(text)
     assert g.label is None
     assert not g.parsed
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [
+        ("**Reason:** it looped\nLabel: negative", "it looped"),
+        ("> Reason = stuck\nLabel: negative", "stuck"),
+        ("Overall, for one reason: luck\nReason: found the key\nLabel: positive", "found the key"),
+        ("My reason: luck\nLabel: positive", ""),
+    ],
+)
+def test_parse_guidance_reason_is_a_line_of_its_own(text, reason):
+    assert parse_guidance(text).reason == reason
 
 
 def test_parse_guidance_reason_without_label_is_kept():

@@ -213,7 +213,11 @@ _LABEL_LINE = re.compile(
     r"^[^\S\n]*(?:[*_#>\-][^\S\n]*)*label[*_]*[^\S\n]*[:=\-][\s*_\"'`\[(]*(positive|neutral|negative)\b",
     re.IGNORECASE | re.MULTILINE,
 )
-_REASON_LINE = re.compile(r"reason\s*[:=\-]\s*(.*)", re.IGNORECASE)
+# A *reason line*: a line that starts (the same markdown allowed) with ``Reason`` and a separator; the reason is the
+# rest of it.  "for one reason: …" inside a sentence is not one (it would void the label lines written before it).
+_REASON_LINE = re.compile(
+    r"^[^\S\n]*(?:[*_#>\-][^\S\n]*)*reason[*_]*[^\S\n]*[:=\-][*_]*\s*(.*)", re.IGNORECASE | re.MULTILINE
+)
 # where the guidance part of a turn ends: the action part starts (``Action:`` line, a JSON object, an action tag)
 _GUIDANCE_END = re.compile(r"^[^\S\n]*(?:\**action\**[^\S\n]*[:=]|\{|<action>)", re.IGNORECASE | re.MULTILINE)
 # where the actor's part of a free single-stream turn starts: the same line rule, and for the think_tags format a line
@@ -279,7 +283,7 @@ def parse_guidance(text: object) -> Guidance:
     1. ``<think>…</think>`` blocks are removed, and the guidance ends where the action part starts (a line starting
        ``Action:``, ``{`` or ``<action>``, or ``<think>`` after some text: the actor's thought): nothing the model
        writes after it counts as guidance.
-    2. The reason is the text after the first ``Reason:``.
+    2. The reason is the rest of the first *reason line*: a line that starts with ``Reason:`` (markdown allowed).
     3. The label is the **last** *label line* — a line that starts with ``Label:`` (markdown allowed) followed by
        ``positive``, ``neutral`` or ``negative`` — that starts after the ``Reason:``.  A label mentioned inside the
        reason line ("Reason: … Label: positive") is not a label line and never counts; with several label lines the
