@@ -161,3 +161,56 @@ def test_a_checkpoint_with_other_lora_targets_is_one_line(tmp_path, capsys):
                    before="sglightning: validating ")
     assert "k_proj.lora_A.default.weight is not in this config's model: it was trained with another model.policy" \
         in line
+
+
+def test_config_yaml_is_swapped_in_whole(tmp_path):
+    """A resume rewrites the run's only config.yaml.  Written in place, a failure (or a kill) between Lightning's
+    write and the package-version comments left a different file; now a temp file is completed, then swapped in."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import Trainer
+
+    from sglightning.cli import VersionedSaveConfig
+
+    parser = ArgumentParser()
+    parser.add_argument("--lr", type=float, default=0.1)
+    trainer = Trainer(default_root_dir=tmp_path, logger=False, enable_progress_bar=False, enable_model_summary=False)
+    previous = "lr: 0.5\n# package versions of this run (written by sglightning):\n#   torch: x\n"
+    (tmp_path / "config.yaml").write_text(previous)
+
+    class Failing:
+        def package_versions(self):
+            raise RuntimeError("killed")
+
+    with pytest.raises(RuntimeError, match="killed"):
+        VersionedSaveConfig(parser, parser.parse_args([]), overwrite=True).setup(trainer, Failing(), "fit")
+    assert (tmp_path / "config.yaml").read_text() == previous
+
+    class Module:
+        def package_versions(self):
+            return {"torch": "2.x"}
+
+    VersionedSaveConfig(parser, parser.parse_args(["--lr", "0.2"]), overwrite=True).setup(trainer, Module(), "fit")
+    text = (tmp_path / "config.yaml").read_text()
+    assert yaml.safe_load(text) == {"lr": 0.2} and text.endswith("#   torch: 2.x\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # the failed write's temp file is gone
+
+
+def test_a_write_that_fails_midway_keeps_the_previous_file(tmp_path):
+    """Reports and configs go through one atomic writer: a write torn by a failure (or a kill) leaves the previous
+    file whole and no temp file behind."""
+    from sglightning.files import atomic_write, atomic_write_text
+    from sglightning.report import write_validation_report
+
+    path = tmp_path / "validation_report.json"
+    atomic_write_text(path, '{"old": 1}')
+
+    def torn(f):
+        f.write(b'{"new"')
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        atomic_write(path, torn)
+    assert path.read_text() == '{"old": 1}' and [p.name for p in tmp_path.iterdir()] == [path.name]
+    json_path, text = write_validation_report({"modes": {}}, tmp_path)
+    assert json_path == path and yaml.safe_load(path.read_text())["modes"] == {}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["validation_report.json", "validation_report.md"]

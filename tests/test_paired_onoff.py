@@ -38,6 +38,16 @@ def test_pairs_match_by_task_and_order_within_a_task():
     assert episode_pairs({"sg": on}) is None
 
 
+def test_an_episode_whose_reset_failed_still_pairs_by_its_seed():
+    """Its summary has no task id (the env never said it): paired on (seed, task id), it fell out of the sign test,
+    and a task won only without guidance went uncounted."""
+    on = [_ep(100, False), _ep(101, True), _ep(102, True)]
+    on[0]["task_id"] = None  # the reset failed with guidance: lost
+    off = [_ep(100, True), _ep(101, True), _ep(102, False)]
+    assert paired_outcomes(episode_pairs({"sg": on, "nosg": off}))["pairs"] == 3
+    assert paired_outcomes(episode_pairs({"sg": on, "nosg": off}))["only_nosg"] == 1
+
+
 def test_a_report_of_both_modes_holds_the_pairs_in_json_markdown_and_tensorboard():
     from sglightning.episodes import Episode
 

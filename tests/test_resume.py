@@ -27,8 +27,14 @@ def _lora(module):
     return {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
 
 
-def test_resume_from_checkpoint_is_exact(tmp_path):
-    cfg = dict(grpo=GRPOConfig(kl_coef=0.01, total_steps=4))
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_resume_from_checkpoint_is_exact(tmp_path, dropout):
+    """With LoRA dropout too: its masks come from torch's global generator, which no checkpoint holds; the update
+    seeds it from (rollout.seed, step, rank), so the resumed process (another global state) draws the same masks."""
+    from sglightning.models import PolicyConfig
+
+    policy = PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=dropout)
+    cfg = dict(grpo=GRPOConfig(kl_coef=0.01, total_steps=4), policy=policy)
     torch.manual_seed(0)
     straight = tiny_module(**cfg)
     tiny_trainer(tmp_path / "a", steps=4).fit(straight)
@@ -52,9 +58,34 @@ def test_resume_from_checkpoint_is_exact(tmp_path):
     assert a.keys() == b.keys()
     for n in a:
         assert torch.allclose(a[n], b[n], atol=1e-6), n
-    for h_straight, h_resumed in zip(straight.history[2:], resumed.history, strict=True):
+    # the checkpoint keeps the per-step logs: the resumed fit's history (its summary) covers all 4 steps
+    for h_straight, h_resumed in zip(straight.history, resumed.history, strict=True):
         for k in KEYS:
             assert h_straight[k] == h_resumed[k] or abs(h_straight[k] - h_resumed[k]) < 1e-6, k
+    assert resumed.history[0].keys() == straight.history[0].keys()
+
+
+def test_a_resumed_fits_summary_covers_the_whole_run_and_its_validation_before(tmp_path, capsys):
+    """The summary a resumed fit printed covered only the steps of its own process ("2 GRPO steps" of 4) and lost
+    the validation before training (evaluation.before_fit ran in the first process): the checkpoint keeps both."""
+    from sglightning.callbacks import FitSummary
+    from sglightning.data import EvalConfig
+
+    cfg = dict(grpo=GRPOConfig(kl_coef=0.01, total_steps=4), evaluation=EvalConfig(num_tasks=2, before_fit=True))
+    first = tiny_module(**cfg)
+    trainer = tiny_trainer(tmp_path, steps=2, num_sanity_val_steps=-1, limit_val_batches=None)
+    trainer.fit(first)
+    assert first.val_report_before is not None
+    ckpt = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(ckpt)
+    capsys.readouterr()
+    resumed = tiny_module(**cfg)
+    tiny_trainer(tmp_path, steps=4, num_sanity_val_steps=-1, limit_val_batches=None,
+                 callbacks=[FitSummary()]).fit(resumed, ckpt_path=str(ckpt))
+    out = capsys.readouterr().out
+    assert len(resumed.history) == 4 and "sglightning fit: 4 GRPO steps" in out
+    assert resumed.val_report_before == first.val_report_before and resumed.val_report["step"] == 4
+    assert " before " in out and " -> after " in out
 
 
 class _StopAfter(Callback):
@@ -81,18 +112,18 @@ def test_a_resume_with_another_max_steps_keeps_the_trust_schedule(tmp_path, caps
 
     resumed = tiny_module()
     tiny_trainer(tmp_path / "b", steps=4).fit(resumed, ckpt_path=str(ckpt))  # same horizon: nothing to say
-    assert [h["reward/lambda"] for h in resumed.history] == [1.0, 0.5]
+    assert [h["reward/lambda"] for h in resumed.history[2:]] == [1.0, 0.5]
     assert "horizon" not in capsys.readouterr().err
 
     longer = tiny_module()
     tiny_trainer(tmp_path / "c", steps=8).fit(longer, ckpt_path=str(ckpt))
-    assert [h["reward/lambda"] for h in longer.history[:2]] == [1.0, 0.5]  # the 4-step schedule, kept
+    assert [h["reward/lambda"] for h in longer.history[2:4]] == [1.0, 0.5]  # the 4-step schedule, kept
     err = capsys.readouterr().err
     assert err.count("sglightning:") == 1 and "keeps its horizon of 4 steps (set grpo.total_steps" in err
 
     explicit = tiny_module(grpo=GRPOConfig(kl_coef=0.01, total_steps=8))
     tiny_trainer(tmp_path / "d", steps=8).fit(explicit, ckpt_path=str(ckpt))
-    assert [h["reward/lambda"] for h in explicit.history[:2]] == [0.0, 0.0]  # λ of an 8-step schedule at steps 2, 3
+    assert [h["reward/lambda"] for h in explicit.history[2:4]] == [0.0, 0.0]  # λ of an 8-step schedule at steps 2, 3
     assert "grpo.total_steps=8: λ(u) is rescaled" in capsys.readouterr().err
 
 

@@ -5,10 +5,10 @@
   :func:`check_run_dir` refuses one that cannot be created or written, naming the folder and the key, before the
   model loads.
 
-* **Atomic writes.** :class:`AtomicCheckpointIO` writes ``<name>.tmp-<pid>`` next to the target, flushes and fsyncs
-  it, then ``os.replace``-s it over the target (atomic on POSIX within one filesystem) and fsyncs the folder.  A kill
-  at any moment leaves either the previous complete file or the new complete file, never a torn one; a stale
-  ``*.tmp-*`` from a killed write is removed by the next save to that folder.
+* **Atomic writes.** :class:`AtomicCheckpointIO` saves through :func:`sglightning.files.atomic_write`: a temp file
+  next to the target, fsynced, then ``os.replace``-d over it.  A kill at any moment leaves either the previous
+  complete file or the new complete file, never a torn one; a stale temp file from a killed write is removed by the
+  next save to that target.
 * **Safe loads.** ``torch.load(..., weights_only=True)``: a checkpoint is tensors and plain containers, never pickled
   code.  A file that is missing, truncated, not a torch file, or not a sglightning checkpoint raises ``ValueError``
   naming the file and what is wrong with it.
@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from sglightning.errors import ConfigError, not_writable
+from sglightning.errors import ConfigError, nonfinite_stop, not_writable
+from sglightning.files import atomic_write, fsync_dir
 
 
 def run_dir(trainer) -> Path:
@@ -64,6 +65,24 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be used (the message names the file)."""
 
 
+def stop_nonfinite(trainer, limit: int, step: int) -> str:
+    """After ``limit`` non-finite updates in a row, at ``step``: the full state saved to
+    ``checkpoints/nonfinite-stop.ckpt``, the trainer asked to stop, one warning; returns the reason (the CLI's line).
+
+    Args:
+        trainer: the Lightning trainer of the run.
+        limit: ``update.max_consecutive_skips``.
+        step: the training step, counted from 1.
+    """
+    path = run_dir(trainer) / "checkpoints" / "nonfinite-stop.ckpt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
+    reason = nonfinite_stop(limit, step, path)
+    warnings.warn(reason, RuntimeWarning, stacklevel=4)
+    trainer.should_stop = True
+    return reason
+
+
 def check_shapes(checkpoint: dict, own: dict[str, Any]) -> None:
     """``checkpoint``'s tensors are those ``own`` trains (the module's parameters by name, ``requires_grad`` ones
     expected in the checkpoint), each of its shape: else ``CheckpointError`` naming the first that differs (a
@@ -88,38 +107,8 @@ def check_shapes(checkpoint: dict, own: dict[str, Any]) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """``torch.save`` to ``path`` atomically (temp file in the same folder + fsync + ``os.replace``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):
-        try:
-            pid = int(stale.name.rsplit("-", 1)[1])
-        except ValueError:
-            continue
-        if pid == os.getpid() or not _alive(pid):
-            stale.unlink(missing_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)  # make the rename itself durable
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the renames in ``folder`` durable (where the filesystem lets a folder be fsynced)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    """``torch.save`` to ``path`` atomically (:func:`sglightning.files.atomic_write`)."""
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def recover_folder(target: Path) -> None:
@@ -146,18 +135,8 @@ def swap_in_folder(tmp: Path, target: Path) -> None:
     if target.exists():
         os.replace(target, old)
     os.replace(tmp, target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 #: the warnings a checkpoint load said, by place (each once per process, as Python's default filter shows them)

@@ -37,6 +37,7 @@ from sglightning import distributed, threads
 from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
 from sglightning.console import StepProgressBar, quiet, quiet_resume, quiet_validate
 from sglightning.errors import ConfigError, EngineError, OutOfMemory
+from sglightning.files import atomic_write_text, temp_path
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
 from sglightning.preemption import PreemptionCheckpoint, validation_pending
@@ -71,20 +72,30 @@ class VersionedSaveConfig(SaveConfigCallback):
         if self._resumed_from:
             self.config = self.config.clone()
             self.config.ckpt_path = None
-        super().setup(trainer, pl_module, stage)
+        # Lightning writes a temp file; save_config (rank 0, within this call) completes it and swaps it in, so a kill
+        # keeps the previous config.yaml whole (a resume rewrites the run's only copy)
+        self._final = self.config_filename
+        self.config_filename = temp_path(Path(self._final)).name
+        try:
+            super().setup(trainer, pl_module, stage)
+        finally:
+            self.config_filename = self._final
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
         if not self.save_to_log_dir:
             return
-        path = run_dir(trainer) / self.config_filename  # rank 0 only: no trainer.log_dir (a broadcast)
+        tmp = run_dir(trainer) / self.config_filename  # rank 0 only: no trainer.log_dir (a broadcast)
+        if not tmp.is_file():
+            return
+        text = tmp.read_text()
+        if self._resumed_from:
+            text += f"# resumed from {self._resumed_from} (give --ckpt_path to resume again)\n"
         versions = pl_module.package_versions() if hasattr(pl_module, "package_versions") else {}
-        if path.is_file() and (versions or self._resumed_from):
-            with path.open("a") as f:
-                if self._resumed_from:
-                    f.write(f"# resumed from {self._resumed_from} (give --ckpt_path to resume again)\n")
-                f.write("# package versions of this run (written by sglightning):\n")
-                for k, v in versions.items():
-                    f.write(f"#   {k}: {v}\n")
+        if versions:
+            text += "# package versions of this run (written by sglightning):\n"
+            text += "".join(f"#   {k}: {v}\n" for k, v in versions.items())
+        atomic_write_text(tmp.with_name(self._final), text)
+        tmp.unlink(missing_ok=True)
 
 
 # field docs are attribute docstrings (below each dataclass field): --help shows them

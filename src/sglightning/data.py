@@ -14,7 +14,9 @@ the steps it would have played.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from sglightning.episodes import RolloutBatch
+from sglightning.models import drops_out
 
 
 @dataclass
@@ -208,5 +211,32 @@ def sampling_generator(seed: int, step: int, rank: int, salt: int = 0, *, device
                        ) -> torch.Generator:
     """The sampling generator of (seed, step, rank, salt), on ``device`` (the model's: torch draws on CUDA tensors
     only with a CUDA generator, so every caller names it)."""
-    value = seed * 7_919 + step * 104_729 + salt + rank * 15_485_863
-    return torch.Generator(device=torch.device(device)).manual_seed(value)
+    return torch.Generator(device=torch.device(device)).manual_seed(_seed_of(seed, step, rank, salt))
+
+
+def _seed_of(seed: int, step: int, rank: int, salt: int) -> int:
+    return seed * 7_919 + step * 104_729 + salt + rank * 15_485_863
+
+
+@contextlib.contextmanager
+def seeded_dropout(model: torch.nn.Module, seed: int, step: int, rank: int, device: torch.device) -> Iterator[None]:
+    """Inside: torch's global generators (the CPU's, ``device``'s) seeded from (seed, step, rank), as the sampling
+    generators are; after: their earlier states back.  Dropout draws its masks there, so a resumed run's update
+    draws a straight run's masks, and nothing else sees a change.
+
+    Args:
+        model: the policy; without dropout (:func:`sglightning.models.drops_out`) nothing is done.
+        seed: ``rollout.seed``.
+        step: the training step (rollouts done).
+        rank: this process's rank.
+        device: the model's device.
+    """
+    if not drops_out(model):
+        yield
+        return
+    value = _seed_of(seed, step, rank, salt=1)  # salt 1 at a training step: no sampling generator's value
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+        torch.default_generator.manual_seed(value)
+        if device.type == "cuda":
+            torch.cuda.manual_seed(value)  # this device's only
+        yield

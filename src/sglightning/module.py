@@ -11,9 +11,7 @@ One training step u (one :class:`~sglightning.data.StepBatch` of the train loade
      (:func:`~sglightning.metrics.step_logs`, merged over ranks).
 The reference policy is the same module with adapters disabled (never a second copy); its pass is skipped when
 ``grpo.kl_coef == 0``.  A loss or gradient that is not finite skips the update, warns and is counted.
-
-Distributed plumbing (FSDP units, rollouts on gathered weights, gradient sync, merged logs) is in
-:mod:`sglightning.distributed`; the validation report in :mod:`sglightning.report`.
+Distributed plumbing (FSDP units, gathered weights, gradient sync, merged logs): :mod:`sglightning.distributed`.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from lightning.pytorch.cli import OptimizerCallable
 from sglightning import data, distributed, report, rewards, scoring, strategies
 from sglightning.callbacks import RolloutCallback, default_callbacks
 from sglightning.chat import pad_token_id
-from sglightning.checkpointing import check_shapes, run_dir, use_atomic_io
+from sglightning.checkpointing import check_shapes, stop_nonfinite, use_atomic_io
 from sglightning.compiling import compiled_layers
 from sglightning.console import quiet
 from sglightning.data import EvalConfig, RolloutConfig
@@ -40,7 +38,7 @@ from sglightning.envs import build_env, check_env, env_class_of, stack_versions
 from sglightning.envs.base import TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import Episode
-from sglightning.errors import ConfigError, nonfinite_stop, reraise_out_of_memory
+from sglightning.errors import ConfigError, reraise_out_of_memory
 from sglightning.grpo import GRPOConfig, StepCounts
 from sglightning.guidance import GuidanceConfig, check_calibration
 from sglightning.memory import PhasePeak
@@ -67,6 +65,7 @@ from sglightning.update import (
 )
 
 quiet()
+_COUNTERS = ("rollouts_done", "skipped_updates", "consecutive_skips")  # the run's counters a checkpoint keeps
 
 def default_optimizer(params):
     """AdamW at lr 1e-5, used when the config names no ``model.optimizer``."""
@@ -126,8 +125,7 @@ class SelfGuideModule(LightningModule):
         self.history: list[dict[str, float]] = []  # per-step summary for the end-of-run report
         self.train_metrics = EpisodeMetrics()
         self.validation = report.Validation()  # one validation's episodes, by self-guidance mode
-        # the reports of the last validation and of the one before training (evaluation.before_fit): dict | None
-        self.val_report = self.val_report_before = None
+        self.val_report = self.val_report_before = None  # reports: the last validation's, evaluation.before_fit's
         self.trust = rewards.Trust(self.grpo_cfg)  # λ(u): the schedule, its horizon, the labels' reliability
         self._checkpoint_step = 0  # the global step of the checkpoint loaded (validate reports it)
 
@@ -190,7 +188,6 @@ class SelfGuideModule(LightningModule):
 
     def on_fit_start(self) -> None:
         warn_low_precision_adapters(self.policy)  # after the precision plugin converted the model (bf16-true does)
-        self.val_report = self.val_report_before = None  # this fit's validations only (not an earlier validate's)
 
     def generation_weights(self):
         """Rollouts: whole weights for the whole rollout under FSDP (:func:`distributed.generation_weights`)."""
@@ -212,13 +209,15 @@ class SelfGuideModule(LightningModule):
         return RolloutCallback(self.rollout_cfg, self.eval_cfg, self.guidance_cfg, self.env_factory,
                                engine=make_engine(self.engine_cfg),
                                chat_template_kwargs=self.policy_cfg.chat_template_kwargs,
-                               informative=self.informative_groups, policy=self.policy_cfg)
+                               informative=self.informative_groups, policy=self.policy_cfg, grpo=self.grpo_cfg)
 
     def configure_callbacks(self):
         return default_callbacks(self.trainer if self._trainer is not None else None, self.rollout_callback())
 
     def setup(self, stage: str) -> None:
         use_atomic_io(self.trainer.strategy)
+        if stage == "fit":  # this fit's validations only (not an earlier validate's); a resume then restores "before"
+            self.val_report = self.val_report_before = None
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -292,7 +291,8 @@ class SelfGuideModule(LightningModule):
                                   drop_failed_groups=self.rollout_cfg.failed_episodes == "drop_group")
         # grpo.ppo_epochs optimiser steps on it (every rank, with or without rows: the same collectives)
         try:
-            with timing() as times, phase("update"), compiled_layers(self.policy, self.update_cfg.compile):
+            dropout = data.seeded_dropout(self.policy, self.rollout_cfg.seed, step, self.global_rank, self.device)
+            with timing() as times, phase("update"), compiled_layers(self.policy, self.update_cfg.compile), dropout:
                 update_logs = self.update(prepared)
         except RuntimeError as err:  # out of memory, maybe wrapped by the compiler (a backward compiled lazily)
             reraise_out_of_memory("update", err, self.rollouts_done + 1)
@@ -310,7 +310,7 @@ class SelfGuideModule(LightningModule):
         logs["train/skipped_updates"] = float(self.skipped_updates)
         self.rollouts_done += 1
         logs = distributed.reduce_logs(logs, SUM_KEYS, self._world()[1])
-        self.history.append(logs)
+        self.history.append({k: float(v) for k, v in logs.items()})
         self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(rb.episodes))
         self._log_at_global_step(on_step=True, on_epoch=False)
         self.log("success", logs["rollout/success_rate"], on_step=True, prog_bar=True, logger=False)
@@ -430,12 +430,7 @@ class SelfGuideModule(LightningModule):
         self.consecutive_skips += 1
         limit = self.update_cfg.max_consecutive_skips
         if limit and self.consecutive_skips >= limit:
-            path = run_dir(self.trainer) / "checkpoints" / "nonfinite-stop.ckpt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
-            self.stop_reason = nonfinite_stop(limit, self.rollouts_done + 1, path)
-            warnings.warn(self.stop_reason, RuntimeWarning, stacklevel=2)
-            self.trainer.should_stop = True
+            self.stop_reason = stop_nonfinite(self.trainer, limit, self.rollouts_done + 1)
         return {"train/update_skipped": 1.0}
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -474,10 +469,11 @@ class SelfGuideModule(LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if not strategies.writes_distributed_checkpoint(self.trainer.strategy):  # those keep the whole model
             checkpoint["state_dict"] = strategies.trainable_entries(checkpoint["state_dict"], self)  # adapters only
-        checkpoint["sglightning"] = {"rollouts_done": self.rollouts_done, "skipped_updates": self.skipped_updates,
-                                     "consecutive_skips": self.consecutive_skips,
+        checkpoint["sglightning"] = {**{k: getattr(self, k) for k in _COUNTERS},
                                      "trust_meter": self.trust.meter.state_dict(),
-                                     "trust_horizon": self.schedule_horizon() if self._trainer is not None else None}
+                                     "trust_horizon": self.schedule_horizon() if self._trainer is not None else None,
+                                     "history": report.history_state(self.history),  # the fit summary's steps
+                                     "val_report_before": self.val_report_before}
         # no config in the checkpoint: `validate --ckpt_path` uses the one given (LightningCLI would re-apply it)
         for key in ("hyper_parameters", "hparams_name"):
             checkpoint.pop(key, None)
@@ -491,9 +487,12 @@ class SelfGuideModule(LightningModule):
             check_shapes(checkpoint, dict(self.named_parameters()))
         state = checkpoint.get("sglightning", {})
         self._checkpoint_step = int(checkpoint.get("global_step", 0))
-        self.rollouts_done, self.skipped_updates, self.consecutive_skips = (
-            int(state.get(k, 0)) for k in ("rollouts_done", "skipped_updates", "consecutive_skips"))
+        for k in _COUNTERS:
+            setattr(self, k, int(state.get(k, 0)))
         self.trust.meter.load_state_dict(state.get("trust_meter", {}))
+        if self._trainer is not None and self.trainer.state.fn == "fit":  # the summary of a resumed fit: every step
+            self.history, self.val_report_before = report.history_from_state(state.get("history")), state.get(
+                "val_report_before", self.val_report_before)
         if state.get("trust_horizon") is not None and self._trainer is not None and self.trainer.state.fn == "fit":
             line = self.trust.restore(state["trust_horizon"], self.total_steps())  # validate needs no horizon
             if line and self.trainer.global_rank == 0:

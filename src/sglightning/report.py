@@ -22,6 +22,7 @@ from sglightning import distributed, memory
 from sglightning.calibration import calibration_stats
 from sglightning.diagnostics import PATTERNS, WEBSHOP_PATTERNS, episode_summary, failure_pattern_rates
 from sglightning.episodes import Episode, RolloutBatch
+from sglightning.files import atomic_write_text
 from sglightning.guidance import valid_text
 from sglightning.metrics import EpisodeMetrics, per_task_type_success
 from sglightning.profiling import PHASES, log_key
@@ -47,17 +48,18 @@ def sign_test(a: int, b: int) -> float:
 def episode_pairs(episodes: dict[str, list[dict]]) -> list[tuple[dict, dict]] | None:
     """(with guidance, without) pairs of episode summaries (a report's ``episodes``, mode → summaries); ``None``
     unless both modes were played. Both modes play the same evaluation tasks with the same seeds, so the k-th episode
-    of a task with guidance and the k-th without form a pair."""
+    of a seed with guidance and the k-th without form a pair (by seed alone: an episode whose reset failed has no
+    task id, and still counts, as lost)."""
     if "sg" not in episodes or "nosg" not in episodes:
         return None
 
     def keyed(eps: list[dict]) -> dict[tuple, dict]:
-        seen: dict[tuple, int] = {}
+        seen: dict[Any, int] = {}
         out = {}
         for e in eps:
-            task = (e.get("seed"), e.get("task_id"))
-            seen[task] = seen.get(task, -1) + 1
-            out[(*task, seen[task])] = e
+            seed = e.get("seed")
+            seen[seed] = seen.get(seed, -1) + 1
+            out[(seed, seen[seed])] = e
         return out
 
     on, off = keyed(episodes["sg"]), keyed(episodes["nosg"])
@@ -318,12 +320,11 @@ def run_settings(module, checkpoint: str | None = None) -> dict[str, Any]:
 
 
 def write_validation_report(report: dict[str, Any], folder: Path) -> tuple[Path, str]:
-    """Writes ``report`` to ``folder`` as ``validation_report.json`` and ``.md``; returns the JSON's path and the
-    Markdown."""
-    folder.mkdir(parents=True, exist_ok=True)
+    """Writes ``report`` to ``folder`` as ``validation_report.json`` and ``.md``, each atomically (a kill keeps the
+    previous report whole); returns the JSON's path and the Markdown."""
     text = report_markdown(report)
-    (folder / "validation_report.json").write_text(json.dumps(report, indent=2, default=str))
-    (folder / "validation_report.md").write_text(text)
+    atomic_write_text(folder / "validation_report.json", json.dumps(report, indent=2, default=str))
+    atomic_write_text(folder / "validation_report.md", text)
     return folder / "validation_report.json", text
 
 
@@ -370,6 +371,33 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
     if report_path is not None:
         lines.append(f"  report            {report_path}")
     return "\n".join(lines)
+
+
+def history_state(hist: list[dict[str, float]]) -> dict[str, Any]:
+    """The per-step logs as a checkpoint keeps them, so a resumed fit's summary covers every step: the keys once, the
+    values as a ``[steps, keys]`` float64 tensor and a mask of what each step logged (some keys are logged on some
+    steps only).
+
+    Args:
+        hist: one dict of floats per training step.
+    """
+    keys = sorted({k for r in hist for k in r})
+    shape = (len(hist), len(keys))
+    values = torch.tensor([[r.get(k, 0.0) for k in keys] for r in hist], dtype=torch.float64).reshape(shape)
+    logged = torch.tensor([[k in r for k in keys] for r in hist], dtype=torch.bool).reshape(shape)
+    return {"keys": keys, "values": values, "logged": logged}
+
+
+def history_from_state(state: dict[str, Any] | None) -> list[dict[str, float]]:
+    """The per-step logs back from :func:`history_state` (a checkpoint without them: none).
+
+    Args:
+        state: what :func:`history_state` returned, or None.
+    """
+    if not state:
+        return []
+    keys, values, logged = state["keys"], state["values"].tolist(), state["logged"].tolist()
+    return [{k: v for k, v, m in zip(keys, row, mask) if m} for row, mask in zip(values, logged)]
 
 
 def _memory_lines(hist: list[dict]) -> list[str]:
