@@ -418,3 +418,135 @@ def test_drops_out_sees_lora_dropout_and_the_configs_dropout_rates():
     assert drops_out(model)
     model, _ = load_policy(PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8, lora_dropout=0.1))
     assert drops_out(model)
+
+
+# ==================================================================== the vLLM engine's client side, on fake servers
+class _FakeClient:
+    """A vLLM client whose completions are scripted: ``answer(body)`` returns the response or raises."""
+
+    url = "http://127.0.0.1:9"
+
+    def __init__(self, answer, healthy=True):
+        self.answer, self._healthy, self.bodies = answer, healthy, []
+
+    def completions(self, body):
+        self.bodies.append(body)
+        return self.answer(body)
+
+    def healthy(self, timeout=5.0):
+        return self._healthy
+
+
+def _fake_engine(client):
+    import concurrent.futures
+
+    from sglightning.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(EngineConfig(backend="vllm", url=client.url))
+    engine.client, engine.pool = client, concurrent.futures.ThreadPoolExecutor(4)
+    return engine
+
+
+def _one_token(body):
+    return {"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-0.5]}}], "usage": {"prompt_tokens": 3}}
+
+
+def test_every_vllm_request_names_neutral_sampling_settings():
+    """A field a request leaves out comes from the model's generation_config.json on a server started without
+    --generation-config vllm (Qwen3: top_k 20, top_p 0.95): the engine would draw from a cut distribution the
+    trainer never scores.  Every request names them; a launched server is started with --generation-config vllm."""
+    from sglightning.engines.program import Choice, Free
+    from sglightning.engines.vllm import NEUTRAL_SAMPLING
+
+    client = _FakeClient(lambda body: {"choices": [{"token_ids": [body.get("allowed_token_ids", [5])[0]],
+                                                    "logprobs": {"token_logprobs": [-0.5]}}], "usage": {}})
+    engine = _fake_engine(client)
+    session = engine.session(None, 0, temperature=0.7)
+    session.feed([[1, 2, 3]])
+    session.run([[Free(1, frozenset()), Choice([[7], [8]])]])
+    assert len(client.bodies) == 2
+    for body in client.bodies:
+        assert {k: body[k] for k in NEUTRAL_SAMPLING} == {"top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                                                          "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                                                          "frequency_penalty": 0.0}
+        assert body["temperature"] == 0.7
+    engine.model_path = "m"
+    cmd = engine.command(8000)
+    assert cmd[cmd.index("--generation-config") + 1] == "vllm"
+
+
+@pytest.mark.parametrize("healthy,failing,raises", [
+    (False, {0}, "no longer answers /health"),  # an engine that died answered its last requests with errors
+    (True, {0, 1}, "every request of this turn failed"),  # e.g. a hung engine core: every row times out
+    (True, {0}, None),  # one request failed on a healthy engine: its episode fails, the others go on
+])
+def test_a_vllm_engine_that_fails_its_requests_abandons_the_step(healthy, failing, raises):
+    """The client took an HTTP 500 (or a timeout) as one row's failure, so a dying engine gave a whole step of failed
+    episodes that was trained on and checkpointed; only the next step said the engine was gone."""
+    from sglightning.engines.program import Free
+    from sglightning.engines.server import RequestFailed
+    from sglightning.errors import EngineError
+
+    def answer(body):
+        if body["prompt"][0] in failing:
+            raise RequestFailed("HTTP 500 from /v1/completions: EngineDeadError")
+        return _one_token(body)
+
+    session = _fake_engine(_FakeClient(answer, healthy=healthy)).session(None, 0)
+    session.feed([[0], [1]])
+    if raises:
+        with pytest.raises(EngineError, match=raises):
+            session.run([[Free(1, frozenset())], [Free(1, frozenset())]])
+    else:
+        out = session.run([[Free(1, frozenset())], [Free(1, frozenset())]])
+        assert out[0][-1].error.startswith("engine: HTTP 500") and out[1][-1].error is None
+
+
+def test_a_launched_vllm_server_is_refused_on_several_nodes():
+    """Rank 0 would send every node its 127.0.0.1 URL and its local adapter folders; one line instead."""
+    from sglightning.engines.base import RunContext
+    from sglightning.engines.vllm import VLLMEngine
+    from sglightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.engine.url: a launched vLLM server serves one machine, and this "
+                                          "run has 2 nodes"):
+        VLLMEngine(EngineConfig(backend="vllm")).start(RunContext(rank=0, world_size=4, nodes=2))
+
+
+def test_the_sync_tolerance_follows_the_trainers_precision_too():
+    """An fp32 engine against a bf16 trainer (policy.dtype auto on a GPU) differs by ~0.03 on the probe: with the
+    fp32 bound of 1e-3 the first sync stopped the run after the server's minutes-long start."""
+    cfg = EngineConfig(backend="vllm")
+    assert cfg.tolerance() == 1e-3 and cfg.tolerance(trainer_half=True) == 0.15
+    assert EngineConfig(backend="vllm", dtype="bfloat16").tolerance() == 0.15
+    assert EngineConfig(backend="vllm", sync_tolerance=0.5).tolerance(trainer_half=True) == 0.5
+
+
+def test_a_plain_trainer_fit_checks_the_engine_like_the_cli(tmp_path):
+    """The engine's checks ran only in the CLI: Trainer.fit accepted a bf16 vLLM engine with no rollout correction
+    and trained on its log-probs as the old policy."""
+    from tiny import tiny_module, tiny_trainer
+
+    from sglightning.errors import ConfigError
+    from sglightning.grpo import GRPOConfig
+
+    module = tiny_module(engine=EngineConfig(backend="vllm", dtype="bfloat16", url="http://127.0.0.1:9"),
+                         grpo=GRPOConfig(rollout_correction=None))
+    with pytest.raises(ConfigError, match="grpo.rollout_correction: an engine in bfloat16"):
+        tiny_trainer(tmp_path).fit(module)
+    assert module.policy is None  # refused before the model loaded
+
+
+def test_a_vllm_sync_failing_on_rank_0_fails_every_rank_at_once(tmp_path):
+    """Rank 0 loads the adapter into the shared server and broadcasts its name: when it raised before the broadcast,
+    the other ranks waited there until the process group timed out (30 min by default)."""
+    import json
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(here / "engine_ranks.py"), str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["raised"].startswith("EngineError: the vLLM engine refused adapter")
+    assert r1["raised"] == r0["raised"] and r1["s"] < 20, r1

@@ -94,8 +94,8 @@ class EngineConfig:
     max_concurrency: int = 64
     """requests in flight at once (the engine batches them)"""
     sync_tolerance: float | None = None
-    """allowed mean log-prob gap, engine vs trainer, on a probe after each adapter sync (one token: 10×); null = 1e-3
-    for float32, else 0.15"""
+    """allowed mean log-prob gap, engine vs trainer, on a probe after each adapter sync (one token: 10×); null: 1e-3
+    in float32, else 0.15"""
     adapter_dir: str | None = None
     """where adapter versions are written for the engine to load; null = a temporary folder removed at exit"""
     host: str = "127.0.0.1"
@@ -136,11 +136,12 @@ class EngineConfig:
         if not isinstance(self.env, dict) or not all(isinstance(v, str) for v in self.env.values()):
             raise ValueError("model.engine.env: must map variable names to strings")
 
-    @property
-    def tolerance(self) -> float:
+    def tolerance(self, trainer_half: bool = False) -> float:
+        """The sync's bound on the probe's mean gap: ``sync_tolerance``, else 1e-3 when the engine and the trainer
+        (``trainer_half`` False) both compute in float32, else 0.15."""
         if self.sync_tolerance is not None:
             return self.sync_tolerance
-        return 1e-3 if self.dtype == "float32" else 0.15
+        return 1e-3 if self.dtype == "float32" and not trainer_half else 0.15
 
 
 def make_engine(cfg: EngineConfig | None = None) -> Engine:

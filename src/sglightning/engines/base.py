@@ -96,6 +96,8 @@ class RunContext:
 
     rank: int = 0
     world_size: int = 1
+    #: machines the processes run on (``trainer.num_nodes``)
+    nodes: int = 1
     #: the policy's config (:class:`~sglightning.models.PolicyConfig`): the base model an external engine serves
     policy: Any = None
     #: the longest context a rollout keeps (``rollout.max_context_tokens``)

@@ -47,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -75,6 +76,13 @@ def row_seeds(generator: torch.Generator | None, rows: int) -> list[int]:
         rows: how many seeds."""
     device = generator.device if generator is not None else "cpu"
     return torch.randint(0, 2**31 - 1, (rows,), generator=generator, device=device).tolist()
+
+
+#: every sampling field a request leaves out comes from the model's ``generation_config.json`` on a server started
+#: without ``--generation-config vllm`` (Qwen3: top_k 20, top_p 0.95): the draw would be cut where the trainer scores
+#: the whole softmax.  Each request names them, so a server given as ``engine.url`` samples as the trainer scores too
+NEUTRAL_SAMPLING = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                    "frequency_penalty": 0.0}
 
 
 class VLLMSession(Session):
@@ -122,7 +130,14 @@ class VLLMSession(Session):
         seeds = row_seeds(self.generator, len(programs))
         pool = self.engine.pool
         futures = [pool.submit(self._run_row, i, list(p), s) for i, (p, s) in enumerate(zip(programs, seeds))]
-        return [f.result() for f in futures]
+        out = [f.result() for f in futures]
+        errors = [pieces[-1].error for pieces in out if pieces and pieces[-1].error]
+        if errors:  # a dying engine answers its last requests with errors: the step is abandoned, not trained on
+            self.engine.check_serving()
+            if len(errors) == len(out):
+                raise EngineError(f"every request of this turn failed ({len(errors)} rows), e.g. {errors[0]} "
+                                  f"(log: {self.engine.server_log})")
+        return out
 
     def _run_row(self, row: int, program: list, seed: int) -> list[Piece]:
         st = ProgramState(program)
@@ -178,6 +193,7 @@ class VLLMSession(Session):
     def _sample(self, ctx: list[int], max_tokens: int, seed: int, *, allowed: list[int] | None = None,
                 stop: frozenset[int] = frozenset(), banned: frozenset[int] = frozenset()) -> tuple[list[int], list]:
         body: dict = {
+            **NEUTRAL_SAMPLING,
             "model": self.engine.adapter_name,
             "prompt": list(ctx),
             "max_tokens": int(max_tokens),
@@ -238,6 +254,7 @@ class VLLMEngine(Engine):
         self.rank = 0
         self.last_sync_s = 0.0
         self.last_sync_gap = 0.0
+        self.trainer_half = False  # the trainer's weights are bf16/fp16 (the probe's reference is then as coarse)
         # adapter names are policy-v<step>.<tag>: runs (or tests) sharing one server never collide
         self.tag = f"{os.getpid():x}{time.time_ns() % 16**6:06x}"
 
@@ -291,10 +308,11 @@ class VLLMEngine(Engine):
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.cfg.max_concurrency,
                                                           thread_name_prefix="vllm-request")
         url = self.cfg.url
+        if run.nodes > 1 and url is None:  # every rank would be sent rank 0's 127.0.0.1 and its adapter folders
+            raise ConfigError(f"model.engine.url: a launched vLLM server serves one machine, and this run has "
+                              f"{run.nodes} nodes; start a server reachable from every node and give its URL")
         if run.world_size > 1 and url is None:  # one server on this node, launched by rank 0, shared by all
-            if run.rank == 0:
-                self._launch()
-            url = distributed.broadcast_object(self.client.url if run.rank == 0 else None)
+            url = self._on_rank0(lambda: self._launch() or self.client.url)
             if run.rank == 0:
                 self._make_adapter_root()
                 return self
@@ -335,13 +353,33 @@ class VLLMEngine(Engine):
         probe = self._probe_ids(weights)
         with weights.gathered():
             reference = weights.probe_logprobs(probe)  # every rank (a collective under FSDP)
-        if self.rank == 0:
+        self.trainer_half = weights.model.get_input_embeddings().weight.dtype in (torch.bfloat16, torch.float16)
+
+        def sync() -> str:
             self.sync(weights.version, lambda folder: weights.write_adapter(state, folder), lambda ids: reference,
                       probe)
-        name = distributed.broadcast_object(self.adapter_name if self.rank == 0 else None)  # (a barrier, too)
+            return self.adapter_name
+
+        name = self._on_rank0(sync)  # (a barrier, too)
         if self.rank != 0:  # the adapter rank 0 loaded into the shared server
             self.adopt(weights.version, name)
         yield {"sync_s": self.last_sync_s, "sync_gap": self.last_sync_gap, "loaded_adapters": float(len(self.loaded))}
+
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on rank 0 and its result on every rank (one broadcast).  Its failure fails every rank at once, in
+        the same words: the others would otherwise wait at the next collective until the process group times out."""
+        result, failure = None, None
+        if self.rank == 0:
+            try:
+                result = fn()
+            except Exception as err:
+                failure = (isinstance(err, ConfigError), str(err))
+                distributed.broadcast_object((None, failure))
+                raise
+        result, failure = distributed.broadcast_object((result, failure) if self.rank == 0 else None)
+        if failure is not None:
+            raise (ConfigError if failure[0] else EngineError)(failure[1])
+        return result
 
     @staticmethod
     def _probe_ids(weights: Weights) -> list[int]:
@@ -358,7 +396,7 @@ class VLLMEngine(Engine):
             "--dtype", self.cfg.dtype, "--max-model-len", str(self.max_model_len),
             "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(self.cfg.max_loras),
             "--logprobs-mode", "processed_logprobs", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--seed", "0", "--uvicorn-log-level", "warning",
+            "--seed", "0", "--uvicorn-log-level", "warning", "--generation-config", "vllm",
             *self._cpu_args(),
             *self.cfg.extra_args,
         ]
@@ -417,6 +455,14 @@ class VLLMEngine(Engine):
             raise EngineError(f"the vLLM engine (pid {self.server.pid}) has exited: {self.server.log_tail()} "
                               f"(log: {self.server.log_path})")
 
+    def check_serving(self) -> None:
+        """After a failed request: an engine that exited or no longer answers ``/health`` (vLLM's answers 503 once
+        its engine core died) is an :class:`EngineError`."""
+        self.check_alive()
+        if not self.client.healthy(timeout=10):
+            raise EngineError(f"the vLLM engine at {self.client.url} no longer answers /health "
+                              f"(log: {self.server_log})")
+
     # --------------------------------------------------------------------------------------------------------------
     def sync(self, version: int, save_adapter: Callable[[Path], None],
              trainer_logprobs: Callable[[list[int]], list[float]], probe_ids: list[int]) -> float:
@@ -436,9 +482,11 @@ class VLLMEngine(Engine):
         try:
             gap, largest = self.probe_gap(name, probe_ids, trainer_logprobs(probe_ids))
         except RequestFailed as err:
+            self.client.unload_lora(name)
+            shutil.rmtree(folder, ignore_errors=True)
             raise EngineError(f"adapter sync to step {version}: the engine failed the probe ({err}); "
                               f"{self.server.log_tail() if self.server is not None else ''}") from None
-        tol = self.cfg.tolerance
+        tol = self.cfg.tolerance(self.trainer_half)
         if not (gap <= tol and largest <= LARGEST_GAP * tol):
             self.client.unload_lora(name)
             shutil.rmtree(folder, ignore_errors=True)

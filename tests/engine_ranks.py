@@ -1,0 +1,82 @@
+"""Two gloo processes, no server: rank 0's vLLM adapter sync fails (the engine refuses the adapter).  Each rank writes
+what it raised, and after how long, to OUT/rank{r}.json (argv[1]).  Run by
+tests/test_engines.py::test_a_vllm_sync_failing_on_rank_0_fails_every_rank_at_once."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from sglightning.engines import EngineConfig
+from sglightning.engines.vllm import VLLMEngine
+from sglightning.errors import EngineError
+
+
+class _Tokenizer:
+    def encode(self, text):
+        return [1, 2, 3, 4]
+
+
+class _Embeddings:
+    class weight:  # noqa: N801 - a stand-in for a parameter
+        dtype = None
+
+
+class _Model:
+    def get_input_embeddings(self):
+        return _Embeddings()
+
+
+class _Weights:
+    version, sharding, model, tokenizer = 1, None, _Model(), _Tokenizer()
+
+    def gathered(self):
+        return contextlib.nullcontext()
+
+    def adapter_state(self):
+        return {}
+
+    def write_adapter(self, state, folder):
+        os.makedirs(folder, exist_ok=True)
+
+    def probe_logprobs(self, ids):
+        return [None, -1.0, -1.0, -1.0]
+
+
+class _RefusingClient:
+    url = "http://127.0.0.1:9"
+
+    def load_lora(self, name, path):
+        raise EngineError(f"the vLLM engine refused adapter {path}: HTTP 400")
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    engine = VLLMEngine(EngineConfig(backend="vllm", url=_RefusingClient.url))
+    engine.rank, engine.client, engine._adapter_root = rank, _RefusingClient(), Path(out)
+    t0 = time.perf_counter()
+    try:
+        with engine.sampling(_Weights()):
+            raised = None
+    except Exception as err:  # noqa: BLE001 - what each rank raised is the result
+        raised = f"{type(err).__name__}: {err}"
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"raised": raised, "s": time.perf_counter() - t0}))
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it (an abort at exit otherwise)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free_port = s.getsockname()[1]
+    mp.spawn(_rank, args=(free_port, sys.argv[1]), nprocs=2)
