@@ -283,6 +283,14 @@ def test_cli_validate_under_ddp_reports_every_episode_once(tmp_path):
     report = json.loads(reports[0].read_text())
     for mode in ("sg", "nosg"):
         assert sorted(e["seed"] for e in report["episodes"][mode]) == [1_000_000 + i for i in range(5)]
+    # one process plays the same draws: validation is seeded per batch of tasks, not per rank
+    one = _cli(tmp_path / "one", "--model.evaluation.num_tasks=5", "--model.evaluation.tasks_per_batch=2",
+               command="validate", timeout=300, devices=1)
+    assert one.returncode == 0, one.stderr[-4000:]
+    single = json.loads(next((tmp_path / "one").rglob("validation_report.json")).read_text())
+    for mode in ("sg", "nosg"):
+        by_seed = {e["seed"]: (e["actions"], e["labels"]) for e in single["episodes"][mode]}
+        assert {e["seed"]: (e["actions"], e["labels"]) for e in report["episodes"][mode]} == by_seed, mode
 
 
 def test_checkpoint_swap_cut_in_half_is_undone(tmp_path):

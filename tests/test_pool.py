@@ -192,6 +192,44 @@ def test_reset_that_hangs_past_its_timeout_fails_the_episode():
         assert out[0].error == "reset: timeout after 0.3 s" and out[1].ok
 
 
+def test_an_env_built_after_its_slot_was_given_up_is_closed():
+    """An env whose construction outlived reset_timeout_s (a JVM starting), or the pool's close, was stored by its
+    worker after the pool had looked for it, and never closed: JVMs piled up, one per slow start."""
+    built, closed = [], []
+
+    class SlowStart(SleepyEnv):
+        def __init__(self):
+            super().__init__()
+            time.sleep(0.5)
+            built.append(self)
+
+        def close(self):
+            closed.append(self)
+
+    with EnvPool(SlowStart, reset_timeout_s=0.2) as pool:
+        assert pool.reset_many([(0, 1, "train")])[0].error == "reset: timeout after 0.2 s"
+        time.sleep(0.6)  # the slow env is built now, after its slot was retired
+        assert len(built) == 1 and closed == built
+        pool.reset_many([(1, 2, "train")])  # a second slot, still being built when the pool closes
+    time.sleep(0.6)
+    assert len(built) == 2 and closed == built
+
+
+def test_failing_envs_leave_no_thread_behind_and_count_none_as_abandoned():
+    """Each retired slot's closing thread was kept until close (one per failure, for the whole run), and a worker
+    whose call had already failed counted as abandoned while its thread was still ending."""
+    class Failing(SleepyEnv):
+        def step(self, action):
+            raise RuntimeError("boom")
+
+    with EnvPool(Failing) as pool:
+        for _ in range(20):
+            pool.reset_many([(0, 1, "train")])
+            assert "boom" in pool.step_many([(0, "wait")])[0].error
+        time.sleep(0.1)
+        assert pool.replaced == 20 and pool.abandoned_threads == 0 and len(pool._closers) <= 1
+
+
 def test_split_reaches_envs_that_take_it_and_old_envs_still_train():
     class OldEnv(SleepyEnv):
         def reset(self, seed):  # a user env written before splits existed

@@ -98,6 +98,53 @@ def test_group_members_get_the_groups_seed(tok):
     assert [r.pool.peek(i) for i in range(6)] == envs
 
 
+def test_an_episode_the_envs_own_step_limit_ends_counts_as_truncated(tok):
+    """The env's limit (``info["truncated"]``, HouseholdEnv's and ALFWorld's max_steps) ended episodes that
+    ``rollout/truncated_rate`` reported as not truncated: only the rollout's own limit counted."""
+    from sglightning.metrics import EpisodeMetrics
+
+    lm = ScriptedLM(tok, scripted_reply())
+    env = functools.partial(HouseholdEnv, difficulty=2, info_actions=False, max_steps=2)
+    batch = Rollout(lm, tok, env, GuidanceConfig(), RolloutConfig(group_size=2, max_steps=6)).run([3])
+    for ep in batch.episodes:
+        assert ep.done and not ep.won and len(ep.steps) == 2 and ep.truncated
+    metrics = EpisodeMetrics()
+    metrics.update(batch)
+    assert metrics.compute()["rollout/truncated_rate"] == 1.0
+
+
+class _FirstResetOfSeed3Fails(HouseholdEnv):
+    """The first reset of seed 3 in the process raises (one member of the group), every other one works."""
+
+    failed = False
+
+    def reset(self, seed, split="train"):
+        if seed == 3 and not _FirstResetOfSeed3Fails.failed:
+            _FirstResetOfSeed3Fails.failed = True
+            raise RuntimeError("injected")
+        return super().reset(seed, split)
+
+
+def test_an_episode_whose_reset_failed_is_named_after_its_task(tok):
+    """It kept the default task type: the per-type success table got a made-up type, and its real type's share
+    missed one lost episode.  It takes its task from a member of its group that reset (the seed fixes the task);
+    with none, its type says the reset failed."""
+    from sglightning.envs.faults import FaultyEnv
+    from sglightning.metrics import per_task_type_success
+    from sglightning.rollout import UNKNOWN_TASK_TYPE
+
+    lm = ScriptedLM(tok, scripted_reply())
+    env = functools.partial(_FirstResetOfSeed3Fails, difficulty=0, info_actions=False)
+    batch = Rollout(lm, tok, env, GuidanceConfig(), RolloutConfig(group_size=2, max_steps=1)).run([3])
+    failed, fine = sorted(batch.episodes, key=lambda e: e.error is None)
+    assert failed.error and fine.error is None and _FirstResetOfSeed3Fails.failed
+    assert (failed.task, failed.task_type, failed.info["task_id"]) == (fine.task, fine.task_type, fine.info["task_id"])
+    assert list(per_task_type_success(batch.episodes)) == [fine.task_type]
+    faulty = functools.partial(FaultyEnv, env=ENV, faults={4: "reset_raise"})
+    batch = Rollout(lm, tok, faulty, GuidanceConfig(), RolloutConfig(group_size=2, max_steps=1)).run([4])
+    assert [e.task_type for e in batch.episodes] == [UNKNOWN_TASK_TYPE] * 2
+
+
 def test_negative_labels_give_negative_internal_reward_and_penalties(tok):
     lm = ScriptedLM(tok, scripted_reply("negative", action=lambda ctx: "dance wildly"))
     cfg = RolloutConfig(group_size=2, max_steps=3)

@@ -35,6 +35,7 @@ from sglightning.engines.base import Engine, RunContext
 from sglightning.envs.base import TextEnv
 from sglightning.episodes import Episode, RolloutBatch
 from sglightning.errors import ConfigError, EngineError, out_of_memory
+from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
 from sglightning.models import PolicyConfig, base_signature
@@ -68,15 +69,17 @@ class RolloutCallback(Callback):
         informative: Callable[[Sequence[Episode]], set[int]] | None = None,
         text_every_n_steps: int = 1,
         policy: PolicyConfig | None = None,
+        grpo: GRPOConfig | None = None,
     ):
         """``engine``: generates the episodes (default: the in-process engine); ``policy`` names the base model an
-        external engine serves."""
+        external engine serves; with ``grpo`` the engine checks what it cannot serve (:meth:`Engine.check`) at setup,
+        before it starts (the CLI checks earlier, a plain ``Trainer.fit`` there)."""
         self.rollout_cfg, self.eval_cfg, self.guidance_cfg = rollout, evaluation, guidance
         self.env_factory, self.chat_template_kwargs = env_factory, chat_template_kwargs
         self.informative = informative
         self.text_every_n_steps = text_every_n_steps
         self.engine = engine if engine is not None else make_engine()
-        self.policy_cfg = policy
+        self.policy_cfg, self.grpo_cfg = policy, grpo
         self.rollout: Rollout | None = None
 
     def rollout_for(self, pl_module: LightningModule) -> Rollout:
@@ -94,8 +97,10 @@ class RolloutCallback(Callback):
 
     # ------------------------------------------------------------------------------------------------------------------
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.grpo_cfg is not None:
+            self.engine.check(self.policy_cfg or PolicyConfig(), self.rollout_cfg, self.grpo_cfg)
         self.engine.start(RunContext(rank=trainer.global_rank, world_size=trainer.world_size, policy=self.policy_cfg,
-                                     max_context_tokens=self.rollout_cfg.max_context_tokens))
+                                     max_context_tokens=self.rollout_cfg.max_context_tokens, nodes=trainer.num_nodes))
 
     @contextlib.contextmanager
     def _sampling(self, pl_module: LightningModule):
@@ -205,9 +210,9 @@ class RolloutCallback(Callback):
                 if not batch.seeds:  # a padding batch (ranks run equally many batches): nothing to play
                     batch.rollouts[mode] = RolloutBatch(episodes=[])
                     continue
-                # seeded by evaluation.seed and the task, not by the training seed or the batch index; one
-                # generator per rank, on the model's device
-                gen = sampling_generator(cfg.seed, 10_000_000 + int(batch.seeds[0]), trainer.global_rank, salt=1,
+                # seeded by evaluation.seed and the batch's first task, not by the training seed, the batch index
+                # or the rank: a batch plays the same draws on any number of processes; on the model's device
+                gen = sampling_generator(cfg.seed, 10_000_000 + int(batch.seeds[0]), 0, salt=1,
                                          device=pl_module.device)
                 peak = PhasePeak(pl_module.device)
                 peak.start()
@@ -227,10 +232,12 @@ class RolloutCallback(Callback):
             _none_started(batch.rollouts[mode], "evaluation.split", cfg.split)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.rollout is not None:
-            self.rollout.close()  # every env worker (JVMs included)
-            self.rollout = None
-        self.engine.close()  # e.g. a vLLM server's whole process group, when this process launched it
+        try:
+            if self.rollout is not None:
+                self.rollout.close()  # every env worker (JVMs included)
+                self.rollout = None
+        finally:
+            self.engine.close()  # e.g. a vLLM server's whole process group, when this process launched it
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "exception")

@@ -215,6 +215,7 @@ class Rollout:
             ep.info = dict(res.info) if isinstance(res.info, dict) else {}
             score = getattr(res, "score", None)
             ep.score = ep.initial_score = float(score) if score is not None else None
+        _name_failed_tasks(episodes)
         stats = {"tokens": 0, "forward": 0, "prefill": 0}
         if self.guidance.prompt_mode == "single_stream":
             self._run_stream(episodes, temperature, guided, generator, greedy, stats)
@@ -570,6 +571,29 @@ class Rollout:
         if res.done:
             ep.done = True
             ep.won = bool(res.won)
+            # the env's own step limit ended it (info["truncated"], the TextEnv convention): a truncation too
+            ep.truncated = ep.truncated or (not ep.won and bool((res.info or {}).get("truncated")))
+
+
+#: the task type of an episode whose reset failed and no episode of its seed says what the task was
+UNKNOWN_TASK_TYPE = "unknown (reset failed)"
+
+
+def _name_failed_tasks(episodes: list[Episode]) -> None:
+    """An episode whose reset failed takes its task's name, type and id from an episode of the same seed (the seed
+    fixes the task) that reset; with none, its type is :data:`UNKNOWN_TASK_TYPE`.  Left as the default type, it made
+    up a task type in the per-type success table and left its real type's share short of one episode."""
+    known = {ep.seed: ep for ep in episodes if ep.error is None}
+    for ep in episodes:
+        if ep.error is None:
+            continue
+        twin = known.get(ep.seed)
+        if twin is None:
+            ep.task_type = UNKNOWN_TASK_TYPE
+            continue
+        ep.task, ep.task_type = twin.task, twin.task_type
+        if "task_id" in twin.info:
+            ep.info["task_id"] = twin.info["task_id"]
 
 
 def label_targets(pieces: list[Piece], progress: float | None, options: Sequence[Sequence[int]]) -> None:

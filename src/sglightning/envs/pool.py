@@ -71,6 +71,7 @@ class _Worker:
         self.started: dict[int, float] = {}  # id(future) -> perf_counter at start (written by the worker thread)
         self._lock = threading.Lock()
         self._holding = False  # holds a permit right now
+        self._stopped = False  # retired or closed: an env built from now on is closed by this thread, not kept
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
@@ -91,7 +92,13 @@ class _Worker:
                     env = self.factory()
                     if not isinstance(env, TextEnv):
                         raise TypeError(f"the env factory built a {type(env).__name__}, not a sglightning TextEnv")
-                    self.env = env
+                    with self._lock:
+                        kept = not self._stopped
+                        if kept:
+                            self.env = env
+                    if not kept:  # built after the pool gave up on this worker (a slow start): nobody else closes it
+                        _close_quietly(env)
+                        raise RuntimeError("the env slot was retired while its env was being built")
                 result, error = fn(self.env), None
             except BaseException as err:  # noqa: BLE001 - delivered to the caller, never lost
                 result, error = None, err
@@ -114,8 +121,14 @@ class _Worker:
         self.inbox.put((fn, fut))
         return fut
 
-    def stop(self) -> None:
+    def stop(self) -> TextEnv | None:
+        """Stop the thread after its current call; returns the env to close (None: none built yet, and one built
+        from now on is closed by the thread itself)."""
+        with self._lock:
+            self._stopped = True
+            env = self.env
         self.inbox.put(_STOP)
+        return env
 
 
 @functools.cache
@@ -333,14 +346,15 @@ class EnvPool:
         w = self._workers.pop(slot, None)
         if w is None:
             return
-        w.stop()
-        if w.env is not None:
-            t = threading.Thread(target=_close_quietly, args=(w.env,), daemon=True,
+        env = w.stop()
+        if env is not None:
+            t = threading.Thread(target=_close_quietly, args=(env,), daemon=True,
                                  name=f"sglightning-env-close-{slot}")
             t.start()
-            self._closers.append(t)
-        # the old thread ends after its current call returns (or never, for a hung pure-Python env)
-        if w.thread.is_alive():
+            self._closers = [c for c in self._closers if c.is_alive()] + [t]  # finished ones are forgotten
+        # the old thread ends after its current call returns (or never, for a hung pure-Python env); a call still
+        # in flight (a timeout: its start is still noted) is what leaves a thread behind
+        if w.thread.is_alive() and w.started:
             self.abandoned_threads += 1
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -351,10 +365,8 @@ class EnvPool:
     def close(self, timeout_s: float = 10.0) -> None:
         """Close every env (each in its own thread, all within ``timeout_s``) and stop the worker threads."""
         closers = []
-        envs = [w.env for w in self._workers.values() if w.env is not None] + list(self._local_envs.values())
-        for w in self._workers.values():
-            w.stop()
-        for env in envs:
+        envs = [env for w in self._workers.values() if (env := w.stop()) is not None]
+        for env in envs + list(self._local_envs.values()):
             t = threading.Thread(target=_close_quietly, args=(env,), daemon=True, name="sglightning-env-close")
             t.start()
             closers.append(t)
