@@ -92,6 +92,19 @@ def test_twx_invalid_action_is_flagged_and_the_episode_goes_on(twc):
 def test_twx_bad_args_name_the_key():
     with pytest.raises(ValueError, match="env.init_args.game: 'chess' is not one of"):
         TextWorldExpressEnv("chess")
+    # the simulator accepted these and played no game at all: every episode lost at 0 %, no error counted
+    with pytest.raises(ValueError, match="env.init_args.game_params: 'numLocations=three' is not key=integer"):
+        TextWorldExpressEnv("twc", game_params="numLocations=three")
+
+
+def test_twx_a_parameter_the_simulator_refuses_names_the_key():
+    env = TextWorldExpressEnv("coin", game_params="numLocations=1000")
+    try:
+        with pytest.raises(ValueError, match="env.init_args.game_params: 'numLocations=1000': Number of locations "
+                                             "must be less than or equal to 11"):
+            env.reset(1)
+    finally:
+        env.close()
 
 
 @pytest.mark.slow

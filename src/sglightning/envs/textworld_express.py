@@ -67,10 +67,15 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
             raise ValueError(f"env.init_args.game: {game!r} is not one of {', '.join(GAMES)}")
         if env_step_limit < 1:
             raise ValueError(f"env.init_args.env_step_limit: must be >= 1, got {env_step_limit}")
+        game_params = DEFAULT_PARAMS.get(game, "") if game_params is None else game_params
+        for item in filter(None, (s.strip() for s in str(game_params).split(","))):
+            key, _, value = item.partition("=")
+            if not key.strip() or not value.strip().lstrip("-").isdigit():  # the simulator then plays no game at all
+                raise ValueError(f"env.init_args.game_params: {item!r} is not key=integer (e.g. numLocations=3)")
         cls = _require_twx()
         super().__init__()
         self.game = game
-        self.game_params = DEFAULT_PARAMS.get(game, "") if game_params is None else game_params
+        self.game_params = game_params
         self._env = cls(envStepLimit=env_step_limit)
         self._seeds = {
             "train": list(self._env.getValidSeedsTrain()),
@@ -84,9 +89,12 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
             raise ValueError(f"twx: unknown split {split!r}; allowed: {', '.join(self.splits)}")
         fold = self._seeds[split]
         game_seed = int(fold[int(seed) % len(fold)])
-        obs, info = self._env.reset(
-            seed=game_seed, gameFold=split, gameName=self.game, gameParams=self.game_params, generateGoldPath=True
-        )
+        try:
+            obs, info = self._env.reset(
+                seed=game_seed, gameFold=split, gameName=self.game, gameParams=self.game_params, generateGoldPath=True
+            )
+        except ValueError as err:  # the simulator refused a parameter: say which key
+            raise ValueError(f"env.init_args.game_params: {self.game_params!r}: {' '.join(str(err).split())}") from None
         gold = list(self._env.getGoldActionSequence())
         if gold and gold[0] == "look around":
             gold = gold[1:]  # the simulator's gold path starts with the look that reset already did
