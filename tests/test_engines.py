@@ -550,3 +550,21 @@ def test_a_vllm_sync_failing_on_rank_0_fails_every_rank_at_once(tmp_path):
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["raised"].startswith("EngineError: the vLLM engine refused adapter")
     assert r1["raised"] == r0["raised"] and r1["s"] < 20, r1
+
+
+def test_a_launched_vllm_server_loads_the_trainers_revision_and_code(monkeypatch):
+    """The server loaded a hub id's default branch (and no remote code) whatever policy.revision said: other weights
+    than the trainer's, which a probe passes when they differ little."""
+    from sglightning.engines.base import RunContext
+    from sglightning.engines.vllm import VLLMEngine
+
+    engine = VLLMEngine(EngineConfig(backend="vllm"))
+    monkeypatch.setattr(engine, "_launch", lambda: None)
+    policy = PolicyConfig(name_or_path="org/model", revision="v2", trust_remote_code=True)
+    engine.start(RunContext(policy=policy))
+    try:
+        cmd = engine.command(8000)
+        assert cmd[cmd.index("--model") + 1:cmd.index("--served-model-name")] == [
+            "org/model", "--revision", "v2", "--trust-remote-code"]
+    finally:
+        engine.close()

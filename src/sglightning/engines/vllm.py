@@ -240,6 +240,7 @@ class VLLMEngine(Engine):
     def __init__(self, cfg: EngineConfig | None = None, served_name: str = "base", log_dir: str | None = None):
         super().__init__(cfg if cfg is not None else EngineConfig(backend="vllm"))
         self.model_path: str | None = None  # the base model the server loads (set by start)
+        self.model_args: list[str] = []  # its revision, remote code (set by start)
         self.lora_rank = 16
         self.max_model_len = 4096
         self.served_name = served_name
@@ -301,6 +302,9 @@ class VLLMEngine(Engine):
             return self
         policy = run.policy or PolicyConfig()
         self.model_path, self.lora_rank, self.rank = served_model(policy), policy.lora_r, run.rank
+        # the same weights and code as the trainer's: a hub id's revision (a folder has none), remote code if allowed
+        revision = ["--revision", policy.revision] if policy.revision and self.model_path == policy.name_or_path else []
+        self.model_args = [*revision, *(["--trust-remote-code"] if policy.trust_remote_code else [])]
         longest = run.max_context_tokens + 2048
         limit = max_positions(self.model_path)
         self.max_model_len = self.cfg.max_model_len or (min(longest, limit) if limit else longest)
@@ -391,7 +395,7 @@ class VLLMEngine(Engine):
         rank = next((r for r in VLLM_LORA_RANKS if r >= self.lora_rank), VLLM_LORA_RANKS[-1])
         return [
             str(Path(self.cfg.python).expanduser()), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model_path, "--served-model-name", self.served_name,
+            "--model", self.model_path, *self.model_args, "--served-model-name", self.served_name,
             "--host", self.cfg.host, "--port", str(port),
             "--dtype", self.cfg.dtype, "--max-model-len", str(self.max_model_len),
             "--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(self.cfg.max_loras),
