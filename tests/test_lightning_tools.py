@@ -214,3 +214,16 @@ def test_a_write_that_fails_midway_keeps_the_previous_file(tmp_path):
     json_path, text = write_validation_report({"modes": {}}, tmp_path)
     assert json_path == path and yaml.safe_load(path.read_text())["modes"] == {}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["validation_report.json", "validation_report.md"]
+
+
+def test_lightnings_default_logger_resumes_in_its_run_folder(tmp_path, capsys):
+    """``trainer.logger: true`` (Lightning's TensorBoardLogger under lightning_logs/): ``--ckpt_path last`` found the
+    run's checkpoint but wrote the rest of the run to a new version_1 (a second config, events, adapter)."""
+    args = ["fit", "--config", TINY, "--trainer.logger=true", f"--trainer.default_root_dir={tmp_path}",
+            "--model.evaluation.num_tasks=1"]
+    cli_main([*args, "--trainer.max_steps=1"])
+    cli = cli_main([*args, "--trainer.max_steps=2", "--ckpt_path=last"])
+    assert cli.trainer.global_step == 2
+    assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
+    run = tmp_path / "lightning_logs" / "version_0"
+    assert len(list(run.glob("events.out.tfevents.*"))) == 2 and "# resumed from " in (run / "config.yaml").read_text()

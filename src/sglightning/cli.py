@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from jsonargparse import set_parsing_settings
+from jsonargparse import Namespace, set_parsing_settings
 from jsonargparse.typing import PositiveInt
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ProgressBar
@@ -510,6 +510,10 @@ class SGLightningCLI(LightningCLI):
         nothing_left_to_train(ckpt, cfg.get("trainer") or {})
         cfg["ckpt_path"] = str(ckpt)
         if version is not None:
+            trainer = cfg.get("trainer")
+            if trainer is not None and trainer.get("logger") is True:  # Lightning's default logger, made explicit
+                where = Namespace(save_dir=str(trainer.get("default_root_dir") or "."), name="lightning_logs")
+                trainer["logger"] = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=where)
             for init in resumed_logger_inits(cfg.get("trainer", {}).get("logger")):
                 init["version"] = version
         quiet_resume()
