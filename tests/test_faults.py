@@ -244,22 +244,25 @@ def test_running_out_of_accelerator_memory_in_a_validation_is_one_line_naming_it
     assert "lower evaluation.tasks_per_batch, evaluation.episodes_per_task" in err[0] and "Traceback" not in err[0]
 
 
-@pytest.mark.parametrize("left", ["old_beside", "old_alone", "temp"])
+@pytest.mark.parametrize("left", ["old_beside", "old_alone", "legacy_old_alone", "temp"])
 def test_an_adapter_export_killed_midway_is_mended_by_the_next(tmp_path, left):
-    """The export swaps a finished folder in: ``adapter`` → ``adapter.old``, the temp folder → ``adapter``, ``.old``
-    removed.  A kill after the second rename left ``adapter.old`` beside ``adapter``, and every later export (every
+    """The export swaps a finished folder in: ``adapter`` → ``.adapter.old``, the temp folder → ``adapter``, the old
+    one removed.  A kill after the second rename left the old one beside ``adapter``, and every later export (every
     checkpoint save) failed renaming onto it, so the run could not resume.  A kill between the renames left only
-    ``.old``; one while writing, a temp folder nothing removed.  The next save mends each and the run goes on."""
+    the old one (``adapter.old`` in earlier releases); one while writing, a temp folder nothing removed.  The next
+    save mends each and the run goes on."""
     import shutil
 
     from safetensors.torch import load_file
 
     tiny_trainer(tmp_path, steps=1, enable_checkpointing=True).fit(tiny_module())
-    adapter, old = tmp_path / "adapter", tmp_path / "adapter.old"
+    adapter, old = tmp_path / "adapter", tmp_path / ".adapter.old"
     if left == "old_beside":
         shutil.copytree(adapter, old)
     elif left == "old_alone":
         adapter.rename(old)
+    elif left == "legacy_old_alone":
+        adapter.rename(tmp_path / "adapter.old")
     else:
         shutil.copytree(adapter, tmp_path / ".adapter-k1ll3d")
     module = tiny_module()
@@ -268,6 +271,27 @@ def test_an_adapter_export_killed_midway_is_mended_by_the_next(tmp_path, left):
     assert module.rollouts_done == 2
     assert sorted(p.name for p in tmp_path.iterdir() if "adapter" in p.name) == ["adapter"]
     assert any("lora_B" in k for k in load_file(adapter / "adapter_model.safetensors"))  # a whole adapter
+
+
+def test_restoring_a_swap_cut_in_half_is_safe_when_every_rank_tries(tmp_path, monkeypatch):
+    """Under torchrun every rank resolves ``--ckpt_path last`` and restores ``.last.ckpt.old``: a rank that found it
+    an instant before another moved it crashed in os.replace (FileNotFoundError)."""
+    import os
+
+    from sglightning.checkpointing import restore_old
+
+    target = tmp_path / "last.ckpt"
+    (tmp_path / ".last.ckpt.old").mkdir()
+    real = os.replace
+
+    def another_rank_first(src, dst):
+        real(src, dst)  # the other rank's move ...
+        raise FileNotFoundError(src)  # ... and this rank's, finding the source gone
+
+    monkeypatch.setattr(os, "replace", another_rank_first)
+    assert restore_old(target) is False and target.is_dir()
+    monkeypatch.setattr(os, "replace", real)
+    assert restore_old(target) is False  # nothing left to restore
 
 
 def test_one_task_whose_reset_fails_fails_its_group_not_the_run(tmp_path):

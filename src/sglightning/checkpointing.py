@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
@@ -111,32 +112,56 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
+def old_of(target: Path) -> Path:
+    """Where :func:`swap_in_folder` keeps ``target``'s previous version during a swap (``.<name>.old``)."""
+    return target.with_name(f".{target.name}.old")
+
+
+def restore_old(target: Path) -> bool:
+    """Put ``target``'s previous version back where a kill between :func:`swap_in_folder`'s two renames left none
+    (``.<name>.old``, or ``<name>.old`` from earlier releases).  Safe when several processes try at once (torchrun:
+    every rank resolves ``--ckpt_path last``): one moves it, the others find it gone.  Returns whether one did."""
+    for old in (old_of(target), target.with_name(target.name + ".old")):
+        if old.exists() and not target.exists():
+            with contextlib.suppress(FileNotFoundError):  # another process restored it first
+                os.replace(old, target)
+                return True
+    return False
+
+
 def recover_folder(target: Path) -> None:
-    """Before a folder of ``target``'s is written anew: undo what a killed :func:`swap_in_folder` left.  Its previous
-    folder (``<name>.old``) goes back where a kill between the two renames left none; a leftover ``.old`` (a kill
-    before the cleanup) and temp folders (``.<name>-*``, a kill while writing) go."""
-    old = target.with_name(target.name + ".old")
-    if old.is_dir() and not target.exists():
-        os.replace(old, target)
-    shutil.rmtree(old, ignore_errors=True)
-    for stale in target.parent.glob(f".{target.name}-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    """Before ``target`` is written anew: undo what a killed :func:`swap_in_folder` left.  Its previous version goes
+    back where a kill between the two renames left none (:func:`restore_old`); a leftover old version (a kill before
+    the cleanup) and temp folders (``.<name>-*``, ``.<name>.partial``: a kill while writing) go."""
+    restore_old(target)
+    for stale in (old_of(target), target.with_name(target.name + ".old"), target.with_name(f".{target.name}.partial"),
+                  *target.parent.glob(f".{target.name}-*")):
+        _remove(stale)
 
 
 def swap_in_folder(tmp: Path, target: Path) -> None:
     """Put the finished folder ``tmp`` (a sibling of ``target``) in ``target``'s place: its files fsynced, ``target``
-    moved to ``<name>.old``, ``tmp`` renamed to ``target``, the folder fsynced, ``.old`` removed.  A reader sees the
-    old folder or the new one; :func:`recover_folder` mends a kill between the renames."""
+    (a folder or a file) moved to ``.<name>.old``, ``tmp`` renamed to ``target``, the folder fsynced, the old one
+    removed.  A reader sees the old version or the new one; :func:`restore_old` mends a kill between the renames.
+    Adapter exports and FSDP checkpoint folders are swapped in this way."""
     for file in tmp.rglob("*"):
         if file.is_file():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
-    old = target.with_name(target.name + ".old")
+    old = old_of(target)
+    _remove(old)
     if target.exists():
         os.replace(target, old)
     os.replace(tmp, target)
     fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 #: the warnings a checkpoint load said, by place (each once per process, as Python's default filter shows them)

@@ -23,8 +23,6 @@ distributed checkpoints.  ``FSDP1Strategy``: Lightning's ``FSDPStrategy`` with t
 
 from __future__ import annotations
 
-import os
-import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
+from sglightning.checkpointing import recover_folder, restore_old, swap_in_folder
 from sglightning.distributed import clean_name, refuse_tensor_parallel
 from sglightning.errors import ConfigError
 
@@ -169,22 +168,17 @@ class FSDP2Strategy(_AdapterCheckpoints, ModelParallelStrategy):
 
 def _save_swapped(strategy, filepath, write) -> None:
     """``write(partial)`` on every rank (each writes its shard, rank 0 the metadata), then rank 0 swaps the finished
-    folder in: ``X`` → ``.X.old``, ``.X.partial`` → ``X``, ``.X.old`` removed.  Barriers around each phase."""
+    folder in (:func:`~sglightning.checkpointing.swap_in_folder`: ``X`` → ``.X.old``, ``.X.partial`` → ``X``, the old
+    one removed).  Barriers around each phase."""
     path = Path(strategy.broadcast(str(filepath)))
-    partial, old = _partial(path), _old(path)
+    partial = _partial(path)
     if strategy.global_rank == 0:
-        shutil.rmtree(partial, ignore_errors=True)  # a save that was cut off
+        recover_folder(path)  # a save that was cut off, in writing or in its swap
     strategy.barrier()
     write(partial)
     strategy.barrier()
     if strategy.global_rank == 0:
-        if path.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        elif path.exists():
-            path.unlink()
-        os.replace(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
+        swap_in_folder(partial, path)
     strategy.barrier()
 
 
@@ -212,20 +206,11 @@ def _partial(path: Path) -> Path:
     return path.with_name(f".{path.name}.partial")
 
 
-def _old(path: Path) -> Path:
-    return path.with_name(f".{path.name}.old")
-
-
 def recover_swapped_checkpoints(checkpoint_dir: Path) -> list[Path]:
-    """Undo a checkpoint-folder swap that a kill cut in half (``.X.old`` left, ``X`` gone): put ``X`` back.  Returns
-    the restored paths."""
-    restored = []
-    for old in Path(checkpoint_dir).glob(".*.old"):
-        target = old.with_name(old.name[1 : -len(".old")])
-        if old.is_dir() and not target.exists():
-            os.replace(old, target)
-            restored.append(target)
-    return restored
+    """Undo a checkpoint-folder swap that a kill cut in half (``.X.old`` left, ``X`` gone): put ``X`` back
+    (:func:`~sglightning.checkpointing.restore_old`, safe when every rank tries).  Returns the restored paths."""
+    folder = Path(checkpoint_dir)
+    return [target for old in folder.glob(".*.old") if restore_old(target := old.with_name(old.name[1:-len(".old")]))]
 
 
 class FSDP1Strategy(_AdapterCheckpoints, FSDPStrategy):
