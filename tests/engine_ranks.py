@@ -1,6 +1,6 @@
-"""Two gloo processes, no server: rank 0's vLLM adapter sync fails (the engine refuses the adapter).  Each rank writes
-what it raised, and after how long, to OUT/rank{r}.json (argv[1]).  Run by
-tests/test_engines.py::test_a_vllm_sync_failing_on_rank_0_fails_every_rank_at_once."""
+"""Two gloo processes, no server.  ``sync`` (argv[2]): rank 0's vLLM adapter sync fails (the engine refuses the
+adapter); ``rollout``: rank 0's rollout raises EngineError while rank 1's plays out.  Each rank writes what it raised,
+and after how long, to OUT/rank{r}.json (argv[1]).  Run by tests/test_engines.py."""
 
 from __future__ import annotations
 
@@ -59,14 +59,25 @@ class _RefusingClient:
         raise EngineError(f"the vLLM engine refused adapter {path}: HTTP 400")
 
 
-def _rank(rank: int, port: int, out: str) -> None:
+def _rank(rank: int, port: int, out: str, scenario: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     engine = VLLMEngine(EngineConfig(backend="vllm", url=_RefusingClient.url))
     engine.rank, engine.client, engine._adapter_root = rank, _RefusingClient(), Path(out)
     t0 = time.perf_counter()
     try:
-        with engine.sampling(_Weights()):
+        if scenario == "sync":
+            with engine.sampling(_Weights()):
+                raised = None
+        else:
+            from sglightning.callbacks import _agreed
+
+            def rollout():
+                if rank == 0:
+                    raise EngineError("every request of this turn failed on the engine's side")
+                return "episodes"
+
+            _agreed(rollout)
             raised = None
     except Exception as err:  # noqa: BLE001 - what each rank raised is the result
         raised = f"{type(err).__name__}: {err}"
@@ -79,4 +90,4 @@ if __name__ == "__main__":
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free_port = s.getsockname()[1]
-    mp.spawn(_rank, args=(free_port, sys.argv[1]), nprocs=2)
+    mp.spawn(_rank, args=(free_port, sys.argv[1], sys.argv[2]), nprocs=2)

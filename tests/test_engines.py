@@ -475,12 +475,14 @@ def test_every_vllm_request_names_neutral_sampling_settings():
     assert cmd[cmd.index("--generation-config") + 1] == "vllm"
 
 
-@pytest.mark.parametrize("healthy,failing,raises", [
-    (False, {0}, "no longer answers /health"),  # an engine that died answered its last requests with errors
-    (True, {0, 1}, "every request of this turn failed"),  # e.g. a hung engine core: every row times out
-    (True, {0}, None),  # one request failed on a healthy engine: its episode fails, the others go on
+@pytest.mark.parametrize("healthy,rows,failing,code,raises", [
+    (False, 2, {0}, 500, "no longer answers /health"),  # an engine that died answered its last requests with errors
+    (True, 2, {0, 1}, 500, "every request of this turn failed on the engine's side"),  # e.g. a hung engine core
+    (True, 2, {0}, 500, None),  # one request failed on a healthy engine: its episode fails, the others go on
+    (True, 2, {0, 1}, 400, None),  # the requests' own failures (e.g. past max_model_len): their episodes fail
+    (True, 1, {0}, 500, None),  # the last live row of a rollout, or a one-task validation batch: its episode only
 ])
-def test_a_vllm_engine_that_fails_its_requests_abandons_the_step(healthy, failing, raises):
+def test_a_vllm_engine_that_fails_its_requests_abandons_the_step(healthy, rows, failing, code, raises):
     """The client took an HTTP 500 (or a timeout) as one row's failure, so a dying engine gave a whole step of failed
     episodes that was trained on and checkpointed; only the next step said the engine was gone."""
     from sglightning.engines.program import Free
@@ -489,17 +491,18 @@ def test_a_vllm_engine_that_fails_its_requests_abandons_the_step(healthy, failin
 
     def answer(body):
         if body["prompt"][0] in failing:
-            raise RequestFailed("HTTP 500 from /v1/completions: EngineDeadError")
+            raise RequestFailed(f"HTTP {code} from /v1/completions: EngineDeadError", code >= 500)
         return _one_token(body)
 
     session = _fake_engine(_FakeClient(answer, healthy=healthy)).session(None, 0)
-    session.feed([[0], [1]])
+    session.feed([[i] for i in range(rows)])
+    programs = [[Free(1, frozenset())] for _ in range(rows)]
     if raises:
         with pytest.raises(EngineError, match=raises):
-            session.run([[Free(1, frozenset())], [Free(1, frozenset())]])
+            session.run(programs)
     else:
-        out = session.run([[Free(1, frozenset())], [Free(1, frozenset())]])
-        assert out[0][-1].error.startswith("engine: HTTP 500") and out[1][-1].error is None
+        out = session.run(programs)
+        assert [bool(o[-1].error) for o in out] == [i in failing for i in range(rows)]
 
 
 def test_a_launched_vllm_server_is_refused_on_several_nodes():
@@ -513,13 +516,55 @@ def test_a_launched_vllm_server_is_refused_on_several_nodes():
         VLLMEngine(EngineConfig(backend="vllm")).start(RunContext(rank=0, world_size=4, nodes=2))
 
 
-def test_the_sync_tolerance_follows_the_trainers_precision_too():
+@pytest.mark.parametrize("trainer_dtype", [torch.bfloat16, torch.float32])
+def test_the_sync_tolerance_follows_the_trainers_precision_too(tmp_path, trainer_dtype):
     """An fp32 engine against a bf16 trainer (policy.dtype auto on a GPU) differs by ~0.03 on the probe: with the
     fp32 bound of 1e-3 the first sync stopped the run after the server's minutes-long start."""
+    import contextlib
+
+    from sglightning.errors import EngineError
+
     cfg = EngineConfig(backend="vllm")
     assert cfg.tolerance() == 1e-3 and cfg.tolerance(trainer_half=True) == 0.15
     assert EngineConfig(backend="vllm", dtype="bfloat16").tolerance() == 0.15
     assert EngineConfig(backend="vllm", sync_tolerance=0.5).tolerance(trainer_half=True) == 0.5
+
+    class Client(_FakeClient):  # the engine's probe log-probs, 0.03 off the trainer's (bf16 rounding)
+        def load_lora(self, name, path):
+            pass
+
+        def unload_lora(self, name):
+            pass
+
+    client = Client(lambda body: {"prompt_logprobs": [None] + [{str(t): {"logprob": -1.03}}
+                                                               for t in body["prompt"][1:]]})
+    engine = _fake_engine(client)
+    engine._adapter_root = tmp_path
+    embeddings = torch.nn.Embedding(4, 2).to(trainer_dtype)
+
+    class Weights:
+        version, sharding = 1, None
+        model = type("Model", (), {"get_input_embeddings": lambda self: embeddings})()
+        tokenizer = type("Tok", (), {"encode": lambda self, text: [1, 2, 3, 4]})()
+
+        def gathered(self):
+            return contextlib.nullcontext()
+
+        def adapter_state(self):
+            return {}
+
+        def write_adapter(self, state, folder):
+            folder.mkdir()
+
+        def probe_logprobs(self, ids):
+            return [None] + [-1.0] * (len(ids) - 1)
+
+    if trainer_dtype == torch.bfloat16:
+        with engine.sampling(Weights()) as synced:
+            assert synced["sync_gap"] == pytest.approx(0.03)
+    else:
+        with pytest.raises(EngineError, match="differ from the trainer's by 0.03"), engine.sampling(Weights()):
+            pass
 
 
 def test_a_plain_trainer_fit_checks_the_engine_like_the_cli(tmp_path):
@@ -537,18 +582,21 @@ def test_a_plain_trainer_fit_checks_the_engine_like_the_cli(tmp_path):
     assert module.policy is None  # refused before the model loaded
 
 
-def test_a_vllm_sync_failing_on_rank_0_fails_every_rank_at_once(tmp_path):
+@pytest.mark.parametrize("scenario,raised", [("sync", "EngineError: the vLLM engine refused adapter"),
+                                              ("rollout", "EngineError: every request of this turn failed")])
+def test_an_engine_failing_on_rank_0_fails_every_rank_at_once(tmp_path, scenario, raised):
     """Rank 0 loads the adapter into the shared server and broadcasts its name: when it raised before the broadcast,
-    the other ranks waited there until the process group timed out (30 min by default)."""
+    the other ranks waited there until the process group timed out (30 min by default).  The same for a rollout
+    whose engine failed on one rank only: the others went on to the update's collectives."""
     import json
 
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(here / "engine_ranks.py"), str(tmp_path)], env=env,
+    res = subprocess.run([sys.executable, str(here / "engine_ranks.py"), str(tmp_path), scenario], env=env,
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0["raised"].startswith("EngineError: the vLLM engine refused adapter")
+    assert r0["raised"].startswith(raised)
     assert r1["raised"] == r0["raised"] and r1["s"] < 20, r1
 
 

@@ -125,7 +125,7 @@ class RolloutCallback(Callback):
     def _play(self, pl_module: LightningModule, seeds, **kw) -> RolloutBatch:
         """One rollout of ``seeds`` on the current weights; the engine's numbers (an adapter sync) in its stats."""
         with self._sampling(pl_module) as synced:
-            rb = self.rollout_for(pl_module).run(seeds, policy_version=self.engine.version, **kw)
+            rb = _agreed(lambda: self.rollout_for(pl_module).run(seeds, policy_version=self.engine.version, **kw))
         rb.engine_counts.update(synced)
         return rb
 
@@ -163,9 +163,9 @@ class RolloutCallback(Callback):
                            self.eval_cfg.seed_offset)[:missing]
         gen = sampling_generator(cfg.seed, step, rank, salt=2 + extra_round, device=pl_module.device)
         with self._sampling(pl_module):
-            if seeds:
-                more = self.rollout_for(pl_module).run(
-                    seeds, generator=gen, policy_version=self.engine.version, should_stop=stop)
+            more = _agreed(lambda: self.rollout_for(pl_module).run(
+                seeds, generator=gen, policy_version=self.engine.version, should_stop=stop) if seeds else None)
+            if more is not None:
                 found = self.informative(more.episodes)
                 rb.add_groups(more, set(sorted(found)[:missing]))
         return True
@@ -208,6 +208,7 @@ class RolloutCallback(Callback):
             # entered on every rank, padding batches included: under FSDP gathering the weights is a collective
             with self._sampling(pl_module):
                 if not batch.seeds:  # a padding batch (ranks run equally many batches): nothing to play
+                    _agreed(lambda: None)  # but the exchange after each rollout, as every rank
                     batch.rollouts[mode] = RolloutBatch(episodes=[])
                     continue
                 # seeded by evaluation.seed and the batch's first task, not by the training seed, the batch index
@@ -217,10 +218,10 @@ class RolloutCallback(Callback):
                 peak = PhasePeak(pl_module.device)
                 peak.start()
                 try:
-                    batch.rollouts[mode] = self.rollout_for(pl_module).run(
+                    batch.rollouts[mode] = _agreed(lambda m=mode, g=gen: self.rollout_for(pl_module).run(
                         batch.seeds, group_size=cfg.episodes_per_task, temperature=cfg.temperature,
-                        guided=mode == "sg", generator=gen, split=cfg.split, should_stop=sigterm_check(trainer),
-                        policy_version=self.engine.version)
+                        guided=m == "sg", generator=g, split=cfg.split, should_stop=sigterm_check(trainer),
+                        policy_version=self.engine.version))
                 except torch.cuda.OutOfMemoryError as err:
                     raise out_of_memory("validation", err, pl_module.rollouts_done) from None
                 except RolloutAborted:
@@ -241,6 +242,21 @@ class RolloutCallback(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.teardown(trainer, pl_module, "exception")
+
+
+def _agreed(run: Callable[[], Any]) -> Any:
+    """``run()`` (a rollout) on every rank; an :class:`EngineError` on any rank is raised on every rank, after one
+    exchange (:func:`distributed.first_failure`): raised on one rank alone, it left the others at their next
+    collective until the process group timed out."""
+    failure = None
+    try:
+        result = run()
+    except EngineError as err:
+        failure, result = str(err), None
+    failure = distributed.first_failure(failure)
+    if failure is not None:
+        raise EngineError(failure)
+    return result
 
 
 class AdapterExport(Callback):

@@ -227,6 +227,15 @@ def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int
     return merged
 
 
+def first_failure(failure: str | None) -> str | None:
+    """The first rank's ``failure`` (rank order), on every rank; None when no rank failed.  One ``all_gather_object``
+    under several processes: a rank that raised alone would leave the others waiting at their next collective."""
+    if not is_distributed():
+        return failure
+    failures = gather_objects([failure] if failure is not None else [], torch.distributed.get_world_size())
+    return failures[0] if failures else None
+
+
 def gather_objects(items: list, world_size: int) -> list:
     """Every rank's list, concatenated in rank order (one ``all_gather_object``); the list itself outside."""
     if not is_distributed():

@@ -29,7 +29,12 @@ from sglightning.errors import ConfigError, EngineError
 
 
 class RequestFailed(Exception):
-    """One request failed (timeout, HTTP error): the episodes it served fail, the run goes on."""
+    """One request failed (timeout, HTTP error): the episodes it served fail, the run goes on.  ``engine_side``: the
+    engine's own failure (a timeout, an HTTP 5xx), not the request's (a 4xx, an answer that does not fit)."""
+
+    def __init__(self, message: str, engine_side: bool = False):
+        super().__init__(message)
+        self.engine_side = engine_side
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,13 +71,13 @@ class VLLMClient:
             raw = self._request("POST", path, body, timeout)
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:400]
-            raise RequestFailed(f"HTTP {err.code} from {path}: {_message(detail)}") from None
+            raise RequestFailed(f"HTTP {err.code} from {path}: {_message(detail)}", err.code >= 500) from None
         except TimeoutError:
-            raise RequestFailed(f"{path}: no answer within {timeout or self.timeout_s:g} s") from None
+            raise RequestFailed(f"{path}: no answer within {timeout or self.timeout_s:g} s", True) from None
         except (urllib.error.URLError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
             if isinstance(reason, (TimeoutError, socket.timeout)):
-                raise RequestFailed(f"{path}: no answer within {timeout or self.timeout_s:g} s") from None
+                raise RequestFailed(f"{path}: no answer within {timeout or self.timeout_s:g} s", True) from None
             raise EngineError(f"the vLLM engine at {self.url} is not reachable ({reason})") from None
         try:
             return json.loads(raw) if raw.strip() else {}
