@@ -65,6 +65,20 @@ def test_resume_from_checkpoint_is_exact(tmp_path, dropout):
     assert resumed.history[0].keys() == straight.history[0].keys()
 
 
+def test_a_report_in_a_checkpoint_holds_plain_types_only(tmp_path):
+    """A custom env's task id of its own type (numpy's here) in the checkpointed "before" report made every later
+    checkpoint unloadable with weights_only: the run could not resume."""
+    import numpy as np
+
+    from sglightning.checkpointing import atomic_torch_save, load_checkpoint_file
+    from sglightning.report import plain
+
+    report = {"step": 0, "episodes": {"sg": [{"task_id": np.int64(7), "won": np.bool_(True)}]}}
+    atomic_torch_save({"sglightning": {"val_report_before": plain(report)}, "state_dict": {}}, tmp_path / "c.ckpt")
+    loaded = load_checkpoint_file(tmp_path / "c.ckpt", require_sglightning=False)
+    assert loaded["sglightning"]["val_report_before"]["episodes"]["sg"] == [{"task_id": "7", "won": "True"}]
+
+
 def test_a_resumed_fits_summary_covers_the_whole_run_and_its_validation_before(tmp_path, capsys):
     """The summary a resumed fit printed covered only the steps of its own process ("2 GRPO steps" of 4) and lost
     the validation before training (evaluation.before_fit ran in the first process): the checkpoint keeps both."""

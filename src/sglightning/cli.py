@@ -73,16 +73,20 @@ class VersionedSaveConfig(SaveConfigCallback):
             self.config = self.config.clone()
             self.config.ckpt_path = None
         # Lightning writes a temp file; save_config (rank 0, within this call) completes it and swaps it in, so a kill
-        # keeps the previous config.yaml whole (a resume rewrites the run's only copy)
+        # keeps the previous config.yaml whole (a resume rewrites the run's only copy).  A remote folder (s3://…) is
+        # written by Lightning, in place and without the comments: this class writes local files only
+        folders = [trainer.default_root_dir, *(getattr(lg, "save_dir", None) for lg in trainer.loggers)]
+        self._local = not any("://" in str(f) for f in folders if f)
         self._final = self.config_filename
-        self.config_filename = temp_path(Path(self._final)).name
+        if self._local:
+            self.config_filename = temp_path(Path(self._final)).name
         try:
             super().setup(trainer, pl_module, stage)
         finally:
             self.config_filename = self._final
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        if not self.save_to_log_dir:
+        if not self.save_to_log_dir or not self._local:
             return
         tmp = run_dir(trainer) / self.config_filename  # rank 0 only: no trainer.log_dir (a broadcast)
         if not tmp.is_file():

@@ -238,5 +238,6 @@ def seeded_dropout(model: torch.nn.Module, seed: int, step: int, rank: int, devi
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
         torch.default_generator.manual_seed(value)
         if device.type == "cuda":
-            torch.cuda.manual_seed(value)  # this device's only
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(value)  # this device's only
         yield

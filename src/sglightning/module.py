@@ -473,7 +473,7 @@ class SelfGuideModule(LightningModule):
                                      "trust_meter": self.trust.meter.state_dict(),
                                      "trust_horizon": self.schedule_horizon() if self._trainer is not None else None,
                                      "history": report.history_state(self.history),  # the fit summary's steps
-                                     "val_report_before": self.val_report_before}
+                                     "val_report_before": report.plain(self.val_report_before)}
         # no config in the checkpoint: `validate --ckpt_path` uses the one given (LightningCLI would re-apply it)
         for key in ("hyper_parameters", "hparams_name"):
             checkpoint.pop(key, None)

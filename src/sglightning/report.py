@@ -388,6 +388,16 @@ def history_state(hist: list[dict[str, float]]) -> dict[str, Any]:
     return {"keys": keys, "values": values, "logged": logged}
 
 
+def plain(report: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``report`` as JSON would hold it (an env's own types, e.g. a numpy task id, as text): a checkpoint, loaded with
+    ``weights_only``, holds plain containers only.
+
+    Args:
+        report: a validation report, or None.
+    """
+    return None if report is None else json.loads(json.dumps(report, default=str))
+
+
 def history_from_state(state: dict[str, Any] | None) -> list[dict[str, float]]:
     """The per-step logs back from :func:`history_state` (a checkpoint without them: none).
 

@@ -68,10 +68,12 @@ class TextWorldExpressEnv(JvmGoldPathEnv):
         if env_step_limit < 1:
             raise ValueError(f"env.init_args.env_step_limit: must be >= 1, got {env_step_limit}")
         game_params = DEFAULT_PARAMS.get(game, "") if game_params is None else game_params
-        for item in filter(None, (s.strip() for s in str(game_params).split(","))):
+        items = [s.strip() for s in str(game_params).split(",") if s.strip()]
+        for item in items:
             key, _, value = item.partition("=")
             if not key.strip() or not value.strip().lstrip("-").isdigit():  # the simulator then plays no game at all
                 raise ValueError(f"env.init_args.game_params: {item!r} is not key=integer (e.g. numLocations=3)")
+        game_params = ",".join("=".join(part.strip() for part in item.partition("=")[::2]) for item in items)
         cls = _require_twx()
         super().__init__()
         self.game = game
