@@ -448,6 +448,10 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--trainer.logger.class_path=nope.Logger"], "trainer.logger: nope.Logger: no module nope"),
         (["--model.optimizer=torch.optim.Adamw"],
          "model.optimizer: torch.optim.Adamw: torch.optim has no Adamw (did you mean torch.optim.Adam?)"),
+        (["--trainer.max_steps=0"], "trainer.max_steps: 0 trains nothing"),  # it ran, exit 0, and kept a run folder
+        # found only when the data loader asked, after the model loaded: a run folder was left
+        (["--trainer.max_steps=1", "--model.grpo.ppo_epochs=2"], "trainer.max_steps: 1 is not a multiple of "
+         "model.grpo.ppo_epochs (2)"),
     ],
 )
 def test_bad_config_fails_at_parse_time_naming_the_key(args, needle, capsys, tmp_path, monkeypatch):
@@ -649,6 +653,23 @@ def test_validate_with_last_and_no_run_is_one_error_line(tmp_path, capsys):
     assert not any(tmp_path.rglob("*"))
 
 
+def test_a_checkpoint_of_another_config_is_one_line_not_announced_first(tmp_path, capsys):
+    """A checkpoint of another lora_r given to validate (or fit) printed "validating …" and then the error: the
+    checkpoint is named once it loaded."""
+    args = ["--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+            f"--trainer.default_root_dir={tmp_path}", "--model.evaluation.num_tasks=1"]
+    cli_main(["fit", *args, "--trainer.max_steps=1"])
+    capsys.readouterr()
+    for sub in ("validate", "fit"):
+        with pytest.raises(SystemExit) as exc:
+            cli_main([sub, *args, "--ckpt_path=last", "--model.policy.lora_r=2", "--trainer.max_steps=2"])
+        assert exc.value.code == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"sglightning {sub}: error: --ckpt_path: the checkpoint's "), line
+    cli_main(["validate", *args, "--ckpt_path=last"])
+    assert capsys.readouterr().err.strip().splitlines()[0].startswith("sglightning: validating ")
+
+
 def test_the_printed_tensorboard_command_pastes_into_a_shell(tmp_path):
     import shlex
 
@@ -665,7 +686,11 @@ def test_the_printed_tensorboard_command_pastes_into_a_shell(tmp_path):
     # a misspelt key in a file: the nearest real key named
     ("model:\n  update:\n    micro_batch_sise: 4\n",
      ["micro_batch_sise'", "did you mean model.update.micro_batch_size?", "(see: sglightning fit --help)"]),
-], ids=["yaml_syntax", "misspelt_key"])
+    # a section given a value, not settings: the parser crashed on it (a traceback, or a run on default settings)
+    ("model:\n  rollout: 5\n", ["{bad}: model.rollout: 5 is not a mapping of settings"]),
+    ("model:\n  evaluation: [1]\n", ["{bad}: model.evaluation: [1] is not a mapping of settings"]),
+    ("trainer: 5\n", ["{bad}: trainer: 5 is not a mapping of settings"]),
+], ids=["yaml_syntax", "misspelt_key", "section_scalar", "section_list", "trainer_scalar"])
 def test_a_bad_config_file_is_one_line_naming_the_file_or_the_key(tmp_path, capsys, text, needles):
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
@@ -993,9 +1018,12 @@ def test_the_summary_explains_nan_only_when_a_calibration_is_nan():
     def mean_of(values):
         return lambda key, rows=None: values.get(key, 0.5)
 
-    told = "(nan: the env or the episodes could not tell)"
+    told = "(n/a: the env or the episodes could not tell)"
     assert told not in _guidance_lines([{}], mean_of({}))[1]
-    assert told in _guidance_lines([{}], mean_of({"guidance/label_auroc_success": float("nan")}))[1]
+    lines = _guidance_lines([{}], mean_of({"guidance/label_auroc_success": float("nan"),
+                                           "guidance/label_accuracy": float("nan")}))
+    assert told in lines[1] and "AUROC vs success n/a" in lines[1] and "first third n/a -> last third n/a" in lines[2]
+    assert "nan" not in "\n".join(lines)  # a number nothing measured reads n/a, never a bare nan
 
 
 def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):

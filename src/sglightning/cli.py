@@ -61,6 +61,25 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
+class _Announce(Callback):
+    """Prints ``line`` (the checkpoint a run resumes or validates) once it has loaded, on rank 0: before, a checkpoint
+    of another config printed it and then the error that refused it."""
+
+    def __init__(self, line: str):
+        self.line = line
+
+    def _say(self, trainer) -> None:
+        if self.line and trainer.is_global_zero:
+            print(self.line, file=sys.stderr, flush=True)
+        self.line = ""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._say(trainer)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._say(trainer)
+
+
 class VersionedSaveConfig(SaveConfigCallback):
     """Saves the resolved config like Lightning does, then appends the package versions of this run as YAML comments
     (benchmark versions change scores between releases), so the file stays a valid ``--config`` and records what ran."""
@@ -439,6 +458,8 @@ class SGLightningCLI(LightningCLI):
 
         try:
             super().instantiate_classes()
+            if getattr(self, "_announce", None):  # said once the checkpoint loaded: a refused one says only why
+                self.trainer.callbacks.append(_Announce(self._announce))
         except ValueError as err:
             msg = str(err)
             while err.__cause__ is not None and isinstance(err.__cause__, ValueError):
@@ -451,6 +472,8 @@ class SGLightningCLI(LightningCLI):
         try:
             check_run_dir(self.trainer)  # a folder that cannot be written: one line, before the model loads
             self.model.preflight(self.trainer.strategy)
+            if self.subcommand == "fit":  # trainer.max_steps against grpo.ppo_epochs, before anything is written
+                self.model.total_steps(self.trainer.max_steps)
         except (ConfigError, ValueError) as err:
             self._error(str(err))
 
@@ -502,7 +525,7 @@ class SGLightningCLI(LightningCLI):
             if cfg.get("ckpt_path"):
                 nothing_left_to_train(cfg["ckpt_path"], cfg.get("trainer") or {})
                 quiet_resume()
-                print(f"sglightning: resuming from {cfg['ckpt_path']}", file=sys.stderr)
+                self._announce = f"sglightning: resuming from {cfg['ckpt_path']}"
             return
         found = find_last_checkpoint(cfg)
         if found is None:
@@ -521,7 +544,7 @@ class SGLightningCLI(LightningCLI):
             for init in resumed_logger_inits(cfg.get("trainer", {}).get("logger")):
                 init["version"] = version
         quiet_resume()
-        print(f"sglightning: resuming from {ckpt}", file=sys.stderr)
+        self._announce = f"sglightning: resuming from {ckpt}"
 
     def _resolve_validate_checkpoint(self, cfg) -> None:
         """``validate --ckpt_path last``: the newest ``last.ckpt`` of this config's runs, found as ``fit`` finds it
@@ -530,14 +553,14 @@ class SGLightningCLI(LightningCLI):
         the checkpoint validated is named in one line (Lightning's own line about it is filtered out)."""
         if cfg.get("ckpt_path") != "last":
             if cfg.get("ckpt_path"):
-                print(f"sglightning: validating {cfg['ckpt_path']}", file=sys.stderr)
+                self._announce = f"sglightning: validating {cfg['ckpt_path']}"
             return
         found = find_last_checkpoint(cfg)
         if found is None:
             self._error("--ckpt_path last: no last.ckpt from a run of this config (its logger's save_dir/name); "
                         "give a checkpoint file, or run fit first")
         cfg["ckpt_path"] = str(found[0])
-        print(f"sglightning: validating {found[0]}", file=sys.stderr)
+        self._announce = f"sglightning: validating {found[0]}"
 
     def _parse_ckpt_path(self) -> None:
         """Check ``--ckpt_path`` up front (safe load, sglightning checkpoint); our checkpoints carry no
@@ -702,6 +725,9 @@ def refused_trainer_flag(trainer) -> str | None:
     if str(get("precision")) == "16-true":
         return ("trainer.precision: 16-true trains float16 weights, and AdamW's steps turn them into inf/NaN (its "
                 "eps of 1e-8 is 0 in float16); use bf16-mixed, 16-mixed or 32-true")
+    if get("max_steps") == 0:
+        return ("trainer.max_steps: 0 trains nothing; give the steps to train (sglightning validate evaluates without "
+                "training)")
     if get("barebones"):
         return ("trainer.barebones: not supported (a run keeps its logger, progress line and checkpoints); for the "
                 "fewest extras: --trainer.logger false --trainer.enable_progress_bar false "
@@ -841,6 +867,28 @@ def _check_config_files(argv: list[str], prog: str) -> None:
             sys.stderr.write(f"{prog}: error: {path}: the config {what}; a config maps sections to settings "
                              "(trainer: …, model: …)\n")
             sys.exit(2)
+        if (key := _section_not_a_mapping(loaded)) is not None:
+            sys.stderr.write(f"{prog}: error: {path}: {key[0]}: {key[1]!r} is not a mapping of settings "
+                             f"({key[0]}: {{name: value, …}})\n")
+            sys.exit(2)
+
+
+#: the config sections that hold settings (a value of another kind was passed to the parser, which crashed on it)
+_MAPPINGS = ("trainer", "model", *(f"model.{s}" for s in ("policy", "rollout", "guidance", "grpo", "update",
+                                                            "evaluation", "engine")))
+
+
+def _section_not_a_mapping(loaded: dict) -> tuple[str, object] | None:
+    """The first section of a loaded config (or of its ``fit:``/``validate:`` parts) given a value that is not a
+    mapping, as (key, value); None when all are mappings (or absent)."""
+    for part in [loaded, *(loaded[s] for s in SUBCOMMANDS if isinstance(loaded.get(s), dict))]:
+        for key in _MAPPINGS:
+            value: object = part
+            for name in key.split("."):
+                value = value.get(name) if isinstance(value, dict) else None
+            if value is not None and not isinstance(value, dict):
+                return key, value
+    return None
 
 
 def _check_options_follow_the_subcommand(argv: list[str]) -> None:

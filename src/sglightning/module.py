@@ -226,11 +226,12 @@ class SelfGuideModule(LightningModule):
         return self.optimizer_factory(params)
 
     # data ---------------------------------------------------------------------------------------------------------
-    def total_steps(self) -> int:
-        """Steps of this run: ``grpo.total_steps``, else ``trainer.max_steps / grpo.ppo_epochs``."""
+    def total_steps(self, max_steps: int | None = None) -> int:
+        """Steps of this run: ``grpo.total_steps``, else ``max_steps`` (default ``trainer.max_steps``) / ppo_epochs."""
         if self.grpo_cfg.total_steps:
             return self.grpo_cfg.total_steps
-        max_steps, epochs = self.trainer.max_steps if self._trainer is not None else -1, self.grpo_cfg.ppo_epochs
+        epochs = self.grpo_cfg.ppo_epochs
+        max_steps = max_steps if max_steps is not None else self.trainer.max_steps if self._trainer is not None else -1
         if max_steps is None or max_steps < 0 or max_steps % epochs:  # else the last rollout would run past it
             raise ConfigError(f"trainer.max_steps: {max_steps} is not a multiple of model.grpo.ppo_epochs ({epochs}), "
                               "each rollout's optimiser steps" if max_steps and max_steps > 0 else

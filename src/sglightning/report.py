@@ -271,24 +271,31 @@ def _phase_lines(hist: list[dict], mean) -> list[str]:
 
 def _guidance_lines(hist: list[dict], mean) -> list[str]:
     """The guidance labels' shares, their calibration against measured progress (over the run, and its first and
-    last third: did training make the guide more accurate?), and both per trust phase."""
+    last third: did training make the guide more accurate?), and both per trust phase.  A number no step measured
+    reads ``n/a``."""
     third = max(1, len(hist) // 3)
     accuracy, auroc = mean("guidance/label_accuracy"), mean("guidance/label_auroc_success")
     return [
         "  labels            "
-        + "  ".join(f"{k} {mean('guidance/label_' + k):.2f}" for k in ("positive", "neutral", "negative", "unparsed")),
-        f"  label calibration accuracy vs measured progress {accuracy:.2f}   AUROC vs success {auroc:.2f}"
-        + ("   (nan: the env or the episodes could not tell)" if math.isnan(accuracy) or math.isnan(auroc) else ""),
-        f"  label accuracy    first third {mean('guidance/label_accuracy', hist[:third]):.2f} -> last third "
-        f"{mean('guidance/label_accuracy', hist[-third:]):.2f}   (one constant label: "
-        f"{mean('guidance/label_accuracy_constant'):.2f})"
+        + "  ".join(f"{k} {_num(mean(f'guidance/label_{k}'))}" for k in ("positive", "neutral", "negative",
+                                                                             "unparsed")),
+        f"  label calibration accuracy vs measured progress {_num(accuracy)}   AUROC vs success {_num(auroc)}"
+        + ("   (n/a: the env or the episodes could not tell)" if math.isnan(accuracy) or math.isnan(auroc) else ""),
+        f"  label accuracy    first third {_num(mean('guidance/label_accuracy', hist[:third]))} -> last third "
+        f"{_num(mean('guidance/label_accuracy', hist[-third:]))}   (one constant label: "
+        f"{_num(mean('guidance/label_accuracy_constant'))})"
         + (f"   hindsight label loss {mean('loss/calibration'):.3f}" if any("loss/calibration" in r for r in hist)
            else ""),
-        f"  balanced accuracy first third {mean('guidance/label_balanced_accuracy', hist[:third]):.2f} -> last third "
-        f"{mean('guidance/label_balanced_accuracy', hist[-third:]):.2f}   (mean recall over the kinds of progress; "
-        "any constant label: 1/K)",
+        f"  balanced accuracy first third {_num(mean('guidance/label_balanced_accuracy', hist[:third]))} -> last "
+        f"third {_num(mean('guidance/label_balanced_accuracy', hist[-third:]))}   (mean recall over the kinds of "
+        "progress; any constant label: 1/K)",
         *_phase_lines(hist, mean),
     ]
+
+
+def _num(value: float) -> str:
+    """``value`` with two decimals; ``n/a`` when nothing measured it (NaN)."""
+    return "n/a" if math.isnan(value) else f"{value:.2f}"
 
 
 def _phase_time_lines(hist: list[dict[str, float]], mean) -> list[str]:
