@@ -200,6 +200,9 @@ class VLLMServer:
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
+        deadline = time.monotonic() + 10  # a SIGKILL is delivered asynchronously: the children may still be running
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     @classmethod
     def stop_all(cls) -> None:
