@@ -492,14 +492,12 @@ class VLLMEngine(Engine):
         try:
             gap, largest = self.probe_gap(name, probe_ids, trainer_logprobs(probe_ids))
         except RequestFailed as err:
-            self.client.unload_lora(name)
-            shutil.rmtree(folder, ignore_errors=True)
+            self._unload(name, folder)
             raise EngineError(f"adapter sync to step {version}: the engine failed the probe ({err}); "
                               f"{self.server.log_tail() if self.server is not None else ''}") from None
         tol = self.cfg.tolerance(self.trainer_half)
         if not (gap <= tol and largest <= LARGEST_GAP * tol):
-            self.client.unload_lora(name)
-            shutil.rmtree(folder, ignore_errors=True)
+            self._unload(name, folder)
             raise EngineError(
                 f"adapter sync to step {version}: the engine's log-probs differ from the trainer's by {gap:.3g} on "
                 f"average over the probe, {largest:.3g} at most (model.engine.sync_tolerance {tol:g} bounds the "
@@ -510,12 +508,16 @@ class VLLMEngine(Engine):
         self.adapter_name, self.version = name, version
         for old_name, old_folder in previous:
             if old_name != name:
-                self.client.unload_lora(old_name)
-                shutil.rmtree(old_folder, ignore_errors=True)
+                self._unload(old_name, old_folder)
         self.loaded = [(n, f) for n, f in self.loaded if n == name]
         self.last_sync_s = time.perf_counter() - t0
         self.last_sync_gap = gap
         return gap
+
+    def _unload(self, name: str, folder: Path) -> None:
+        """Take adapter ``name`` out of the engine and delete its folder (a version replaced, or one that failed)."""
+        self.client.unload_lora(name)
+        shutil.rmtree(folder, ignore_errors=True)
 
     def adopt(self, version: int, name: str) -> None:
         """Another process of this run loaded (and verified) adapter version ``version`` into the shared server under
