@@ -117,11 +117,21 @@ def old_of(target: Path) -> Path:
     return target.with_name(f".{target.name}.old")
 
 
+def partial_of(target: Path) -> Path:
+    """Where a distributed save writes ``target``'s next version before it is swapped in (``.<name>.partial``)."""
+    return target.with_name(f".{target.name}.partial")
+
+
+def _old_names(target: Path) -> tuple[Path, Path]:
+    """``target``'s previous version: :func:`old_of`, and ``<name>.old`` as earlier releases named it."""
+    return old_of(target), target.with_name(target.name + ".old")
+
+
 def restore_old(target: Path) -> bool:
     """Put ``target``'s previous version back where a kill between :func:`swap_in_folder`'s two renames left none
     (``.<name>.old``, or ``<name>.old`` from earlier releases).  Safe when several processes try at once (torchrun:
     every rank resolves ``--ckpt_path last``): one moves it, the others find it gone.  Returns whether one did."""
-    for old in (old_of(target), target.with_name(target.name + ".old")):
+    for old in _old_names(target):
         if old.exists() and not target.exists():
             with contextlib.suppress(FileNotFoundError):  # another process restored it first
                 os.replace(old, target)
@@ -134,8 +144,7 @@ def recover_folder(target: Path) -> None:
     back where a kill between the two renames left none (:func:`restore_old`); a leftover old version (a kill before
     the cleanup) and temp folders (``.<name>-*``, ``.<name>.partial``: a kill while writing) go."""
     restore_old(target)
-    for stale in (old_of(target), target.with_name(target.name + ".old"), target.with_name(f".{target.name}.partial"),
-                  *target.parent.glob(f".{target.name}-*")):
+    for stale in (*_old_names(target), partial_of(target), *target.parent.glob(f".{target.name}-*")):
         _remove(stale)
 
 

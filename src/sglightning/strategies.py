@@ -31,7 +31,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 
-from sglightning.checkpointing import recover_folder, restore_old, swap_in_folder
+from sglightning.checkpointing import partial_of, recover_folder, restore_old, swap_in_folder
 from sglightning.distributed import clean_name, refuse_tensor_parallel
 from sglightning.errors import ConfigError
 
@@ -171,7 +171,7 @@ def _save_swapped(strategy, filepath, write) -> None:
     folder in (:func:`~sglightning.checkpointing.swap_in_folder`: ``X`` → ``.X.old``, ``.X.partial`` → ``X``, the old
     one removed).  Barriers around each phase."""
     path = Path(strategy.broadcast(str(filepath)))
-    partial = _partial(path)
+    partial = partial_of(path)
     if strategy.global_rank == 0:
         recover_folder(path)  # a save that was cut off, in writing or in its swap
     strategy.barrier()
@@ -200,10 +200,6 @@ def _check_trainables(path: Path, trainable: set[str], found: set[str]) -> None:
     if missing:
         raise RuntimeError(f"{path}: the checkpoint has no entry for {len(missing)} trainable weights, e.g. "
                            f"{sorted(missing)[0]}")
-
-
-def _partial(path: Path) -> Path:
-    return path.with_name(f".{path.name}.partial")
 
 
 def recover_swapped_checkpoints(checkpoint_dir: Path) -> list[Path]:
