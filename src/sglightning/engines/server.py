@@ -193,16 +193,12 @@ class VLLMServer:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
-        deadline = time.monotonic() + timeout_s
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        _wait_group_gone(proc.pid, timeout_s)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-        deadline = time.monotonic() + 10  # a SIGKILL is delivered asynchronously: the children may still be running
-        while _group_alive(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_group_gone(proc.pid, 10.0)  # a SIGKILL is delivered asynchronously: the children may still be running
 
     @classmethod
     def stop_all(cls) -> None:
@@ -215,18 +211,14 @@ def _group_alive(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except (ProcessLookupError, PermissionError):
         return False
-    # zombies of the group count as gone
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[-1].split()
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return bool(group_members(pgid))  # zombies of the group count as gone
+
+
+def _wait_group_gone(pgid: int, timeout_s: float) -> None:
+    """Until no live process of group ``pgid`` is left, at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _group_alive(pgid) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def group_members(pgid: int) -> list[int]:
