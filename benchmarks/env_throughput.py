@@ -1,9 +1,11 @@
 """Environment throughput: the worker pool (one thread + one env/JVM per episode slot, steps of a round run
-concurrently) vs one worker (the same envs stepped one after another), on the real benchmark simulators.
+concurrently) vs one worker (the same envs stepped one after another), on the real benchmark simulators; for the
+pure-Python simulators (ALFWorld, household) also the pool with each env in a process of its own.
 
     python benchmarks/env_throughput.py                            # twx twc + scienceworld + household, 16 slots
     python benchmarks/env_throughput.py --envs scienceworld --slots 8 --rounds 30
     python benchmarks/env_throughput.py --alfworld-data /path/with/json_2.1.1   # + ALFWorld games
+    python benchmarks/env_throughput.py --envs alfworld --alfworld-data fixtures --slots 8   # the tests' 7 games
     python benchmarks/env_throughput.py --envs remote --latency-ms 50 --max-concurrency 16  # envs that wait (servers)
 
 No model is involved: each round every slot takes one action (a seeded random admissible action where the env lists
@@ -21,6 +23,7 @@ import os
 import random
 import time
 
+from sglightning.envs import build_env
 from sglightning.envs.pool import EnvPool
 
 SW_ACTIONS = ["look around", "inventory", "open door to kitchen", "go to kitchen", "look at table",
@@ -43,6 +46,22 @@ class RemoteHousehold:
                 return super().step(action)
 
         return _Remote(difficulty=2)
+
+
+#: envs whose simulator is pure Python (a process per env is an option for them; the JVM envs are processes already)
+PURE_PYTHON = ("alfworld", "household")
+
+
+def fixture_games() -> str:
+    """The tests' hand-written ALFWorld games, made playable by ``alfworld-generate`` in a temporary folder."""
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from alfworld_games import build_alfworld_fixture
+
+    return str(build_alfworld_fixture(Path(tempfile.mkdtemp(prefix="alfworld-"))))
 
 
 def make_factory(name: str, alfworld_data: str | None, latency_ms: float = 50.0):
@@ -114,18 +133,24 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=int, default=None, help="env calls at once (default: CPU cores)")
     ap.add_argument("--slots", type=int, default=16, help="concurrent episodes (= envs = JVMs)")
     ap.add_argument("--rounds", type=int, default=20, help="steps per episode")
-    ap.add_argument("--alfworld-data", default=None)
+    ap.add_argument("--alfworld-data", default=None, help="the folder holding json_2.1.1, or `fixtures`")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if args.alfworld_data and "alfworld" not in args.envs:
         args.envs.append("alfworld")
+    if args.alfworld_data == "fixtures":
+        args.alfworld_data = fixture_games()
     print(f"{os.cpu_count()} CPU cores; {args.slots} slots × {args.rounds} rounds")
     print(f"{'env':14s} {'mode':10s} {'steps':>6s} {'steps/s':>9s} {'resets/s':>9s} {'errors':>6s}")
     for name in args.envs:
         factory = make_factory(name, args.alfworld_data, args.latency_ms)
         results = {}
-        for mode, concurrent in (("pool", True), ("one worker", False)):
-            with EnvPool(factory, concurrent=concurrent, max_concurrency=args.max_concurrency) as pool:
+        modes = [("pool", True, False), ("one worker", False, False)]
+        if name in PURE_PYTHON:
+            modes.append(("processes", True, True))
+        for mode, concurrent, processes in modes:
+            built = functools.partial(build_env, factory, processes)
+            with EnvPool(built, concurrent=concurrent, max_concurrency=args.max_concurrency) as pool:
                 for i in range(args.slots):  # start every env first: JVM start-up is not throughput
                     pool.env(i)
                 play(pool, args.slots, 2, args.seed + 1000, "train")  # warm-up (class loading, JIT)
@@ -136,6 +161,9 @@ def main() -> None:
         speed = results["pool"]["steps_per_s"] / max(results["one worker"]["steps_per_s"], 1e-9)
         print(f"{name:14s} pool / one worker: steps ×{speed:.2f}, resets "
               f"×{results['pool']['resets_per_s'] / max(results['one worker']['resets_per_s'], 1e-9):.2f}")
+        if "processes" in results:
+            print(f"{name:14s} processes / pool: steps "
+                  f"×{results['processes']['steps_per_s'] / max(results['pool']['steps_per_s'], 1e-9):.2f}")
         if name == "scienceworld":
             print(f"{name:14s} package env.step (valid-action list every call): "
                   f"{official_scienceworld_step_rate():.1f} steps/s, one env")

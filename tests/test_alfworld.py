@@ -6,6 +6,7 @@ import importlib.util
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -254,3 +255,43 @@ def test_expert_draws_from_the_episode_seed(env, alfworld_data):
     for e in envs:
         e.close()
 
+
+
+@pytest.mark.slow
+def test_alfworld_plays_in_processes_of_its_own(alfworld_data):
+    """Built as a config builds it, ALFWorld runs in a child process: the expert still wins, the seed still fixes the
+    expert's plan, and retiring a slot (a failure) leaves neither a planner library mapped in the trainer's process
+    nor a child behind."""
+    import functools
+
+    from sglightning.envs import build_env
+    from sglightning.envs.pool import EnvPool
+    from sglightning.envs.process import ProcessEnv
+
+    spec = functools.partial(ALFWorldEnv, str(alfworld_data))
+    here = ALFWorldEnv(str(alfworld_data))
+    n = len(here.games("train"))
+    seed = here.games("train").index(str(alfworld_data / "json_2.1.1" / HEAT / "game.tw-pddl"))
+    there = build_env(spec)
+    try:
+        assert isinstance(there, ProcessEnv) and there.splits == ALFWorldEnv.splits
+        for k in range(3):
+            assert _expert_run(there, seed + k * n, "train") == _expert_run(here, seed + k * n, "train")
+    finally:
+        there.close()
+        here.close()
+    mapped = _downward_maps()
+    with EnvPool(functools.partial(build_env, spec)) as pool:
+        pids = []
+        for _ in range(3):
+            assert pool.reset_many([(0, seed, "train")])[0].ok
+            pids.append(pool.peek(0).pid)
+            pool.retire(0)
+        assert _downward_maps() == mapped
+    time.sleep(0.5)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]
+
+
+def _downward_maps() -> int:
+    """How many mappings of fast-downward's library this process holds."""
+    return sum("downward" in line for line in Path("/proc/self/maps").read_text().splitlines())

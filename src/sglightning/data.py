@@ -57,6 +57,9 @@ class RolloutConfig:
     """the same for creating an env + ``reset`` (JVM start, task loading)"""
     env_parallel: bool = True
     """step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially"""
+    env_processes: bool | None = None
+    """one process per env slot (a hung env is killed; GIL-bound envs step in parallel); null: the env's choice
+    (ALFWorld: yes)"""
     failed_episodes: Literal["keep", "drop_group"] = "keep"
     """a group with an episode the env failed: keep trains on it (the failed episode keeps the return it reached);
     drop_group leaves the group out"""

@@ -194,7 +194,7 @@ class SelfGuideModule(LightningModule):
         return distributed.generation_weights(self.policy, self.sharding)
 
     def env_factory(self) -> TextEnv:
-        return build_env(self.env_class)
+        return build_env(self.env_class, self.rollout_cfg.env_processes)
 
     def env_name(self) -> str:
         target = env_class_of(self.env_class)

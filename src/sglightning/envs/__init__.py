@@ -30,8 +30,20 @@ def env_class_of(env: Any) -> Any:
     return target
 
 
-def build_env(env: Any) -> TextEnv:
-    """Call the configured ``env`` and check that it built a :class:`TextEnv` (``TypeError`` naming ``env``)."""
+def build_env(env: Any, processes: bool | None = None) -> TextEnv:
+    """Call the configured ``env`` and check that it built a :class:`TextEnv` (``TypeError`` naming ``env``).
+
+    Args:
+        env: the configured env: a ``TextEnv`` class or a partial of one.
+        processes: build it in a process of its own (:class:`~sglightning.envs.process.ProcessEnv`); None: the
+            class's ``own_process``.
+    """
+    if processes is None:
+        processes = bool(getattr(env_class_of(env), "own_process", False))
+    if processes:
+        from sglightning.envs.process import ProcessEnv
+
+        return ProcessEnv(env)
     built = env()
     if not isinstance(built, TextEnv):
         raise TypeError(f"env: {env!r} built a {type(built).__name__}, not a sglightning TextEnv")

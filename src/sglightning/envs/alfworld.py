@@ -41,7 +41,10 @@ per ``PddlEnv``); ``close()`` frees the planner's task memory but leaves the cop
 ``dlclose`` crashed a later load), so keep env objects long-lived (one per pool slot), not one per episode.
 Simulator calls of all instances in a process run under one lock: textworld's PDDL text generator parses through a
 single module-level tatsu parser that breaks when two threads use it (as a thread pool of envs would), so threads
-give ALFWorld no parallel speed-up (the simulator is pure Python under the GIL anyway), only correctness.
+give ALFWorld no parallel speed-up (the simulator is pure Python under the GIL anyway), only correctness.  Hence
+``own_process``: built by a config, each ALFWorld env plays in a process of its own
+(:mod:`sglightning.envs.process`), so envs step in parallel, a hung call is killed instead of holding the lock
+for every slot, and a retired slot unmaps its planner library.  ``rollout.env_processes: false`` shares one process.
 
 Departures from ALFWorld's ``AlfredTWEnv``:
 
@@ -199,6 +202,7 @@ class ALFWorldEnv(TextEnv):
     name = "alfworld"
     packages = ("alfworld", "textworld")
     splits = ("train", "valid_seen", "valid_unseen")
+    own_process = True  # one hung call would block every slot (the lock above), and the simulator holds the GIL
     action_help = ("Answer with exactly one of the admissible actions, e.g. 'go to countertop 1', "
                    "'take apple 1 from countertop 1' or 'move apple 1 to fridge 1'.")
 

@@ -79,6 +79,9 @@ class TextEnv(abc.ABC):
     splits: tuple[str, ...] = ("train", "dev", "test")
     #: the action format the actor prompt should describe (one line of help text)
     action_help: str = "Answer with exactly one of the admissible actions."
+    #: play each instance in a process of its own unless ``rollout.env_processes`` says otherwise: right for a
+    #: pure-Python simulator that holds the GIL or can hang (:mod:`sglightning.envs.process`)
+    own_process: bool = False
 
     @abc.abstractmethod
     def reset(self, seed: int, split: str = "train") -> ResetResult: ...

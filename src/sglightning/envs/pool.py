@@ -6,9 +6,11 @@ rollout batches (never one env per sample: creating one per episode dominates ro
 rollout hands every live episode's action to its slot at once and waits for all of them, so the wall time of a round
 is the slowest step, not the sum.
 
-Why threads (and not processes): the expensive envs are JVMs behind py4j sockets — a step blocks on socket I/O with
-the GIL released, so threads step JVMs truly in parallel, without pickling envs or re-importing the trainer in child
-processes.  Pure-Python envs (``household``) take microseconds per step; threads cost them nothing.
+Why threads: the expensive envs are JVMs behind py4j sockets — a step blocks on socket I/O with the GIL released,
+so threads step JVMs truly in parallel, without pickling envs or re-importing the trainer in child processes.
+Pure-Python envs (``household``) take microseconds per step; threads cost them nothing.  An env that holds the GIL
+for long or can hang (ALFWorld) is a :class:`~sglightning.envs.process.ProcessEnv`: its slot's thread then waits on a
+socket too.
 
 Failure handling (each case fails *that episode only*, see :class:`CallOutcome`):
 
@@ -18,7 +20,8 @@ Failure handling (each case fails *that episode only*, see :class:`CallOutcome`)
   ``error="step: timeout after X s"``.  The slot is retired: its env is closed from a helper thread (closing a JVM
   env kills the process, which also unblocks the stuck call) and the slot is rebuilt on its next use.  A pure-Python
   env that never returns cannot be interrupted from another thread; its daemon thread is abandoned (counted in
-  ``abandoned_threads``) and dies with the process.
+  ``abandoned_threads``) and dies with the process.  Such an env belongs in a process of its own
+  (:mod:`sglightning.envs.process`, ``rollout.env_processes``): closing it kills the child and ends the call.
 
 ``close()`` closes every env (each with a deadline) and ends the worker threads; :func:`live_java_processes` lets
 tests check that no JVM outlives its pool.
@@ -232,7 +235,7 @@ class EnvPool:
         self.errors = 0  # calls that failed (exception, wrong type or timeout)
         self.timeouts = 0
         self.replaced = 0  # slots rebuilt after a failure
-        self.abandoned_threads = 0
+        self._stuck: list[threading.Thread] = []  # threads of retired slots whose call was still running
         self._closers: list[threading.Thread] = []
         self._serial = 0
 
@@ -355,7 +358,14 @@ class EnvPool:
         # the old thread ends after its current call returns (or never, for a hung pure-Python env); a call still
         # in flight (a timeout: its start is still noted) is what leaves a thread behind
         if w.thread.is_alive() and w.started:
-            self.abandoned_threads += 1
+            self._stuck.append(w.thread)
+
+    @property
+    def abandoned_threads(self) -> int:
+        """Threads of retired slots still stuck in a call (a hung pure-Python env; a closed JVM or process env ends
+        its call, and its thread)."""
+        self._stuck = [t for t in self._stuck if t.is_alive()]
+        return len(self._stuck)
 
     # ------------------------------------------------------------------------------------------------------------------
     @property
