@@ -104,14 +104,18 @@ def test_a_hung_step_under_a_shared_lock_fails_only_its_episode():
     RELEASE.set()
 
 
-def test_a_timed_out_child_is_killed():
+def test_a_timed_out_child_is_killed_and_leaves_nothing_open():
+    fds = len(os.listdir("/proc/self/fd"))
     pool = EnvPool(functools.partial(ProcessEnv, functools.partial(LockedEnv, difficulty=0)), step_timeout_s=0.5)
     with pool:
-        pool.reset_many([(0, 1, "train")])
-        pid = pool.peek(0).pid
-        assert pool.step_many([(0, "look")])[0].error == "step: timeout after 0.5 s"
-        assert _gone(pid)
+        for _ in range(3):
+            pool.reset_many([(0, 1, "train")])
+            pid = pool.peek(0).pid
+            assert pool.step_many([(0, "look")])[0].error == "step: timeout after 0.5 s"
+            assert _gone(pid)
         assert pool.reset_many([(0, 2, "train")])[0].ok and pool.peek(0).pid != pid  # the slot is rebuilt
+    time.sleep(0.2)
+    assert pool.abandoned_threads == 0 and len(os.listdir("/proc/self/fd")) == fds
 
 
 def test_errors_come_back_with_their_type_and_message():

@@ -129,6 +129,8 @@ class ProcessEnv(TextEnv):
                 _send(self._sock, (method, args))
                 ok, value = _receive(self._sock)
             except (EOFError, OSError):
+                if self._closed:  # close() killed the child under this call and left the socket to us
+                    self._sock.close()
                 raise RuntimeError(f"the env process ended during {method} ({self._ending()})") from None
         if not ok:
             raise value
