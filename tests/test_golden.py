@@ -97,8 +97,12 @@ def run_arm(arm: str, tmp_path: Path) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arm", sorted(ARMS))
-def test_same_seed_same_adapters_as_recorded(arm, tmp_path):
+def test_same_seed_same_adapters_as_recorded(arm, tmp_path, capsys):
     got = run_arm(arm, tmp_path)
+    if arm == "paths":  # grpo.ppo_epochs 2: the bar counts optimiser steps, the summary says both
+        out = capsys.readouterr().out
+        assert "sglightning fit: 3 GRPO steps (6 optimiser steps: grpo.ppo_epochs 2)," in out
+        assert "  time per GRPO step rollout " in out
     want = json.loads((GOLDEN / f"{arm}.json").read_text())
     assert len(got["steps"]) == len(want["steps"])
     for t, (g, w) in enumerate(zip(got["steps"], want["steps"])):

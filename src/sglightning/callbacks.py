@@ -311,7 +311,8 @@ class FitSummary(Callback):
         board = next((lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)), None)
         print(fit_summary(pl_module.history, pl_module.skipped_updates, pl_module.val_report_before,
                           pl_module.val_report, board and Path(board), export.last_export if export else None, path,
-                          [t.name for t in pl_module.reward_terms]))  # distinct: the module refused twins
+                          [t.name for t in pl_module.reward_terms],  # distinct: the module refused twins
+                          pl_module.grpo_cfg.ppo_epochs))
 
 
 class StepProfile(Callback):

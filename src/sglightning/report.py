@@ -337,11 +337,13 @@ def write_validation_report(report: dict[str, Any], folder: Path) -> tuple[Path,
 
 def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict | None, after: dict | None,
                 tensorboard_dir: Path | None, adapter_dir: Path | None, report_path: Path | None = None,
-                terms: Sequence[str] = ()) -> str:
+                terms: Sequence[str] = (), ppo_epochs: int = 1) -> str:
     """The end-of-fit summary: the per-step logs ``hist`` averaged (all steps, first and last third), the validation
     reports before and after training (``evaluation.before_fit``), and where the TensorBoard logs, the adapter and the
     last validation's report (``report_path``) are (a None is a line left out: no TensorBoard logger, nothing
-    written).  ``terms``: the names of ``model.reward_terms`` (each logged as ``reward/<name>``, weighted)."""
+    written).  ``terms``: the names of ``model.reward_terms`` (each logged as ``reward/<name>``, weighted).
+    ``ppo_epochs``: optimiser steps per GRPO step; above 1, the lines say which step they count (the progress bar
+    counts optimiser steps, this summary GRPO steps: one rollout each)."""
     if not hist:
         return "sglightning: no training step ran"
 
@@ -353,7 +355,9 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
     guided = any("guidance/label_positive" in r for r in hist)  # labels were measured (none without guidance)
     lines = [
         "",
-        f"sglightning fit: {len(hist)} GRPO steps, {int(sum(r.get('rollout/episodes', 0) for r in hist))} episodes",
+        f"sglightning fit: {len(hist)} GRPO steps"
+        + (f" ({len(hist) * ppo_epochs} optimiser steps: grpo.ppo_epochs {ppo_epochs})" if ppo_epochs > 1 else "")
+        + f", {int(sum(r.get('rollout/episodes', 0) for r in hist))} episodes",
         f"  success rate      all {mean('rollout/success_rate'):.3f}"
         f" | first third {mean('rollout/success_rate', hist[:third]):.3f}"
         f" | last third {mean('rollout/success_rate', hist[-third:]):.3f}",
@@ -366,7 +370,8 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
         f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {skipped_updates}"
         + (f"   episodes failed in the env {env_errors:.3f}" if (env_errors := mean("rollout/env_error_rate")) > 0
            else ""),
-        f"  time per step     rollout {mean('time/rollout_s'):.1f}s  update {mean('time/update_s'):.1f}s",
+        f"  {'time per GRPO step' if ppo_epochs > 1 else 'time per step':<17} rollout {mean('time/rollout_s'):.1f}s"
+        f"  update {mean('time/update_s'):.1f}s",
         *_phase_time_lines(hist, mean),
         *_memory_lines(hist),
     ]
