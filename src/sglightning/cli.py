@@ -166,6 +166,8 @@ def union_in_words(message: str) -> str:
 
 _SCALAR = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*Expected a <class \'(?P<type>\w+)\'>\. '
                      r'Got value: (?P<value>.*?)\s*$', re.DOTALL)
+_CHOICE = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*Expected a typing\.Literal\[(?P<values>.*)\]\. '
+                      r'Got value: (?P<value>.*?)\s*$', re.DOTALL)
 _ENV = re.compile(r'^Parser key "model\.env":.*?(?:class_path=\'(?P<path>[^\']+)\'|dot import path string: '
                   r'(?P<given>\S+)|Got value: (?P<value>[\w.]+)\s*$)', re.DOTALL)
 #: the environments sglightning ships (``model.env.class_path``)
@@ -182,10 +184,16 @@ def import_shipped_envs() -> None:
 
 
 def value_in_words(message: str) -> str:
-    """The parser's dump for a value of the wrong type (``--model.rollout.group_size four``) or an environment
-    class that cannot be imported (``--model.env HouseEnv``) as one sentence naming the key and what it allows."""
+    """The parser's dump for a value of the wrong type (``--model.rollout.group_size four``), a value not among a
+    key's choices (``--model.guidance.actor_format xml``) or an environment class that cannot be imported
+    (``--model.env HouseEnv``) as one sentence naming the key and what it allows."""
     if m := _SCALAR.match(message.strip()):
         return f"{m['key']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
+    if m := _CHOICE.match(message.strip()):
+        allowed = [v.strip(" '\"") for v in m["values"].split(",")]
+        close = difflib.get_close_matches(m["value"], allowed, n=1, cutoff=0.6)
+        return (f"{m['key']}: {m['value']!r} is not one of {', '.join(allowed)}"
+                + (f" (did you mean {close[0]}?)" if close else ""))
     if not (m := _ENV.match(message.strip())):
         return message
     given = m["path"] or m["given"] or m["value"]
