@@ -70,6 +70,11 @@ class RolloutConfig:
     """env calls running at once; 0 = the number of CPU cores (right for CPU-bound envs); raise it for envs that mostly
     wait (remote servers)"""
 
+    @property
+    def drops_failed_groups(self) -> bool:
+        """``failed_episodes`` is ``drop_group``: a group with an episode the env failed is left out of the update."""
+        return self.failed_episodes == "drop_group"
+
     def __post_init__(self) -> None:
         if self.group_size < 2:
             raise ValueError(f"rollout.group_size: must be >= 2 for group-relative advantages, got {self.group_size}")

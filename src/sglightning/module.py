@@ -264,7 +264,7 @@ class SelfGuideModule(LightningModule):
 
     def informative_groups(self, episodes: list[Episode]) -> set[int]:
         """The groups whose returns, blended with this step's scheduled λ, are not all equal (dynamic sampling)."""
-        c, drop = self.grpo_cfg, self.rollout_cfg.failed_episodes == "drop_group"  # those the update drops: none
+        c, drop = self.grpo_cfg, self.rollout_cfg.drops_failed_groups  # those the update drops: none
         return rewards.informative_groups(episodes, self.trust_lambda(), c.internal_reward_norm,
                                           c.invalid_action_penalty, self.reward_terms, drop_failed=drop)
 
@@ -289,7 +289,7 @@ class SelfGuideModule(LightningModule):
         # returns, advantages, the rows to score (pure, on the CPU)
         prepared = prepare_update(rb, lam, self.grpo_cfg, self.update_cfg, pad_token_id(self.tokenizer),
                                   reward_terms=self.reward_terms, share_prefix=self.share_prefix(),
-                                  drop_failed_groups=self.rollout_cfg.failed_episodes == "drop_group")
+                                  drop_failed_groups=self.rollout_cfg.drops_failed_groups)
         # grpo.ppo_epochs optimiser steps on it (every rank, with or without rows: the same collectives)
         try:
             dropout = data.seeded_dropout(self.policy, self.rollout_cfg.seed, step, self.global_rank, self.device)
@@ -491,10 +491,10 @@ class SelfGuideModule(LightningModule):
         for k in _COUNTERS:
             setattr(self, k, int(state.get(k, 0)))
         self.trust.meter.load_state_dict(state.get("trust_meter", {}))
-        if self._trainer is not None and self.trainer.state.fn == "fit":  # the summary of a resumed fit: every step
-            self.history, self.val_report_before = report.history_from_state(state.get("history")), state.get(
-                "val_report_before", self.val_report_before)
-        if state.get("trust_horizon") is not None and self._trainer is not None and self.trainer.state.fn == "fit":
-            line = self.trust.restore(state["trust_horizon"], self.total_steps())  # validate needs no horizon
-            if line and self.trainer.global_rank == 0:
-                print(f"sglightning: {line}", file=sys.stderr, flush=True)
+        if self._trainer is None or self.trainer.state.fn != "fit":
+            return  # validate needs neither the run's history nor the trust horizon
+        self.history = report.history_from_state(state.get("history"))  # a resumed fit's summary covers every step
+        self.val_report_before = state.get("val_report_before", self.val_report_before)
+        line = None if (h := state.get("trust_horizon")) is None else self.trust.restore(h, self.total_steps())
+        if line and self.trainer.global_rank == 0:
+            print(f"sglightning: {line}", file=sys.stderr, flush=True)
