@@ -67,3 +67,60 @@ class BrokenEnv(HouseholdEnv):
 class NotAnEnv:
     def __init__(self, **kw):
         pass
+
+
+class GreedyEnv(HouseholdEnv):
+    """A step that never ends and never lets go of the GIL (a regular expression that backtracks for ever)."""
+
+    def step(self, action: str) -> StepResult:
+        import re
+
+        re.match(r"(a+)+$", "a" * 64 + "b")
+        return super().step(action)
+
+
+class NoSplitEnv(HouseholdEnv):
+    """Written before splits existed: ``reset(seed)``."""
+
+    def reset(self, seed: int) -> ResetResult:  # type: ignore[override]
+        return super().reset(seed)
+
+
+class SlowBuildEnv(HouseholdEnv):
+    """A constructor that never returns (a simulator that waits for a licence server)."""
+
+    def __init__(self, **kw):
+        while True:
+            time.sleep(1)
+
+
+class ChattyEnv(HouseholdEnv):
+    """Prints while it builds and steps; ``crash`` in an action prints a reason and ends the process; ``interrupt``
+    raises KeyboardInterrupt; ``chain`` raises a ValueError from a KeyError; ``lambda`` returns what cannot pickle."""
+
+    def __init__(self, **kw):
+        print("ChattyEnv: building", flush=True)
+        import sys
+
+        print("ChattyEnv: a warning", file=sys.stderr, flush=True)
+        super().__init__(**kw)
+
+    def step(self, action: str) -> StepResult:
+        import os
+        import sys
+
+        print("ChattyEnv: stepping", flush=True)
+        if action == "crash":
+            print("ChattyEnv: the simulator's map is corrupt", file=sys.stderr, flush=True)
+            os._exit(3)
+        if action == "interrupt":
+            raise KeyboardInterrupt("pressed inside the env")
+        if action == "chain":
+            try:
+                {}["room"]
+            except KeyError as err:
+                raise ValueError("no such room") from err
+        res = super().step(action)
+        if action == "lambda":
+            res.info["callback"] = lambda: None
+        return res

@@ -3,6 +3,7 @@ other slots, errors come back with their type, and no child outlives its env or 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -13,7 +14,17 @@ import time
 
 import pytest
 from fakes import ScriptedLM, scripted_reply
-from process_envs import RELEASE, BrokenEnv, LockedEnv, MarkedEnv, NotAnEnv, OddErrorEnv
+from process_envs import (
+    RELEASE,
+    BrokenEnv,
+    ChattyEnv,
+    LockedEnv,
+    MarkedEnv,
+    NoSplitEnv,
+    NotAnEnv,
+    OddErrorEnv,
+    SlowBuildEnv,
+)
 
 from sglightning.data import RolloutConfig
 from sglightning.envs import build_env, check_env
@@ -29,17 +40,18 @@ HOUSEHOLD = functools.partial(HouseholdEnv, difficulty=1)
 
 
 def _gone(pid: int, within_s: float = 5.0) -> bool:
-    """Whether process ``pid`` has ended (or is a zombie) within ``within_s`` seconds."""
+    """Whether process ``pid`` has ended (or is a zombie) within ``within_s`` seconds (asked at least once)."""
     deadline = time.perf_counter() + within_s
-    while time.perf_counter() < deadline:
+    while True:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return True
         except FileNotFoundError:
             return True
+        if time.perf_counter() >= deadline:
+            return False
         time.sleep(0.05)
-    return False
 
 
 def test_a_process_env_plays_what_the_env_plays():
@@ -135,8 +147,13 @@ def test_errors_come_back_with_their_type_and_message():
         odd.close()
     with pytest.raises(ConfigError, match="^env.init_args.level: 7 is not a level of BrokenEnv$"):
         check_env(functools.partial(build_env, BrokenEnv, True), {"rollout.split": "train"})
-    with pytest.raises(TypeError, match="built a NotAnEnv, not a sglightning TextEnv"):
-        ProcessEnv(NotAnEnv)
+    not_an_env = ProcessEnv(NotAnEnv)  # built in the child as the first call runs: its error comes with that call
+    try:
+        for _ in range(2):
+            with pytest.raises(TypeError, match="built a NotAnEnv, not a sglightning TextEnv"):
+                not_an_env.reset(1)
+    finally:
+        not_an_env.close()
 
 
 def test_an_env_that_cannot_travel_is_named_in_one_line():
@@ -170,12 +187,13 @@ def test_ctrl_c_does_not_reach_the_child():
 
 
 def test_the_child_ends_with_its_parent(tmp_path):
-    """A parent that dies (killed, a crash) while its env is stuck in a call leaves no child behind."""
+    """A parent that dies (killed, a crash) while its env is stuck in a call that holds the GIL leaves no child
+    behind (a watching thread in the child never runs then)."""
     script = textwrap.dedent("""
         import functools, os, sys, threading, time
-        from process_envs import LockedEnv
+        from process_envs import GreedyEnv
         from sglightning.envs.process import ProcessEnv
-        env = ProcessEnv(functools.partial(LockedEnv, difficulty=0))
+        env = ProcessEnv(functools.partial(GreedyEnv, difficulty=0))
         env.reset(1)
         threading.Thread(target=env.step, args=("look",), daemon=True).start()
         time.sleep(0.3)
@@ -186,7 +204,12 @@ def test_the_child_ends_with_its_parent(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join([tests, *sys.path])})
     assert out.returncode == 0, out.stderr
-    assert _gone(int(out.stdout.strip()))
+    child = int(out.stdout.strip())
+    try:
+        assert _gone(child)
+    finally:  # a child that outlived its parent spins for ever: end it here
+        if not _gone(child, 0):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_a_rollout_plays_the_same_episodes_in_processes():
@@ -206,18 +229,127 @@ def test_a_rollout_plays_the_same_episodes_in_processes():
     assert threads == processes and all(e.error is None for e in batches[1].episodes)
 
 
-def _instantiate(parser_state, cls, *args, **kwargs):
-    return cls(*args, **kwargs)
-
-
 def test_a_configured_env_travels_without_the_parser_around_it():
-    """A config hands over partial(instantiator, <parser state>, cls, **init_args); the parser's state holds the
-    whole run (the model too) and does not pickle: the child gets partial(cls, **init_args)."""
+    """A config's env is partial(<jsonargparse's instantiator>, <its state>, cls, **init_args); under the CLI that
+    state holds the whole run (the model too) and does not pickle: the child gets partial(cls, **init_args)."""
+    import json
     import threading
+    from collections.abc import Callable
 
-    configured = functools.partial(_instantiate, threading.Lock(), HouseholdEnv, difficulty=1)
-    env = ProcessEnv(configured)
+    from jsonargparse import ArgumentParser
+
+    from sglightning.envs.base import TextEnv
+
+    parser = ArgumentParser()
+    parser.add_argument("--env", type=Callable[[], TextEnv])
+    given = {"class_path": "sglightning.envs.household.HouseholdEnv", "init_args": {"difficulty": 1}}
+    configured = parser.instantiate(parser.parse_args(["--env", json.dumps(given)])).env
+    assert isinstance(configured, functools.partial) and configured.args[1] is HouseholdEnv
+    heavy = functools.partial(configured.func, threading.Lock(), *configured.args[1:], **configured.keywords)
+    env = ProcessEnv(heavy)
     try:
-        assert env.reset(4) == configured().reset(4)
+        assert env.reset(4) == HOUSEHOLD().reset(4) and env.wrapped is HouseholdEnv
     finally:
         env.close()
+    mine = functools.partial(_make, HouseholdEnv, difficulty=1)  # a user's own partial is kept as it is
+    env = ProcessEnv(mine)
+    try:
+        assert env.reset(4).observation == "made: " + HOUSEHOLD().reset(4).observation
+    finally:
+        env.close()
+
+
+def _make(cls, **kw):
+    """A user's env factory that changes what the class builds."""
+    env = cls(**kw)
+    reset = env.reset
+
+    def made(seed, split="train"):
+        first = reset(seed, split)
+        return dataclasses.replace(first, observation="made: " + first.observation)
+
+    env.reset = made
+    return env
+
+
+def test_an_env_without_splits_plays_train_and_refuses_the_others():
+    env = ProcessEnv(functools.partial(NoSplitEnv, difficulty=0))
+    try:
+        assert env.reset(2) == NoSplitEnv(difficulty=0).reset(2)
+        with pytest.raises(ValueError, match="NoSplitEnv.reset takes no split argument, so it cannot play split 'dev'"):
+            env.reset(2, "dev")
+    finally:
+        env.close()
+
+
+def test_a_script_env_stays_in_the_trainers_process():
+    """A class defined in a script or a notebook (``__main__``) cannot be built in a child: its own_process gives
+    way, and asking for processes outright is one line."""
+    class ScriptEnv(HouseholdEnv):
+        own_process = True
+
+    ScriptEnv.__module__ = "__main__"
+    assert type(build_env(ScriptEnv)) is ScriptEnv
+    with pytest.raises(ValueError, match="^rollout.env_processes: the env .*ScriptEnv cannot be sent to a process "
+                                         r"\(it is defined in __main__"):
+        build_env(ScriptEnv, True)
+
+
+def test_a_hung_constructor_is_killed_by_the_reset_timeout():
+    with EnvPool(functools.partial(ProcessEnv, SlowBuildEnv), reset_timeout_s=1.0) as pool:
+        assert pool.reset_many([(0, 1, "train")])[0].error == "reset: timeout after 1 s"
+        deadline = time.perf_counter() + 5
+        while pool.abandoned_threads and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        assert pool.abandoned_threads == 0
+
+
+def test_the_childs_output_stays_out_of_the_run_and_names_its_crash(capfd):
+    env = ProcessEnv(functools.partial(ChattyEnv, difficulty=0))
+    try:
+        env.reset(1)
+        env.step("look")
+        with pytest.raises(TypeError, match="^step returned a value that cannot travel"):
+            env.step("lambda")
+        with pytest.raises(RuntimeError, match="^KeyboardInterrupt: pressed inside the env$"):
+            env.step("interrupt")
+        with pytest.raises(ValueError, match=r"^no such room \(from KeyError: 'room'\)$"):
+            env.step("chain")
+        assert env.step("look").observation  # the child goes on after each
+        with pytest.raises(RuntimeError, match=r"ended during step \(exit code 3: ChattyEnv: the simulator's map is "
+                                               r"corrupt\)"):
+            env.step("crash")
+    finally:
+        env.close()
+    out, err = capfd.readouterr()
+    assert "ChattyEnv" not in out + err
+
+
+def test_a_poisoned_current_folder_does_not_reach_the_child(tmp_path, monkeypatch):
+    """``python -m`` would put the current folder first on the child's path: a ``logging.py`` there broke it."""
+    (tmp_path / "logging.py").write_text("raise ImportError('the wrong logging')\n")
+    monkeypatch.chdir(tmp_path)
+    env = ProcessEnv(HOUSEHOLD)
+    try:
+        assert env.reset(1).observation
+    finally:
+        env.close()
+
+
+def test_the_split_error_names_the_env_not_its_wrapper():
+    with pytest.raises(ConfigError, match="'valid_seen' is not a split of HouseholdEnv"):
+        check_env(functools.partial(build_env, HOUSEHOLD, True), {"evaluation.split": "valid_seen"})
+
+
+def test_two_closes_at_once_close_the_env_once_and_politely(tmp_path):
+    import threading
+
+    marker = tmp_path / "marker"
+    env = ProcessEnv(functools.partial(MarkedEnv, str(marker), difficulty=0))
+    env.reset(1)
+    closers = [threading.Thread(target=env.close) for _ in range(2)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join(30)
+    assert marker.read_text() == "closed" and env._proc.returncode == 0 and env._sock.fileno() == -1

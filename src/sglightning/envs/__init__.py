@@ -36,14 +36,14 @@ def build_env(env: Any, processes: bool | None = None) -> TextEnv:
     Args:
         env: the configured env: a ``TextEnv`` class or a partial of one.
         processes: build it in a process of its own (:class:`~sglightning.envs.process.ProcessEnv`); None: the
-            class's ``own_process``.
+            class's ``own_process``, where a child process can build it.
     """
-    if processes is None:
-        processes = bool(getattr(env_class_of(env), "own_process", False))
-    if processes:
-        from sglightning.envs.process import ProcessEnv
+    if processes is not False:
+        from sglightning.envs.process import ProcessEnv, travels
 
-        return ProcessEnv(env)
+        # an env class's own choice gives way where a child cannot build it (defined in a script or a notebook)
+        if processes or (getattr(env_class_of(env), "own_process", False) and travels(env)):
+            return ProcessEnv(env)
     built = env()
     if not isinstance(built, TextEnv):
         raise TypeError(f"env: {env!r} built a {type(built).__name__}, not a sglightning TextEnv")
@@ -57,17 +57,21 @@ def check_env(factory: Any, splits: dict[str, str]) -> None:
     it is found before any slow model load."""
     from sglightning.errors import ConfigError
 
-    try:
+    probe = None
+    try:  # an env in a process of its own raises its constructor's error when first asked (here: its splits)
         probe = factory()
-    except Exception as err:  # noqa: BLE001 - the env's own code: whatever it raises, one line naming the key
-        msg = str(err) if isinstance(err, (TypeError, ValueError)) else f"{type(err).__name__}: {err}"
-        raise ConfigError(msg if msg.startswith("env") else f"env: cannot create the environment: {msg}") from err
-    try:
         allowed = tuple(getattr(probe, "splits", ()) or ())
+    except Exception as err:  # noqa: BLE001 - the env's own code: whatever it raises, one line naming the key
+        if probe is not None:
+            probe.close()
+        msg = str(err) if isinstance(err, (TypeError, ValueError)) else f"{type(err).__name__}: {err}"
+        raise ConfigError(msg if msg.startswith(("env", "rollout.env")) else
+                          f"env: cannot create the environment: {msg}") from err
+    try:
+        name = getattr(probe, "wrapped", type(probe)).__name__  # a ProcessEnv names the class it plays
         for key, split in splits.items():
             if allowed and split not in allowed:
-                raise ConfigError(
-                    f"{key}: {split!r} is not a split of {type(probe).__name__}; allowed: {', '.join(allowed)}")
+                raise ConfigError(f"{key}: {split!r} is not a split of {name}; allowed: {', '.join(allowed)}")
     finally:
         probe.close()
 

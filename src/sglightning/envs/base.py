@@ -18,7 +18,9 @@ group seeding) so adapters stay thin.  Contract:
 from __future__ import annotations
 
 import abc
+import functools
 import importlib.metadata
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,3 +111,28 @@ class TextEnv(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@functools.cache
+def _accepts_split(env_type: type) -> bool:
+    """Whether ``env_type.reset`` takes ``split`` (asked once per class, not on every reset)."""
+    try:
+        params = inspect.signature(env_type.reset).parameters
+    except (TypeError, ValueError):
+        return True
+    return "split" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def reset_in_split(env: TextEnv, seed: int, split: str) -> ResetResult:
+    """``env.reset(seed, split=split)``; an env written before splits existed (``reset(seed)``) plays ``train`` only.
+
+    Args:
+        env: the environment.
+        seed: the task seed.
+        split: the split to draw the task from.
+    """
+    if _accepts_split(type(env)):
+        return env.reset(seed, split=split)
+    if split == "train":
+        return env.reset(seed)
+    raise ValueError(f"{type(env).__name__}.reset takes no split argument, so it cannot play split {split!r}")

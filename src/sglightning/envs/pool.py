@@ -29,8 +29,6 @@ tests check that no JVM outlives its pool.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import math
 import os
@@ -42,7 +40,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
-from sglightning.envs.base import ResetResult, StepResult, TextEnv
+from sglightning.envs.base import ResetResult, StepResult, TextEnv, reset_in_split
 
 log = logging.getLogger(__name__)
 
@@ -134,23 +132,8 @@ class _Worker:
         return env
 
 
-@functools.cache
-def _accepts_split(env_type: type) -> bool:
-    """Whether ``env_type.reset`` takes ``split`` (asked once per class, not on every reset)."""
-    try:
-        params = inspect.signature(env_type.reset).parameters
-    except (TypeError, ValueError):
-        return True
-    return "split" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-
-
 def _reset(env: TextEnv, seed: int, split: str) -> ResetResult:
-    if _accepts_split(type(env)):
-        res = env.reset(seed, split=split)
-    elif split == "train":
-        res = env.reset(seed)
-    else:
-        raise ValueError(f"{type(env).__name__}.reset takes no split argument, so it cannot play split {split!r}")
+    res = reset_in_split(env, seed, split)
     if not isinstance(res, ResetResult):
         raise TypeError(f"reset returned {type(res).__name__}, expected ResetResult")
     _check_fields(res, ("observation", "task"))
