@@ -353,3 +353,16 @@ def test_two_closes_at_once_close_the_env_once_and_politely(tmp_path):
     for t in closers:
         t.join(30)
     assert marker.read_text() == "closed" and env._proc.returncode == 0 and env._sock.fileno() == -1
+
+
+def test_the_pool_closes_the_env_itself_not_only_its_process(tmp_path):
+    """The pool ends a slot's thread as it closes the slot's env: the child must not die with that thread before the
+    env's own close has run."""
+    markers = [tmp_path / f"marker{i}" for i in range(3)]
+    with EnvPool(lambda: ProcessEnv(functools.partial(MarkedEnv, str(markers[len(made)]), difficulty=0))) as pool:
+        made = []
+        for slot in range(3):
+            pool.env(slot)
+            made.append(slot)
+        pool.reset_many([(slot, slot, "train") for slot in range(3)])
+    assert [m.read_text() if m.exists() else None for m in markers] == ["closed"] * 3

@@ -14,11 +14,11 @@ constructor that hangs is under the same timeout.
 
 The child imports the env's module, not torch or the trainer.  It sees the parent's ``sys.path`` (the parent's
 environment variables are passed unchanged).  It runs in a session of its own, so Ctrl-C reaches the trainer only,
-which closes it.  It is killed when the thread that started it ends or the parent dies (Linux's parent-death signal),
-even while a call holds the GIL.  Its stdout and stderr go to a temporary file: the run prints nothing of it, and an
-unexpected end of the child reports that file's last line.  Exceptions come back with their type and message (the
-cause appended); one that cannot travel, or a ``KeyboardInterrupt``/``SystemExit`` inside the env, comes back as
-``RuntimeError("<Type>: <message>")``.
+which closes it.  Linux kills it when the parent dies, even while a call holds the GIL (the parent-death signal;
+it follows the thread that started the child, so one long-lived thread starts them all).  Its stdout and stderr go to
+a temporary file: the run prints nothing of it, and an unexpected end of the child reports that file's last line.
+Exceptions come back with their type and message (the cause appended); one that cannot travel, or a
+``KeyboardInterrupt``/``SystemExit`` inside the env, comes back as ``RuntimeError("<Type>: <message>")``.
 
 Cost: one Python process per slot and its start-up (ALFWorld: ~70 MB and ~0.8 s; ``docs/environments.md``), paid
 again each time a failure rebuilds the slot.  ``rollout.env_processes`` chooses (null: the env class's
@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from sglightning.envs import env_class_of
@@ -50,6 +51,9 @@ _ATTRIBUTES = ("name", "splits", "action_help")
 #: the child's first lines: the parent's import path (argv[3:]) before any import a file in the folder could shadow
 _BOOT = ("import sys; sys.path[:] = sys.argv[3:]; from sglightning.envs.process import serve; "
          "serve(int(sys.argv[1]), int(sys.argv[2]))")
+#: starts every child and lives as long as the process: the parent-death signal follows the starting thread, and a
+#: pool slot's thread ends while its env is still being closed (which cut the env's own close short)
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglightning-env-spawner")
 
 
 def portable(env: Any) -> Any:
@@ -104,9 +108,6 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
 class ProcessEnv(TextEnv):
     """An env built and played in a child process (see the module docstring).
 
-    The child is tied to the thread that creates this object: it is killed when that thread ends (the pool builds
-    each slot's env in the slot's own thread, which lives as long as the env).
-
     Args:
         env: what builds the env: a ``TextEnv`` class or a ``functools.partial`` of one (what a config's ``env``
             becomes). It must pickle, so it cannot be defined in ``__main__`` or inside a function.
@@ -136,10 +137,10 @@ class ProcessEnv(TextEnv):
         self._sock = mine
         path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid()), *path],
+            self._proc = _SPAWNER.submit(
+                subprocess.Popen, [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid()), *path],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=self._output, stderr=self._output,
-                start_new_session=True)
+                start_new_session=True).result()
             mine.sendall(_frame(("build", (payload,))))  # answered before the first call's answer
         except BaseException:
             mine.close()
@@ -273,8 +274,9 @@ class ProcessEnv(TextEnv):
 
 
 def _die_with_parent(parent: int) -> None:
-    """Linux: the kernel kills this process when the thread that started it ends, even while a call holds the GIL.
-    Elsewhere, and for a parent that died before this line, a thread polls."""
+    """Linux: the kernel kills this process when the thread that started it (the parent's spawner, which lives as long
+    as the parent) ends, even while a call holds the GIL.  Elsewhere, and for a parent that died before this line, a
+    thread polls."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (AttributeError, OSError):
