@@ -254,11 +254,10 @@ class StepLog(Callback):
                 f.write(json.dumps(line, default=float) + "\n")
 
 
-def logged_peaks_GiB(hist: list[dict]) -> list[float]:
-    """The accelerator peaks the steps logged (``memory/<phase>_peak_accelerator_gb``, in GB), in GiB.  Each phase
+def logged_peaks_GB(hist: list[dict]) -> list[float]:
+    """The accelerator peaks the steps logged (``memory/<phase>_peak_accelerator_gb``, in GB: 1e9 bytes).  Each phase
     resets the device's peak counter, so the run's peak is the largest of them, not the counter at the end."""
-    return [v * 1e9 / 2**30 for r in hist for k, v in r.items()
-            if k.startswith("memory/") and k.endswith("_accelerator_gb")]
+    return [v for r in hist for k, v in r.items() if k.startswith("memory/") and k.endswith("_accelerator_gb")]
 
 
 def from_steps(path: str) -> dict:
@@ -277,7 +276,7 @@ def from_steps(path: str) -> dict:
         raise SystemExit(f"--from-steps: {path} holds no finished step")
     passes = {k: int(hist[-1].get("gpu_check/" + k, d)) for k, d in (("backward", 1), ("no_grad", 0))}
     profiled = head.get("profile_step") is not None and len(hist) >= head["profile_step"]  # its step is not timed
-    peaks = logged_peaks_GiB(hist)
+    peaks = logged_peaks_GB(hist)
     return {**head, "partial": True, "steps": len(hist), "episodes_per_step": hist[-1]["rollout/episodes"],
             **summarise(hist[: head["profile_step"]] if profiled else hist, SHAPES[head["shape"]],
                         head.get("bandwidth"), head.get("flops"), profiled=profiled, passes=passes,
@@ -341,7 +340,7 @@ def main(argv=None) -> dict:
            "copy_bandwidth_TBps": bandwidth / 1e12 if bandwidth else None,
            "matmul_TFLOPs": flops / 1e12 if flops else None,
            # the phases reset the counter: the steps' logged peaks, and the counter for what ran after them
-           "peak_memory_GB": max([torch.cuda.max_memory_allocated() / 2**30, *logged_peaks_GiB(module.history)])
+           "peak_memory_GB": max([torch.cuda.max_memory_allocated() / 1e9, *logged_peaks_GB(module.history)])
            if gpu else None,
            # the engine closed its caches at the fit's end: the largest a step logged
            "slot_cache_GB": max((h.get("engine/slot_cache_GB", 0.0) for h in module.history), default=None),

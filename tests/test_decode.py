@@ -561,7 +561,7 @@ def test_under_a_memory_limit_two_call_gives_its_kept_cache_away_and_plays_the_s
     assert len(allocated) == 1  # one cache, handed from call to call (same addresses: no new graphs on a GPU)
     logs = engine_logs({**short.engine_counts, **stats})  # the rollout's numbers and the engine's
     assert logs["engine/caches_given_back"] == tight.slots.given_back
-    assert logs["engine/slot_cache_GB"] == tight.slots.caches[0].nbytes() / 2**30
+    assert logs["engine/slot_cache_GB"] == tight.slots.caches[0].nbytes() / 1e9
     assert short.prefill_positions == fresh.prefill_positions
     roomy = _limited(model, 4)
     kept = _two_call(model, tok, roomy, "constrained", "admissible", True)

@@ -153,3 +153,36 @@ def test_timing_sums_phases_and_restores_the_outer_timing():
     assert outer.calls == {"rollout/draw": 1, "update/forward": 1}  # the inner block's phases went to the inner one
     assert set(phase_logs(outer.seconds, "update")) == {"time/update_forward_s"}
     assert phase("rollout/decode") is phase("update/forward")  # outside any timing: the shared no-op again
+
+
+def test_device_time_counts_each_kernel_once():
+    """On CUDA the profiler lists a kernel twice: as a device event and in the host operation that launched it. The
+    step's device time summed both (a busy share above 100 % was possible); torch's own table counts device events.
+    The events below are what torch's parser makes of an eager 10 ms kernel and a 5 ms kernel replayed from a graph
+    inside a phase range."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent
+
+    def event(i, name, start, end, device=DeviceType.CPU, annotation=False):
+        return FunctionEvent(id=i, name=name, thread=1, start_us=start, end_us=end, fwd_thread=1, input_shapes=[],
+                             stack=[], scope=0, use_device="cuda", device_type=device, is_user_annotation=annotation)
+
+    step = event(1, "sglightning/step", 0, 100_000, annotation=True)
+    decode = event(2, "sglightning/rollout/decode", 10, 50_000, annotation=True)
+    matmul = event(3, "aten::mm", 60_000, 70_000)
+    matmul.append_kernel("sgemm", 0, 10_000)
+    decode.append_kernel("graph_kernel", 0, 5_000)
+    events = EventList([step, decode, matmul, event(4, "sgemm", 60_000, 70_000, DeviceType.CUDA),
+                        event(5, "graph_kernel", 10, 5_010, DeviceType.CUDA)], use_device="cuda")
+    events._build_tree()
+
+    class Recorded:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+        def key_averages(self):
+            return events.key_averages()
+
+    s = summarise(Recorded())
+    assert s["device_s"] == pytest.approx(0.015) and s["device_events"] == 2
+    assert [k["name"] for k in s["top_kernels"]] == ["sgemm", "graph_kernel"]
+    assert s["device_busy"] == pytest.approx(0.15)

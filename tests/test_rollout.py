@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -111,6 +112,31 @@ def test_an_episode_the_envs_own_step_limit_ends_counts_as_truncated(tok):
     metrics = EpisodeMetrics()
     metrics.update(batch)
     assert metrics.compute()["rollout/truncated_rate"] == 1.0
+
+
+def test_episode_metrics_take_one_update_per_key_and_mean_over_episodes(tok):
+    """On CUDA each update is a copy to the device and a sync: one per key a step, not one per episode and key. The
+    means are the episodes' means; label shares of episodes without labels (NaN) are left out."""
+    from sglightning.metrics import EpisodeMetrics, _episode_values
+
+    guided = GuidanceConfig()
+    lm = ScriptedLM(tok, scripted_reply())
+    env = functools.partial(HouseholdEnv, difficulty=1, info_actions=False)
+    batch = Rollout(lm, tok, env, guided, RolloutConfig(group_size=2, max_steps=3)).run([1, 2])
+    batch.episodes[0].steps.clear()  # an episode with no labels: its label shares are NaN
+    metrics = EpisodeMetrics()
+    calls = {n: 0 for n in metrics.names}
+    for name, metric in zip(metrics.names, metrics.means):
+        real = metric.update
+        metric.update = lambda value, _real=real, _n=name: (calls.__setitem__(_n, calls[_n] + 1), _real(value))[1]
+    metrics.update(batch)
+    assert set(calls.values()) == {1}
+    got = metrics.compute()
+    rows = [_episode_values(ep) for ep in batch.episodes]
+    for name in metrics.names:
+        values = [r[name] for r in rows if not math.isnan(r[name])]
+        if values:
+            assert got[name] == pytest.approx(sum(values) / len(values), rel=1e-6), name
 
 
 class _FirstResetOfSeed3Fails(HouseholdEnv):

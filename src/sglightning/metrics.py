@@ -177,10 +177,13 @@ class EpisodeMetrics(torch.nn.Module):
                                           for n in self.names])
 
     def update(self, batch: RolloutBatch) -> None:
-        for ep in batch.episodes:
-            vals = _episode_values(ep)
-            for name, metric in zip(self.names, self.means):
-                metric.update(vals[name])
+        """One update per key with every episode's value (on CUDA, one copy per key: not one per episode and key,
+        which took ~2 000 synchronising copies a step at 16 × 8 episodes, inside the update's timer)."""
+        if not batch.episodes:
+            return
+        rows = [_episode_values(ep) for ep in batch.episodes]
+        for name, metric in zip(self.names, self.means):
+            metric.update(torch.tensor([r[name] for r in rows], dtype=torch.float32, device=metric.device))
 
     def compute(self) -> dict[str, float]:
         """Means over every rank's episodes.  Every metric is computed on every rank, updated or not (the sync is a

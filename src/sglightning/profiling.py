@@ -161,7 +161,10 @@ def summarise(prof: torch.profiler.profile, top: int = 10) -> dict:
     # operations, kernels and copies only: ranges (ours, torch.compile's, a user's) are spans; on CUDA each also has
     # a span on the device, whose duration would count the kernels inside it twice
     own = [e for e in events if not e.key.startswith(PREFIX) and not getattr(e, "is_user_annotation", False)]
-    device = sum(e.self_device_time_total for e in own) / 1e6
+    # the kernels and copies themselves: the host operation that launched a kernel carries its time too (counted once,
+    # as torch's own table does)
+    on_device = [e for e in own if e.device_type != DeviceType.CPU]
+    device = sum(e.self_device_time_total for e in on_device) / 1e6
     phases = []
     for name in PHASES:
         e = stats.get(PREFIX + name)
@@ -169,7 +172,7 @@ def summarise(prof: torch.profiler.profile, top: int = 10) -> dict:
             continue
         phases.append({"phase": name, "calls": int(e.count), "wall_s": e.cpu_time_total / 1e6,
                        "device_s": e.device_time_total / 1e6})
-    kernels = sorted((e for e in own if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
+    kernels = sorted((e for e in on_device if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total)
     host = sorted(own, key=lambda e: -e.self_cpu_time_total)
     return {
         "cuda": torch.profiler.ProfilerActivity.CUDA in prof.activities,  # the device's activity was asked for

@@ -416,7 +416,8 @@ class CudaGraph:
         with torch.cuda.stream(side):
             fn()
             torch.cuda.synchronize()
-            self.graph.capture_begin(pool=self.pool)
+            # thread_local: a CUDA call of another thread (a compile worker, a collective's watchdog) does not void it
+            self.graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 fn()
             finally:
