@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 from types import SimpleNamespace
+from typing import Literal
 
 import torch
 
@@ -203,3 +204,11 @@ class LifecycleEngine(BuiltinEngine):
     def close(self) -> None:
         LifecycleEngine.events.append("close")
         super().close()
+
+
+class ModeEnv(HouseholdEnv):
+    """The household env with an init argument that takes one of a few words (a config error's wording is tested
+    with it)."""
+
+    def __init__(self, mode: Literal["easy", "hard"] = "easy", **kw):
+        super().__init__(difficulty=0 if mode == "easy" else 2, **kw)

@@ -124,3 +124,17 @@ class ChattyEnv(HouseholdEnv):
         if action == "lambda":
             res.info["callback"] = lambda: None
         return res
+
+
+class MissingFileEnv(HouseholdEnv):
+    """A constructor that raises an OSError (a game file not there)."""
+
+    def __init__(self, **kw):
+        raise FileNotFoundError("no such game file: /games/kitchen.json")
+
+
+class MissingAttributeEnv(HouseholdEnv):
+    """A constructor that raises an AttributeError (a bug in the env's own code)."""
+
+    def __init__(self, **kw):
+        raise AttributeError("'NoneType' object has no attribute 'rooms'")

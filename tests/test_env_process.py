@@ -20,6 +20,8 @@ from process_envs import (
     ChattyEnv,
     LockedEnv,
     MarkedEnv,
+    MissingAttributeEnv,
+    MissingFileEnv,
     NoSplitEnv,
     NotAnEnv,
     OddErrorEnv,
@@ -47,7 +49,7 @@ def _gone(pid: int, within_s: float = 5.0) -> bool:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # gone, or reaped while read
             return True
         if time.perf_counter() >= deadline:
             return False
@@ -366,3 +368,76 @@ def test_the_pool_closes_the_env_itself_not_only_its_process(tmp_path):
             made.append(slot)
         pool.reset_many([(slot, slot, "train") for slot in range(3)])
     assert [m.read_text() if m.exists() else None for m in markers] == ["closed"] * 3
+
+
+def test_a_constructors_own_error_comes_back_whatever_its_type():
+    """An OSError of the env's constructor was taken for the socket's failure (its type and message lost, a second
+    of waiting); an AttributeError made the config check skip the env, and its splits."""
+    env = ProcessEnv(MissingFileEnv)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(2):
+            with pytest.raises(FileNotFoundError, match="^no such game file: /games/kitchen.json$"):
+                env.reset(1)
+        assert time.perf_counter() - t0 < 5
+    finally:
+        env.close()
+    for cls, line in ((MissingFileEnv, "FileNotFoundError: no such game file"),
+                      (MissingAttributeEnv, "AttributeError: 'NoneType' object has no attribute 'rooms'")):
+        with pytest.raises(ConfigError, match=f"^env: cannot create the environment: {line}"):
+            check_env(functools.partial(build_env, cls, True), {"evaluation.split": "dev"})
+
+
+def test_a_forked_process_builds_envs_too():
+    """A process forked after a ProcessEnv was built (Lightning's ddp_fork, a notebook) had the spawner without its
+    thread: every build waited for ever."""
+    first = ProcessEnv(HOUSEHOLD)
+    try:
+        first.reset(1)
+        child = os.fork()
+        if child == 0:  # the forked process: build one, play one reset, report by the exit code
+            code = 1
+            try:
+                env = ProcessEnv(HOUSEHOLD)
+                code = 0 if env.reset(2).observation else 1
+                env.close()
+            finally:
+                os._exit(code)
+        deadline = time.perf_counter() + 30
+        while (done := os.waitpid(child, os.WNOHANG))[0] == 0 and time.perf_counter() < deadline:
+            time.sleep(0.1)
+        if done[0] == 0:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+        assert done[0] == child and os.waitstatus_to_exitcode(done[1]) == 0
+    finally:
+        first.close()
+
+
+def test_an_env_that_takes_an_env_travels_too():
+    """An init argument that takes a class (FaultyEnv's env) is a jsonargparse partial as well, with the parser's
+    state inside: it is made portable too."""
+    import json
+    import threading
+    from collections.abc import Callable
+
+    from jsonargparse import ArgumentParser
+
+    from sglightning.envs.base import TextEnv
+    from sglightning.envs.faults import FaultyEnv
+
+    parser = ArgumentParser()
+    parser.add_argument("--env", type=Callable[[], TextEnv])
+    given = {"class_path": "sglightning.envs.faults.FaultyEnv",
+             "init_args": {"env": {"class_path": "sglightning.envs.household.HouseholdEnv",
+                                   "init_args": {"difficulty": 1}}}}
+    outer = parser.instantiate(parser.parse_args(["--env", json.dumps(given)])).env
+    inner = outer.keywords["env"]
+    assert isinstance(inner, functools.partial) and inner.args[1] is HouseholdEnv
+    heavy = functools.partial(inner.func, threading.Lock(), *inner.args[1:], **inner.keywords)
+    outer = functools.partial(outer.func, threading.Lock(), *outer.args[1:], **{**outer.keywords, "env": heavy})
+    env = ProcessEnv(outer)
+    try:
+        assert env.wrapped is FaultyEnv and env.reset(4) == HOUSEHOLD().reset(4)
+    finally:
+        env.close()

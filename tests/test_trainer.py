@@ -408,6 +408,8 @@ def test_every_shipped_config_parses(cfg, capsys):
          "model.guidance.actor_format: 'xml' is not one of action_line, json, think_tags"),
         (["--model.rollout.failed_episodes=dropgroup"],
          "model.rollout.failed_episodes: 'dropgroup' is not one of keep, drop_group (did you mean drop_group?)"),
+        (["--model.env=fakes.ModeEnv", "--model.env.init_args.mode=hrd"],
+         "model.env.init_args.mode: 'hrd' is not one of easy, hard (did you mean hard?)"),
         (["--model.optimizer.init_args.lr=-0.001"], "model.optimizer: Invalid learning rate: -0.001"),
         (["--trainer.max_steps=-5"], "`max_steps` must be a non-negative integer or -1"),
         (["--model.policy.name_or_path=my_models/smol2"],

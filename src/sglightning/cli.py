@@ -183,6 +183,19 @@ def import_shipped_envs() -> None:
         importlib.import_module(path.rpartition(".")[0])
 
 
+def not_one_of(key: str, value: str, choices: str) -> str:
+    """``key: 'value' is not one of a, b (did you mean b?)``, from the parser's ``Literal[...]`` listing.
+
+    Args:
+        key: the key as the command line spells it.
+        value: the value given.
+        choices: what ``typing.Literal[...]`` lists between its brackets.
+    """
+    allowed = [v.strip(" '\"") for v in choices.split(",")]
+    close = difflib.get_close_matches(value, allowed, n=1, cutoff=0.6)
+    return f"{key}: {value!r} is not one of {', '.join(allowed)}" + (f" (did you mean {close[0]}?)" if close else "")
+
+
 def value_in_words(message: str) -> str:
     """The parser's dump for a value of the wrong type (``--model.rollout.group_size four``), a value not among a
     key's choices (``--model.guidance.actor_format xml``) or an environment class that cannot be imported
@@ -190,10 +203,7 @@ def value_in_words(message: str) -> str:
     if m := _SCALAR.match(message.strip()):
         return f"{m['key']}: {m['value']!r} is not {_TYPE_WORDS.get(m['type'], m['type'])}"
     if m := _CHOICE.match(message.strip()):
-        allowed = [v.strip(" '\"") for v in m["values"].split(",")]
-        close = difflib.get_close_matches(m["value"], allowed, n=1, cutoff=0.6)
-        return (f"{m['key']}: {m['value']!r} is not one of {', '.join(allowed)}"
-                + (f" (did you mean {close[0]}?)" if close else ""))
+        return not_one_of(m["key"], m["value"], m["values"])
     if not (m := _ENV.match(message.strip())):
         return message
     given = m["path"] or m["given"] or m["value"]
@@ -230,6 +240,8 @@ def import_problem(path: str) -> str | None:
 
 _CLASS_ARG = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?Parser key "(?P<arg>\w+)":\s*(?:'
                         r"Expected a <class '(?P<type>\w+)'>\. Got value: (?P<value>.*?)(?:\. Got value: |\n|$)"
+                        r"|Expected a typing\.Literal\[(?P<choices>.*?)\]\. "
+                        r"Got value: (?P<lvalue>.*?)(?:\. Got value: |\n|$)"
                         r"|.*?Expected a <class '(?P<utype>\w+)'>.*?Given value: (?P<uvalue>.*?)\. Got value: )",
                         re.DOTALL)  # a plain type; a union's first member (lr: float or Tensor)
 _REQUIRED = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?Problem with given class_path \'(?P<cls>[\w.]+)\':\s*'
@@ -244,6 +256,8 @@ def class_in_words(message: str) -> str:
     nothing (with the nearest name)."""
     text = message.strip()
     if m := _CLASS_ARG.match(text):
+        if m["choices"] is not None:
+            return not_one_of(f"{m['key']}.init_args.{m['arg']}", m["lvalue"], m["choices"])
         value, kind = (m["value"], m["type"]) if m["type"] else (m["uvalue"], m["utype"])
         return f"{m['key']}.init_args.{m['arg']}: {value!r} is not {_TYPE_WORDS.get(kind, kind)}"
     if m := _REQUIRED.match(text):

@@ -86,7 +86,7 @@ class BuiltinEngine(Engine):
         with weights.gathered():
             yield stats
         if self.slots.caches:  # filled on exit, read by the rollout's caller after it
-            stats["slot_cache_GB"] = self.slots.nbytes() / 1e9  # GB, as every memory number
+            stats["slot_cache_GB"] = self.slots.nbytes() / 1e9  # GB, as the memory logs
         calls = {k: v - before[k] for k, v in self._decode_calls().items()}
         for k, v in calls.items():
             self.decode_calls[k] += v

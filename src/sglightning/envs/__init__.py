@@ -60,7 +60,8 @@ def check_env(factory: Any, splits: dict[str, str]) -> None:
     probe = None
     try:  # an env in a process of its own raises its constructor's error when first asked (here: its splits)
         probe = factory()
-        allowed = tuple(getattr(probe, "splits", ()) or ())
+        # read, not getattr with a default: that would hide the constructor's AttributeError a ProcessEnv raises here
+        allowed = tuple(probe.splits or ()) if hasattr(type(probe), "splits") else ()
     except Exception as err:  # noqa: BLE001 - the env's own code: whatever it raises, one line naming the key
         if probe is not None:
             probe.close()

@@ -52,24 +52,48 @@ _ATTRIBUTES = ("name", "splits", "action_help")
 _BOOT = ("import sys; sys.path[:] = sys.argv[3:]; from sglightning.envs.process import serve; "
          "serve(int(sys.argv[1]), int(sys.argv[2]))")
 #: starts every child and lives as long as the process: the parent-death signal follows the starting thread, and a
-#: pool slot's thread ends while its env is still being closed (which cut the env's own close short)
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglightning-env-spawner")
+#: pool slot's thread ends while its env is still being closed (which cut the env's own close short).  Made on first
+#: use and again after a fork (a forked process has the executor but not its thread: a build waited for ever)
+_SPAWNER: ThreadPoolExecutor | None = None
+_SPAWNER_LOCK = threading.Lock()
+
+
+def _spawner() -> ThreadPoolExecutor:
+    global _SPAWNER
+    with _SPAWNER_LOCK:
+        if _SPAWNER is None:
+            _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglightning-env-spawner")
+        return _SPAWNER
+
+
+def _forget_spawner() -> None:
+    global _SPAWNER, _SPAWNER_LOCK
+    _SPAWNER, _SPAWNER_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_spawner)
 
 
 def portable(env: Any) -> Any:
     """What builds ``env``, without what a config parser wraps around it.
 
     jsonargparse hands over ``partial(<its instantiator>, <parser state>, cls, **init_args)``; the parser state holds
-    the whole run (the model too) and does not pickle.  This returns ``partial(cls, *args, **init_args)``.  Any other
-    callable, a user's partial included, is returned as it is.
+    the whole run (the model too) and does not pickle.  This returns ``partial(cls, *args, **init_args)``, its
+    arguments made portable too (an init argument that takes a class, as ``FaultyEnv``'s ``env``, is such a
+    partial).  Any other callable, a user's partial included, is returned as it is.
 
     Args:
-        env: the configured env.
+        env: the configured env, or one of its arguments.
     """
+    if isinstance(env, (list, tuple)):
+        return type(env)(portable(v) for v in env)
+    if isinstance(env, dict):
+        return {k: portable(v) for k, v in env.items()}
     if isinstance(env, functools.partial) and getattr(env.func, "__module__", "").startswith("jsonargparse"):
         cls = env_class_of(env)
         if isinstance(cls, type) and cls in env.args:
-            return functools.partial(cls, *env.args[env.args.index(cls) + 1:], **env.keywords)
+            args = [portable(a) for a in env.args[env.args.index(cls) + 1:]]
+            return functools.partial(cls, *args, **{k: portable(v) for k, v in env.keywords.items()})
     return env
 
 
@@ -137,7 +161,7 @@ class ProcessEnv(TextEnv):
         self._sock = mine
         path = [os.path.abspath(p) if p else os.getcwd() for p in sys.path]
         try:
-            self._proc = _SPAWNER.submit(
+            self._proc = _spawner().submit(
                 subprocess.Popen, [sys.executable, "-c", _BOOT, str(theirs.fileno()), str(os.getpid()), *path],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=self._output, stderr=self._output,
                 start_new_session=True).result()
@@ -178,23 +202,23 @@ class ProcessEnv(TextEnv):
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"the env process was closed (ProcessEnv.{method} after close)")
-            if self._unbuilt is not None:
-                raise self._unbuilt
+            ok, value = True, None
             try:
-                if self._attributes is None:  # the build's answer comes first
+                if self._attributes is None and self._unbuilt is None:  # the build's answer comes first
+                    built, answer = _receive(self._sock)
+                    if built:
+                        self._attributes = answer
+                    else:
+                        self._unbuilt = answer
+                if self._unbuilt is None and method != "attributes":
+                    self._sock.sendall(_frame((method, args)))
                     ok, value = _receive(self._sock)
-                    if not ok:
-                        self._unbuilt = value
-                        raise value
-                    self._attributes = value
-                if method == "attributes":
-                    return self._attributes
-                self._sock.sendall(_frame((method, args)))
-                ok, value = _receive(self._sock)
-            except (EOFError, OSError):
+            except (EOFError, OSError):  # the socket's failure, not the env's (its errors arrive as answers)
                 if self._closed:  # close() killed the child under this call
                     self._sock.close()
                 raise RuntimeError(f"the env process ended during {method} ({self._ending()})") from None
+        if self._unbuilt is not None:
+            raise self._unbuilt
         if not ok:
             raise value
         return value
@@ -234,6 +258,7 @@ class ProcessEnv(TextEnv):
             if self._closed:
                 return
             polite = self._lock.acquire(blocking=False)
+            deadline = time.monotonic() + self.close_timeout_s  # one wait in all before the kill
             try:
                 if polite and self._attributes is not None:
                     try:
@@ -244,7 +269,8 @@ class ProcessEnv(TextEnv):
                         pass
                 self._closed = True
                 try:
-                    self._proc.wait(timeout=self.close_timeout_s if polite and self._attributes is not None else 0)
+                    waited = polite and self._attributes is not None
+                    self._proc.wait(timeout=max(0.0, deadline - time.monotonic()) if waited else 0)
                 except subprocess.TimeoutExpired:
                     self._proc.kill()
                     self._proc.wait()
