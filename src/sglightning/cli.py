@@ -156,7 +156,7 @@ def union_in_words(message: str) -> str:
     for t in re.split(r",\s*(?![^\[]*\])", m["types"]):
         lit = re.search(r"Literal\[(.*)\]", t)
         if lit:
-            allowed += [v.strip(" '\"") for v in lit[1].split(",")]
+            allowed += _literal_values(lit[1])
             continue
         name = re.sub(r"^.*[.']|[>'\]]+$", "", t.strip(" <>").removeprefix("class ").strip("'"))
         allowed.append(_TYPE_WORDS.get(name, name))
@@ -183,6 +183,11 @@ def import_shipped_envs() -> None:
         importlib.import_module(path.rpartition(".")[0])
 
 
+def _literal_values(listed: str) -> list[str]:
+    """The values ``typing.Literal[...]`` lists between its brackets, unquoted."""
+    return [v.strip(" '\"") for v in listed.split(",")]
+
+
 def not_one_of(key: str, value: str, choices: str) -> str:
     """``key: 'value' is not one of a, b (did you mean b?)``, from the parser's ``Literal[...]`` listing.
 
@@ -191,7 +196,7 @@ def not_one_of(key: str, value: str, choices: str) -> str:
         value: the value given.
         choices: what ``typing.Literal[...]`` lists between its brackets.
     """
-    allowed = [v.strip(" '\"") for v in choices.split(",")]
+    allowed = _literal_values(choices)
     close = difflib.get_close_matches(value, allowed, n=1, cutoff=0.6)
     return f"{key}: {value!r} is not one of {', '.join(allowed)}" + (f" (did you mean {close[0]}?)" if close else "")
 

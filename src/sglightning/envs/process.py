@@ -42,7 +42,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from sglightning.envs import env_class_of
+from sglightning.envs import build_env, env_class_of
 from sglightning.envs.base import ResetResult, StepResult, TextEnv, reset_in_split
 
 _HEADER = struct.Struct("!Q")
@@ -139,11 +139,12 @@ class ProcessEnv(TextEnv):
     """
 
     def __init__(self, env: Any, close_timeout_s: float = 10.0):
-        target = env_class_of(portable(env))
+        spec = portable(env)
+        target = env_class_of(spec)
         self.wrapped: type = target if isinstance(target, type) else type(self)  # the class the child plays
-        why = None if travels(env) else "it is defined in __main__, which a child process does not import"
+        why = None if travels(spec) else "it is defined in __main__, which a child process does not import"
         try:
-            payload = pickle.dumps(portable(env), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps(spec, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as err:  # noqa: BLE001 - any pickling failure means the same thing to the user
             why = why or str(err)
         if why:
@@ -359,9 +360,7 @@ def serve(fd: int, parent: int) -> None:
             break
         try:
             if method == "build":
-                env = pickle.loads(args[0])()
-                if not isinstance(env, TextEnv):
-                    raise TypeError(f"env: {args[0]!r} built a {type(env).__name__}, not a sglightning TextEnv")
+                env = build_env(pickle.loads(args[0]), processes=False)
                 value = {key: getattr(env, key) for key in _ATTRIBUTES}
             elif method == "reset":
                 value = reset_in_split(env, *args)
