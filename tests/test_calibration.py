@@ -238,11 +238,29 @@ def test_trust_meter_trusts_the_oracle_not_a_constant_guide():
     constant = [_episode(["positive"] * 4, [1, 0, -1, 2], won=False)]
     meter = TrustMeter(window=2)
     assert meter.add(oracle) == pytest.approx(1.0)
-    assert meter.add(constant) < 1.0  # the window mixes the two steps
-    assert meter.add(constant) == 0.0  # the oracle step has left the window
+    assert 0.0 < meter.add(constant) < 1.0  # the window mixes the two steps
     restored = TrustMeter(window=2)
     restored.load_state_dict(meter.state_dict())
-    assert restored.steps == meter.steps
+    assert restored.steps == meter.steps and restored.reliability == meter.reliability  # read before the next add
+    assert meter.add(constant) == 0.0  # the oracle step has left the window
+
+
+def test_dynamic_sampling_weighs_the_labels_as_the_update_will_under_adaptive_trust():
+    """With grpo.trust_adaptive the update pays λ·ρ: a group whose returns differ only through its labels carries no
+    signal while ρ = 0, so dynamic sampling must not keep it (it used the scheduled λ alone)."""
+    from sglightning.grpo import GRPOConfig
+
+    a, b = _episode(["positive", "positive"], [1, 0], won=False), _episode(["negative", "neutral"], [1, 0], won=False)
+    b.index = 1
+    for ep in (a, b):
+        for st in ep.steps:
+            st.internal_reward = {"positive": 0.1, "neutral": 0.0, "negative": -0.1}[st.label]
+    module = tiny_module(grpo=GRPOConfig(trust_constant=1.0, trust_adaptive=True, total_steps=4))
+    assert module.informative_groups([a, b]) == set()  # no measured reliability yet: λ·ρ = 0
+    module.trust.meter.reliability = 0.5
+    assert module.informative_groups([a, b]) == {0}
+    plain = tiny_module(grpo=GRPOConfig(trust_constant=1.0, total_steps=4))
+    assert plain.informative_groups([a, b]) == {0}  # the control: without adaptive trust the labels count
 
 
 def test_adaptive_trust_scales_lambda_by_the_reliability_in_a_fit(tmp_path):

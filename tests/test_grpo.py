@@ -9,6 +9,7 @@ import torch
 
 from sglightning import grpo
 from sglightning.grpo import (
+    GRPOConfig,
     blend,
     broadcast_advantages,
     degenerate_groups,
@@ -572,3 +573,34 @@ def test_a_negative_or_nonfinite_guidance_advantage_scale_names_the_key():
     for bad in (-0.1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="grpo.guidance_advantage_scale: must be a finite number >= 0"):
             grpo.GRPOConfig(guidance_advantage_scale=bad)
+
+
+@pytest.mark.parametrize("key, value", [("adv_eps", -0.1), ("adv_eps", float("nan")), ("kl_coef", float("nan")),
+                                        ("kl_coef", float("inf")), ("max_grad_norm", float("nan")),
+                                        ("max_grad_norm", 0.0), ("total_steps", -3), ("calibration", float("inf")),
+                                        ("rollout_correction_cap", 0.5)])
+def test_a_number_outside_its_range_is_refused_naming_the_key(key, value):
+    """NaN passes every `<` test: a NaN clip norm wrote NaN into the adapters with a finite logged norm, a NaN KL
+    weight switched the KL off; a negative ε flipped the sign of a low-variance group's advantages."""
+    with pytest.raises(ValueError, match=rf"grpo\.{key}: must be"):
+        GRPOConfig(**{key: value})
+
+
+def test_k1_in_the_loss_is_refused_as_it_pulls_on_nothing():
+    """E_π[∇ log π] = 0: β·k1 has no expected gradient; k2 and k3 have (checked here on a 3-way softmax)."""
+    with pytest.raises(ValueError, match=r"grpo\.kl_kind: k1 .* zero expected gradient"):
+        GRPOConfig(kl_kind="k1", kl_coef=0.1)
+    GRPOConfig(kl_kind="k1", kl_coef=0.0)  # no KL term: nothing to refuse
+    logits = torch.tensor([0.5, -0.3, 0.1], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([0.0, 0.4, -0.2], dtype=torch.float64), 0)
+    for kind, direction in (("k1", None), ("k2", "forward"), ("k3", "reverse")):
+        logp = torch.log_softmax(logits, 0)
+        expected = (logp.exp().detach() * kl_penalty(logp, ref, kind)).sum()  # Σ_y π(y) ∇k(y): E_y~π[∇k]
+        (grad,) = torch.autograd.grad(expected, logits)
+        p, q = torch.softmax(logits, 0), ref.exp()
+        if direction is None:
+            assert grad.abs().max() < 1e-12
+            continue
+        kl = (p * (p.log() - q.log())).sum() if direction == "forward" else (q * (q.log() - p.log())).sum()
+        (want,) = torch.autograd.grad(kl, logits)
+        assert torch.allclose(grad, want, atol=1e-12), (kind, grad, want)

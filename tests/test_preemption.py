@@ -119,8 +119,8 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     """SIGINT (Ctrl-C) between steps: sglightning's one line (what was saved, how to resume), exit 130; Lightning's
     own "Detected KeyboardInterrupt" line and its blank line are dropped."""
     ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
-    # Ctrl-C as a terminal delivers it: a child inherits an ignored or blocked SIGINT, and something in a long test
-    # session leaves the test process so (the run then ignored the signal, finished and exited 0, twice in 800 tests)
+    # Ctrl-C as a terminal delivers it: a child inherits an ignored or blocked SIGINT, and a test session started in
+    # the background by a script (`pytest &`, nohup) ignores it from its start (the run then finished and exited 0)
     proc = subprocess.Popen(_fit_cmd(tmp_path, 30), env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, preexec_fn=_terminal_sigint)
     _wait_for(ckpt, proc)

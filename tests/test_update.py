@@ -274,7 +274,9 @@ def test_trust_keeps_the_checkpoints_horizon_unless_total_steps_is_set():
     assert t.restore(100, 100) is None and t.saved_horizon == 100  # same horizon: nothing to say
     line = t.restore(50, 100)
     assert t.saved_horizon == 50 and "keeps its horizon of 50 steps" in line
-    assert t.scheduled(30, 50) == 1.0 and t.scheduled(30, 100) == 0.0  # breakpoints 0.4-0.8 of the horizon
+    # breakpoints 0.4-0.8 of the horizon: the saved 50 wins over the run's 100, which is not even asked for
+    assert t.scheduled(30, 100) == 1.0 and t.horizon(lambda: 1 / 0) == 50
+    assert Trust(GRPOConfig()).scheduled(30, 100) == 0.0  # the control: no saved horizon
     explicit = Trust(GRPOConfig(total_steps=200))
     assert "rescaled" in explicit.restore(50, 200) and explicit.saved_horizon is None
     constant = Trust(GRPOConfig(trust_constant=0.3))

@@ -18,7 +18,8 @@ P = {(z_t, p_{t−1}) : t ≥ 1, z_t parsed, p_{t−1} known}:
 
 The accuracy of a guide says something only above ``constant``: when most actions change nothing, a guide that always
 says "neutral" is right most of the time and tells the actor nothing.  ``balanced`` does not reward the majority:
-any constant label scores exactly 1/K, a guide that tells every kind of progress apart scores 1.
+a constant label scores 1/K where its sign occurs (else 0), a guide that tells every kind of progress apart
+scores 1.
 
 **Does the label know the outcome?**  AUROC of the step labels, as an ordinal score v(z_t), against the eventual
 success of their episode (every parsed label of every guided episode; ties count ½):
@@ -78,7 +79,8 @@ def constant_accuracy(pairs: Sequence[tuple[str, float]]) -> float | None:
 
 def balanced_accuracy(pairs: Sequence[tuple[str, float]]) -> float | None:
     """The mean over the signs of progress that occur in ``pairs`` ((z_t, p_{t−1}), as :func:`label_progress_pairs`)
-    of the share of their labels that name them; None for no pairs.  Any constant label scores 1/K."""
+    of the share of their labels that name them; None for no pairs.  A constant label scores 1/K where its sign
+    occurs, else 0."""
     recalls = []
     for sign in (-1, 0, 1):
         mine = [LABEL_VALUE[z] == sign for z, p in pairs if _sign(p) == sign]

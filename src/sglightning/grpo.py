@@ -57,7 +57,7 @@ Departures from the paper (and why)
   where it reaches 10, it continues as its tangent line (value ≤ a line, gradient e^d* − 1 ≈ 12.6). verl clamps the
   value at 10, which zeroes the gradient of exactly the tokens that drifted farthest; the paper only says "KL
   penalty" and ran on verl-agent. The KL is added per token inside the loss (GRPO style), not subtracted from the
-  reward.
+  reward; there k3's expected gradient is that of KL(π_ref ‖ π_θ), the reverse direction (``kl_penalty``).
 * Token log-ratios are clamped to [-20, 20] before ``exp`` (verl does the same) so garbage never overflows.
 * Loss aggregation defaults to token-mean over all policy tokens of the batch (DAPO); the per-sequence mean of the
   original GRPO is available as ``seq_mean_token_mean``.
@@ -466,6 +466,16 @@ def check_clip(clip_low: float, clip_high: float) -> None:
         raise ValueError(f"grpo.clip_high: must be > 0, got {clip_high}")
 
 
+def check_number(key: str, value: float | None, low: float, strict: bool = False, null: bool = False) -> None:
+    """``ValueError`` naming ``grpo.<key>`` unless ``value`` is a finite number ≥ ``low`` (> with ``strict``), or
+    None where ``null`` allows it (NaN passes every ``<`` test: a NaN clip norm or KL weight would pass silently)."""
+    if value is None and null:
+        return
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > low if strict else value >= low)):
+        bound = f"{'>' if strict else '>='} {low:g}" + (" or null" if null else "")
+        raise ValueError(f"grpo.{key}: must be a finite number {bound}, got {value!r}")
+
+
 def policy_counts(mask: Tensor | None) -> Tensor:
     """``[2]`` float64: (policy tokens, sequences with at least one policy token) of a ``[S, L]`` mask (zeros for
     None: a rank without samples still takes part in the sum over ranks)."""
@@ -542,6 +552,9 @@ def microbatch_weight(mask: Tensor, totals: StepCounts, loss_agg: str = "token_m
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "low_var_kl") -> Tensor:
     """Per-token KL estimate of KL(pi_theta || pi_ref) from sampled-token log-probs (elementwise).
+
+    In the loss, on tokens sampled from pi_theta, the expected gradient of each is: k1 zero (E[∇ log pi] = 0; the
+    config refuses it with kl_coef > 0), k2 ∇ KL(pi_theta || pi_ref), k3 ∇ KL(pi_ref || pi_theta) (the reverse).
 
     "k1": logp - ref; "k2": 0.5 (logp - ref)^2; "k3" / "low_var_kl": exp(ref - logp) - (ref - logp) - 1 with
     d = ref - logp, continued as its tangent line past the point d* ≈ 2.6 where it reaches 10 (so the value stays
@@ -773,32 +786,25 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         check_clip(self.clip_low, self.clip_high)
-        if self.kl_coef < 0:
-            raise ValueError(f"grpo.kl_coef: must be >= 0, got {self.kl_coef}")
+        for key, low in (("kl_coef", 0), ("adv_eps", 0), ("invalid_action_penalty", 0),
+                         ("guidance_advantage_scale", 0), ("calibration", 0), ("rollout_correction_cap", 1)):
+            check_number(key, getattr(self, key), low)
+        check_number("max_grad_norm", self.max_grad_norm, 0, strict=True, null=True)
         for key, allowed in (("kl_kind", KL_KINDS), ("loss_agg", LOSS_AGGS), ("adv_scale", SCALE_CHOICES),
                              ("internal_reward_norm", NORMALISE_CHOICES)):
             check_choice(f"grpo.{key}", getattr(self, key), allowed)
-        if not (math.isfinite(self.invalid_action_penalty) and self.invalid_action_penalty >= 0):
-            raise ValueError(f"grpo.invalid_action_penalty: must be a finite number >= 0, got "
-                             f"{self.invalid_action_penalty}")
+        if self.kl_kind == "k1" and self.kl_coef > 0:
+            raise ValueError("grpo.kl_kind: k1 (log π − log π_ref) in the loss has zero expected gradient on policy "
+                             "(E[∇ log π] = 0): use k2 or low_var_kl, or grpo.kl_coef 0")
         resolve_advantage(self.advantage)
         self.trust_breakpoints = validate_breakpoints(self.trust_breakpoints, key="grpo.trust_breakpoints")
-        if not (math.isfinite(self.guidance_advantage_scale) and self.guidance_advantage_scale >= 0):
-            raise ValueError(f"grpo.guidance_advantage_scale: must be a finite number >= 0, got "
-                             f"{self.guidance_advantage_scale}")
-        if self.trust_window < 1:
-            raise ValueError(f"grpo.trust_window: must be >= 1, got {self.trust_window}")
+        for key in ("trust_window", "ppo_epochs"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"grpo.{key}: must be >= 1, got {getattr(self, key)}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"grpo.total_steps: must be >= 1 or null, got {self.total_steps}")
         check_trust_constant(self.trust_constant)
-        if self.ppo_epochs < 1:
-            raise ValueError(f"grpo.ppo_epochs: must be >= 1, got {self.ppo_epochs}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ValueError(f"grpo.max_grad_norm: must be > 0 or null, got {self.max_grad_norm}")
         check_choice("grpo.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
-        if not (math.isfinite(self.calibration) and self.calibration >= 0):
-            raise ValueError(f"grpo.calibration: must be a finite number >= 0, got {self.calibration}")
         if self.calibration_balance and self.calibration == 0:
             raise ValueError("grpo.calibration_balance: weights the hindsight label loss, which is off "
                              "(grpo.calibration: 0): set grpo.calibration > 0 or leave calibration_balance false")
-        if not (math.isfinite(self.rollout_correction_cap) and self.rollout_correction_cap >= 1):
-            raise ValueError(f"grpo.rollout_correction_cap: must be a finite number >= 1, got "
-                             f"{self.rollout_correction_cap}")

@@ -238,10 +238,6 @@ class SelfGuideModule(LightningModule):
                               "trainer.max_steps: must be set (or model.grpo.total_steps) for the trust schedule")
         return max(1, max_steps // epochs)
 
-    def schedule_horizon(self) -> int:
-        """The trust schedule's horizon: the checkpoint's on a resume (:class:`rewards.Trust`), else total_steps."""
-        return self.trust.saved_horizon if self.trust.saved_horizon is not None else self.total_steps()
-
     def _world(self) -> tuple[int, int]:
         """(rank, world size): (0, 1) without a trainer or outside distributed runs."""
         return (0, 1) if self._trainer is None else (int(self.trainer.global_rank), int(self.trainer.world_size))
@@ -260,13 +256,14 @@ class SelfGuideModule(LightningModule):
     # the update
     def trust_lambda(self, step: int | None = None) -> float:
         """λ(u) of the trust schedule at step ``step`` (default: the step being trained)."""
-        return self.trust.scheduled(self.rollouts_done if step is None else step, self.schedule_horizon())
+        return self.trust.scheduled(self.rollouts_done if step is None else step, self.total_steps)
 
     def informative_groups(self, episodes: list[Episode]) -> set[int]:
-        """The groups whose returns, blended with this step's scheduled λ, are not all equal (dynamic sampling)."""
+        """Groups whose returns differ (dynamic sampling); λ with trust_adaptive: × the last measured reliability."""
         c, drop = self.grpo_cfg, self.rollout_cfg.drops_failed_groups  # those the update drops: none
-        return rewards.informative_groups(episodes, self.trust_lambda(), c.internal_reward_norm,
-                                          c.invalid_action_penalty, self.reward_terms, drop_failed=drop)
+        lam = self.trust_lambda() * (self.trust.meter.reliability if c.trust_adaptive else 1.0)
+        return rewards.informative_groups(episodes, lam, c.internal_reward_norm, c.invalid_action_penalty,
+                                          self.reward_terms, drop_failed=drop)
 
     def token_logprobs(self, ids, attn, mask, temperature: float, entropy: bool = False, restrict=None):
         """:func:`scoring.token_logprobs` on this policy (through the FSDP root when sharded)."""
@@ -472,7 +469,8 @@ class SelfGuideModule(LightningModule):
             checkpoint["state_dict"] = strategies.trainable_entries(checkpoint["state_dict"], self)  # adapters only
         checkpoint["sglightning"] = {**{k: getattr(self, k) for k in _COUNTERS},
                                      "trust_meter": self.trust.meter.state_dict(),
-                                     "trust_horizon": self.schedule_horizon() if self._trainer is not None else None,
+                                     "trust_horizon": None if self._trainer is None
+                                     else self.trust.horizon(self.total_steps),
                                      "history": report.history_state(self.history),  # the fit summary's steps
                                      "val_report_before": report.plain(self.val_report_before)}
         # no config in the checkpoint: `validate --ckpt_path` uses the one given (LightningCLI would re-apply it)

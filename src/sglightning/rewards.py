@@ -14,7 +14,7 @@ for experiments (e.g. dense progress where an environment reports a score).
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -142,6 +142,7 @@ class TrustMeter:
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = [list(map(float, row)) for row in state.get("steps", [])][-self.window :]
+        self.reliability = grpo.label_reliability([sum(col) for col in zip(*self.steps)]) if self.steps else 0.0
 
 
 class Trust:
@@ -156,10 +157,16 @@ class Trust:
         self.meter = TrustMeter(cfg.trust_window)
         self.saved_horizon: int | None = None  # the checkpoint's, when it is kept
 
-    def scheduled(self, step: int, horizon: int) -> float:
-        """λ(u) of the schedule alone at step ``step`` over ``horizon`` steps (the saved one, else the run's)."""
+    def horizon(self, run_steps: int | Callable[[], int]) -> int:
+        """The schedule's horizon: the checkpoint's where it is kept, else ``run_steps`` (called only then)."""
+        if self.saved_horizon is not None:
+            return self.saved_horizon
+        return run_steps() if callable(run_steps) else int(run_steps)
+
+    def scheduled(self, step: int, run_steps: int | Callable[[], int]) -> float:
+        """λ(u) of the schedule alone at step ``step`` over :meth:`horizon` steps."""
         c = self.cfg
-        return grpo.trust_schedule(step, horizon, c.trust_breakpoints, constant=c.trust_constant)
+        return grpo.trust_schedule(step, self.horizon(run_steps), c.trust_breakpoints, constant=c.trust_constant)
 
     def restore(self, saved: int | None, current: int) -> str | None:
         """Keep the checkpoint's horizon ``saved`` unless ``grpo.total_steps`` sets one; returns the line to print
