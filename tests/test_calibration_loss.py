@@ -199,7 +199,8 @@ def test_the_trainer_applies_the_balanced_term_when_asked(tmp_path, monkeypatch)
     assert all(r["loss/calibration"] > 0 for r in bal.history if r.get("guidance/calibration_targets", 0) > 0)
 
 
-@pytest.mark.parametrize("args", [["--model.guidance.decoding=free"], ["--model.guidance.source=oracle"],
+@pytest.mark.parametrize("args", [["--model.guidance.decoding=free", "--model.guidance.action_decoding=free"],
+                                  ["--model.guidance.source=oracle"],
                                   ["--model.grpo.calibration=-1"],
                                   ["--model.grpo.calibration=0", "--model.grpo.calibration_balance=true"]])
 def test_calibration_that_cannot_work_is_one_line(args, tmp_path, capsys, monkeypatch):

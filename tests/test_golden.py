@@ -8,6 +8,10 @@ invalid-action penalty, no KL, a guidance advantage scale, two PPO epochs, a rew
 group (so the free-text episodes have something to train on), constant trust, dynamic sampling, ``drop_group``, no
 shared prefixes, micro-batches of 3.
 
+Arm ``kl`` was recorded again once, on purpose: a reason line cut at its cap is closed by one newline before
+``Label:``, not two (31 fewer prompt tokens in its first step; nothing else moved: the arm passed with that line
+reverted).
+
 A change that alters what a step computes (returns, advantages, rows, weights, the loss) moves these numbers far past
 the tolerance, which only absorbs float rounding across CPUs (fp32)."""
 

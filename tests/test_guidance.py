@@ -485,8 +485,15 @@ def test_guidance_config_invalid(kwargs, key):
 @pytest.mark.parametrize("decoding", ["free", "constrained"])
 @pytest.mark.parametrize("action_decoding", ["free", "admissible"])
 def test_guidance_config_valid_choices(mode, decoding, action_decoding):
-    cfg = GuidanceConfig(prompt_mode=mode, decoding=decoding, action_decoding=action_decoding, history_length=0)
-    assert cfg.prompt_mode == mode
+    kw = dict(prompt_mode=mode, decoding=decoding, action_decoding=action_decoding, history_length=0)
+    if (mode, decoding, action_decoding) == ("single_stream", "free", "admissible"):
+        # free guidance writes the whole turn, action included, in one free segment: the admissible set was ignored
+        with pytest.raises(ValueError, match=r"guidance\.action_decoding: admissible needs guidance\.decoding"):
+            GuidanceConfig(**kw)
+        for fine in (dict(source="oracle"), dict(enabled=False)):  # the action is a segment of its own there
+            assert GuidanceConfig(**kw, **fine).action_decoding == "admissible"
+        return
+    assert GuidanceConfig(**kw).prompt_mode == mode
 
 
 # ======================================================================================================= prompts
@@ -688,3 +695,40 @@ def test_fuzz_json_answers_give_their_action(think, action):
 def test_fuzz_think_tag_answers_give_their_action(think, action):
     p = parse_action(f"<think>{think}</think><action>{action}</action>", prefer="tag")
     assert p.source == "tag" and p.action == _normalised(action)[:200].rstrip()
+
+
+def test_think_blocks_are_found_in_the_text_itself_not_a_lowered_copy():
+    """"İ".lower() is two characters: offsets found in text.lower() cut the text in the wrong places."""
+    from sglightning.guidance import strip_think
+
+    assert "İ".lower() != "İ" and len("İ".lower()) == 2  # the control: lowering can lengthen a text
+    assert strip_think("ßİİİİ<think>x</think>Label: negative") == "ßİİİİLabel: negative"
+    assert parse_guidance("İİİ<think>hidden</think>\nReason: ok\nLabel: positive").reason == "ok"
+    assert parse_guidance("İİİİ<ThInK>x</THINK>\nLabel: negative").label == "negative"
+
+
+def test_a_leading_think_block_is_guidance_for_the_parser_and_the_token_split_alike():
+    """The split of a free turn took a leading <think> for the start of the action part (every guidance token an
+    action token) while the parser read the label after it: the label was paid, its tokens were not guidance."""
+    from sglightning.guidance import action_part_start
+
+    turn = "<think>x</think>\nReason: a\nLabel: positive\nAction: go"
+    assert parse_guidance(turn).label == "positive"
+    assert action_part_start(turn) == turn.index("Action: go")
+    assert action_part_start("<think>still thinking, cut by the cap") is None
+    later = "Reason: a\nLabel: neutral\n<think>the actor's thought</think>\nAction: go"
+    assert action_part_start(later) == later.index("<think>") and parse_guidance(later).label == "neutral"
+
+
+def test_a_separator_does_not_reach_into_the_next_line():
+    assert parse_guidance("Reason:\nLabel: positive") == Guidance("positive", "", "Reason:\nLabel: positive")
+    got = parse_action("Action:\n\nLabel: positive")
+    assert got.action != "Label: positive" and got.source != "line"
+    assert parse_action("Action:\nexamine mug 1").action == "examine mug 1"  # an action on the next line still is
+    assert parse_action("Reason: stuck\nAction:").action is None  # a bare "Action:" is no action
+
+
+def test_an_echoed_label_template_is_not_a_label():
+    assert parse_guidance("Reason: fine\nLabel: positive|neutral|negative").label is None
+    assert parse_guidance("Reason: fine\nLabel: positive / negative").label is None
+    assert parse_guidance("Reason: fine\nLabel: positive. It moved me on").label == "positive"

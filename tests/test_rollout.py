@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import pytest
@@ -784,3 +785,48 @@ def test_the_tokenizer_cache_is_bounded_by_tokens_not_entries(tok, monkeypatch):
     first = [fmt.encode(t) for t in texts]
     assert 0 < fmt._cached <= 2_000 and sum(len(ids) for ids in fmt._ids.values()) == fmt._cached
     assert [fmt.encode(t) for t in texts] == first == [tok.encode(t, add_special_tokens=False) for t in texts]
+
+
+def test_a_reason_cut_at_its_cap_is_followed_by_one_newline_before_the_label(tok):
+    """A capped reason line is closed with a newline; the label's prefix then added another (a blank line before
+    "Label:"), a prompt shape the uncapped line never has."""
+    lm = ScriptedLM(tok, scripted_reply("positive"))
+    capped = GuidanceConfig(decoding="constrained", max_guidance_tokens=2)
+    whole = GuidanceConfig(decoding="constrained", max_guidance_tokens=32)
+    for gc, cut in ((capped, True), (whole, False)):
+        batch = Rollout(lm, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=2)).run([3])
+        text = tok.decode(batch.episodes[0].samples[0].ids).split("<|im_start|>assistant", 1)[1]  # the answers
+        assert text.count("\nLabel:") == len(batch.episodes[0].steps) and "\n\nLabel:" not in text, text
+        reasons = [line for line in text.splitlines() if line.startswith("Reason:")]
+        assert reasons and all(len(tok.encode(r[len("Reason:"):])) <= 2 for r in reasons) == cut  # the control
+
+
+def test_a_json_thought_cannot_escape_its_closing_quote_and_actions_are_escaped(tok):
+    r"""A thought token ending in a lone backslash, then the closer's quote, wrote ``"abc\", "action": …`` (invalid
+    JSON in the stream the model reads back); an action holding quotes was written unescaped."""
+    from sglightning.chat import closing_tokens, token_texts
+    from sglightning.guidance import ACTOR_FORMATS
+    from sglightning.rollout import _clean_admissible, _written_as
+
+    texts = token_texts(tok)
+    stops, banned = closing_tokens(tok, '", "action": "', json_string=True)
+    odd = [i for i, t in enumerate(texts) if '"' not in t and (len(t) - len(t.rstrip("\\"))) % 2]
+    even = [i for i, t in enumerate(texts) if '"' not in t and "\n" not in t and t.endswith("\\\\")
+            and (len(t) - len(t.rstrip("\\"))) % 2 == 0]
+    assert odd and set(odd) <= banned  # the control: the vocabulary has such tokens
+    assert not set(even) & banned and not set(odd) & set(stops)
+    _, plain = closing_tokens(tok, "</think><action>")
+    assert not set(odd) <= plain  # another format's thought may end in a backslash
+    assert _written_as('search["red shoe"]', ACTOR_FORMATS["json"]) == 'search[\\"red shoe\\"]'
+    assert json.loads('{"action": "' + _written_as('a\\b "c"', ACTOR_FORMATS["json"]) + '"}')["action"] == 'a\\b "c"'
+    assert _written_as('say "hi"', ACTOR_FORMATS["action_line"]) == 'say "hi"'
+    assert _clean_admissible([]) is None and _clean_admissible([" ", ""]) is None and _clean_admissible(None) is None
+
+
+def test_a_choice_with_no_options_is_refused():
+    """It gave an empty restriction: the engine was asked to sample from no token at all."""
+    from sglightning.engines.program import build_trie
+
+    with pytest.raises(ValueError, match="no options"):
+        build_trie([])
+    assert -1 in build_trie([[5]])[5]  # the control: one option is a trie

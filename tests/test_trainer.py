@@ -351,6 +351,10 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.guidance.prompt_mode=three_call"], "prompt_mode"),
         (["--model.guidance.prompt_mode=two_call", "--model.guidance.action_help_every_turn=false"],
          "guidance.action_help_every_turn: false needs guidance.prompt_mode single_stream"),
+        # tiny.yaml decodes admissible actions in single_stream: free guidance would write the action freely
+        (["--model.guidance.decoding=free"], "guidance.action_decoding: admissible needs guidance.decoding"),
+        (["--model.grpo.max_grad_norm=0"], "model.grpo.max_grad_norm: must be a finite number > 0 or null, got 0"),
+        (["--model.grpo.kl_kind=k1"], "model.grpo.kl_kind: k1"),
         (["--model.rollout.max_steps=0"], "max_steps"),
         (["--model.evaluation.self_guidance=maybe"], "self_guidance"),
         (["--model.grpo.clip_high=0"], "clip_high"),

@@ -158,6 +158,10 @@ class GuidanceConfig:
         if not self.action_help_every_turn and self.prompt_mode == "two_call":
             raise ValueError("guidance.action_help_every_turn: false needs guidance.prompt_mode single_stream "
                              "(two_call builds each actor prompt afresh, so the help is always shown)")
+        if (self.enabled and self.source == "model" and self.prompt_mode == "single_stream"
+                and self.decoding == "free" and self.action_decoding == "admissible"):
+            raise ValueError("guidance.action_decoding: admissible needs guidance.decoding constrained in "
+                             "single_stream (free guidance writes the action in its free turn) or prompt_mode two_call")
         if self.rate_history_length is not None and self.rate_history_length < 0:
             raise ValueError(f"guidance.rate_history_length: must be >= 0 or null (whole trajectory), got "
                              f"{self.rate_history_length}")
@@ -210,21 +214,22 @@ def _check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 # A *label line*: a line that starts (after optional markdown: ``**``, ``#``, ``>``, ``-``) with ``Label`` and a
 # separator, followed (after spaces, a line break, quotes or markdown) by one of the three label words.
 _LABEL_LINE = re.compile(
-    r"^[^\S\n]*(?:[*_#>\-][^\S\n]*)*label[*_]*[^\S\n]*[:=\-][\s*_\"'`\[(]*(positive|neutral|negative)\b",
+    r"^[^\S\n]*(?:[*_#>\-][^\S\n]*)*label[*_]*[^\S\n]*[:=\-][\s*_\"'`\[(]*(positive|neutral|negative)\b"
+    r"(?![^\S\n]*[|/])",  # not the echoed template's "positive|neutral|negative"
     re.IGNORECASE | re.MULTILINE,
 )
 # A *reason line*: a line that starts (the same markdown allowed) with ``Reason`` and a separator; the reason is the
 # rest of it.  "for one reason: …" inside a sentence is not one (it would void the label lines written before it).
 _REASON_LINE = re.compile(
-    r"^[^\S\n]*(?:[*_#>\-][^\S\n]*)*reason[*_]*[^\S\n]*[:=\-][*_]*\s*(.*)", re.IGNORECASE | re.MULTILINE
+    r"^[^\S\n]*(?:[*_#>\-][^\S\n]*)*reason[*_]*[^\S\n]*[:=\-][*_]*[^\S\n]*(.*)", re.IGNORECASE | re.MULTILINE
 )
-# where the guidance part of a turn ends: the action part starts (``Action:`` line, a JSON object, an action tag)
-_GUIDANCE_END = re.compile(r"^[^\S\n]*(?:\**action\**[^\S\n]*[:=]|\{|<action>)", re.IGNORECASE | re.MULTILINE)
 # where the actor's part of a free single-stream turn starts: the same line rule, and for the think_tags format a line
 # that opens the thought (the thought belongs to the actor's answer)
 _ACTION_PART = re.compile(r"^[^\S\n]*(?:\**action\**[^\S\n]*[:=]|\{|<action>|<think>)", re.IGNORECASE | re.MULTILINE)
-_THINK_LINE = re.compile(r"^[^\S\n]*<think>", re.IGNORECASE | re.MULTILINE)
 _ACTION_LINE = re.compile(r"^[^\S\n]*\**action\**\s*[:=]\s*(.+)", re.IGNORECASE | re.MULTILINE)
+_BARE_ACTION = re.compile(r"\**action\**[^\S\n]*[:=][^\S\n]*\**", re.IGNORECASE)  # "Action:" with nothing after
+_THINK_OPEN, _THINK_CLOSE = re.compile("<think>", re.IGNORECASE), re.compile("</think>", re.IGNORECASE)
+_LEADING_THINK = re.compile(r"\s*<think>", re.IGNORECASE)
 _ACTION_TAG = re.compile(r"<action>(.*?)(?:</action>|$)", re.IGNORECASE | re.DOTALL)
 # the "action" member of a JSON object that did not parse (cut by the token cap, a missing brace): its string value
 _JSON_ACTION = re.compile(r'"action"[^\S\n]*:[^\S\n]*"((?:[^"\\\n]|\\.){1,400})"')
@@ -236,23 +241,22 @@ def strip_think(text: str) -> str:
     """Remove ``<think>…</think>`` blocks (reasoning models such as Qwen3 open one unless told not to).  An unclosed
     block is removed to the end only when the text opens with it (the model was cut while thinking); elsewhere an
     unclosed ``<think>`` is plain text.  Linear time (``str.find``, no backtracking regex)."""
-    low = text.lower()
-    if "<think>" not in low:
+    if _THINK_OPEN.search(text) is None:  # found in the text itself: a lowered copy can be longer ("İ")
         return text
     out, pos = [], 0
     while True:
-        start = low.find("<think>", pos)
-        if start < 0:
+        start = _THINK_OPEN.search(text, pos)
+        if start is None:
             out.append(text[pos:])
             break
-        end = low.find("</think>", start + 7)
-        if end < 0:
-            if pos == 0 and not text[:start].strip():
+        end = _THINK_CLOSE.search(text, start.end())
+        if end is None:
+            if pos == 0 and not text[: start.start()].strip():
                 break  # opened with an unclosed block: all of it is thinking
             out.append(text[pos:])
             break
-        out.append(text[pos:start])
-        pos = end + 8
+        out.append(text[pos : start.start()])
+        pos = end.end()
     return "".join(out)
 
 
@@ -269,9 +273,19 @@ class Guidance:
 
 def action_part_start(text: str) -> int | None:
     """Where the actor's answer starts in a freely written ``Reason/Label/Action`` turn: the character offset of the
-    first line that starts it (``Action:``, ``{``, ``<action>`` or ``<think>``, by the line rule of
-    :func:`parse_guidance`), or None.  An "action:" inside a reason line is not a line start and does not count."""
-    m = _ACTION_PART.search(text) if isinstance(text, str) else None
+    first line that starts it (``Action:``, ``{``, ``<action>`` or ``<think>``), or None.  A ``<think>`` block that
+    opens the turn is the guide's own thinking, skipped (unclosed: the whole turn is thinking, None).  An "action:"
+    inside a reason line is not a line start and does not count.  :func:`parse_guidance` ends the guidance here."""
+    if not isinstance(text, str):
+        return None
+    pos = 0
+    lead = _LEADING_THINK.match(text)
+    if lead:
+        close = _THINK_CLOSE.search(text, lead.end())
+        if close is None:
+            return None
+        pos = close.end()
+    m = _ACTION_PART.search(text, pos)
     return m.start() if m else None
 
 
@@ -292,14 +306,8 @@ def parse_guidance(text: object) -> Guidance:
     if not isinstance(text, str):
         return Guidance(None, "", "")
     clean = _CTRL.sub(" ", text)[:20000]
-    for think in _THINK_LINE.finditer(clean):  # a thought opened after some text: the actor's (think_tags) begins
-        if clean[: think.start()].strip():
-            clean = clean[: think.start()]
-            break
-    clean = strip_think(clean)
-    end = _GUIDANCE_END.search(clean)
-    if end:
-        clean = clean[: end.start()]
+    end = action_part_start(clean)
+    clean = strip_think(clean if end is None else clean[:end])
     r = _REASON_LINE.search(clean)
     reason = r.group(1).strip()[:500] if r else ""
     after = r.start() if r else 0
@@ -371,8 +379,10 @@ def parse_action(text: object, prefer: str | None = None) -> ParsedAction:
             return j.group(1), "json_partial"
 
     def line() -> tuple[str | None, str]:
-        m = _ACTION_LINE.search(clean)
-        return (m.group(1), "line") if m else (None, "")
+        m = _ACTION_LINE.search(clean)  # the action may sit on the next line, but not a label or reason line
+        if m is None or _LABEL_LINE.match(m.group(1)) or _REASON_LINE.match(m.group(1)):
+            return None, ""
+        return m.group(1), "line"
 
     order = {"tag": tag, "json": json_object, "line": line}
     first = order.pop(prefer, None) if prefer else None
@@ -384,7 +394,7 @@ def parse_action(text: object, prefer: str | None = None) -> ParsedAction:
     if found is None:
         for row in clean.split("\n"):
             row = row.strip()
-            if row and not _LABEL_LINE.search(row) and not _REASON_LINE.match(row):
+            if row and not _LABEL_LINE.search(row) and not _REASON_LINE.match(row) and not _BARE_ACTION.fullmatch(row):
                 found, source = row, "raw"
                 break
     if found is None:

@@ -39,6 +39,7 @@ Departures from the paper (and why):
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -113,7 +114,7 @@ class Rollout:
         self.env_factory = env_factory
         self.guidance = guidance
         self.cfg = config
-        self.chat = ChatFormat(tokenizer, chat_template_kwargs)
+        self.chat = ChatFormat(tokenizer, chat_template_kwargs, incremental=guidance.prompt_mode == "single_stream")
         self.pool = EnvPool(
             env_factory,
             step_timeout_s=config.env_step_timeout_s,
@@ -124,8 +125,8 @@ class Rollout:
         self.env_errors = 0
         self._failures_logged: set[tuple[str, ...]] = set()
         self._should_stop: Callable[[], bool] | None = None
-        self.eot = end_of_turn_ids(tokenizer)
-        self.eot_id = tokenizer.eos_token_id
+        self.eot_id = self.chat.turn_end_id  # what closes an admissible action: the template's end of turn
+        self.eot = end_of_turn_ids(tokenizer) | {self.eot_id}
         self.newline = newline_token_ids(tokenizer)
         self.label_options = [self.chat.encode(" " + lab) for lab in LABELS]
         self.pad_id = pad_token_id(tokenizer)
@@ -232,7 +233,7 @@ class Rollout:
             return [Free(cap, self.eot, KIND_GUIDANCE)]
 
         def label_prefix(pieces: list[Piece]) -> list[int]:
-            ended_line = bool(pieces) and pieces[-1].hit_stop
+            ended_line = bool(pieces) and bool(pieces[-1].ids) and pieces[-1].ids[-1] in self.newline  # capped too
             return self.chat.encode("Label:" if ended_line else "\nLabel:")
 
         return [
@@ -251,7 +252,7 @@ class Rollout:
             return self._thought_then_choice(ep, fmt)
         prog: list = [Force(self.chat.encode(fmt.opener))] if force_prefix else []
         if admissible:
-            prog.append(Choice([self.chat.encode(" " + a) + [self.eot_id] for a in ep.admissible], KIND_ACTION))
+            prog.append(Choice([self.chat.encode_text(" " + a) + [self.eot_id] for a in ep.admissible], KIND_ACTION))
         else:  # free: one line for action_line, the whole answer (thought included) for the thinking formats
             stop = self.eot | self.newline if not fmt.closer else self.eot
             prog.append(Free(self.guidance.max_action_tokens, stop, KIND_ACTION))
@@ -261,7 +262,7 @@ class Rollout:
         """A thinking format with admissible decoding: the opener is forced, the thought is free until the model
         starts the closer (``", "action": "`` / ``</think><action>``) or hits ``max_think_tokens``, the rest of the
         closer is forced, and the action is chosen among the admissible ones (each followed by the format's end)."""
-        stops, banned = closing_tokens(self.tok, fmt.closer, forbid_newline=fmt.name == "json")
+        stops, banned = closing_tokens(self.tok, fmt.closer, json_string=fmt.name == "json")
         encode = self.chat.encode
 
         def rest_of_closer(pieces: list[Piece]) -> list[int]:
@@ -273,7 +274,8 @@ class Rollout:
             Free(self.guidance.max_think_tokens, frozenset(stops), KIND_ACTION, banned_ids=banned | self.eot,
                  close_with=encode(fmt.closer)),
             Force(rest_of_closer),
-            Choice([encode(a + fmt.end) + [self.eot_id] for a in ep.admissible], KIND_ACTION),
+            Choice([encode(_written_as(self.chat.defuse(a), fmt) + fmt.end) + [self.eot_id] for a in ep.admissible],
+                   KIND_ACTION),
         ]
 
     # ------------------------------------------------------------------------------------------------------------------
@@ -331,11 +333,9 @@ class Rollout:
                 if session.length(row) > self.cfg.max_context_tokens:
                     ep.truncated, ep.done = True, True
                     continue
-                last = ep.samples[0].ids[-1]
                 ids = self.chat.next_turn_ids(
                     stream_next_user(ep.observation, ep.admissible, env_help[ep.index] if repeat_help else ""),
-                    turn_closed=last in self.eot
-                )
+                    closed_with=ep.samples[0].ids[-1])
                 ep.samples[0].extend_context(ids, t + 1)  # the observation that opens step t + 1
                 keep.append(row)
                 blocks.append(ids)
@@ -618,10 +618,17 @@ def label_targets(pieces: list[Piece], progress: float | None, options: Sequence
 
 
 def _clean_admissible(actions) -> list[str] | None:
-    """The env's admissible list as unique non-empty strings (None stays None: free-form actions)."""
+    """The env's admissible list as unique non-empty strings; None (free-form actions) where it lists none: an empty
+    list gave a free action that was then counted invalid, whatever it was."""
     if actions is None:
         return None
-    return list(dict.fromkeys(str(a) for a in actions if str(a).strip()))
+    return list(dict.fromkeys(str(a) for a in actions if str(a).strip())) or None
+
+
+def _written_as(action: str, fmt: ActorFormat) -> str:
+    """An admissible action as the answer format writes it: escaped inside the JSON string (``search["red shoe"]``
+    read back as ``search[``), as is elsewhere."""
+    return json.dumps(action, ensure_ascii=False)[1:-1] if fmt.name == "json" else action
 
 
 def _sample_of(episode: int, prompt: list[int], pieces: list[Piece], step: int) -> Sample:

@@ -57,6 +57,8 @@ def build_trie(options: Sequence[Sequence[int]]) -> dict:
 def _trie(options: tuple[tuple[int, ...], ...]) -> dict:
     """:func:`build_trie` of hashable options.  The tries are shared, so nothing may change them but the restrictions
     :func:`node_restriction` keeps in them, which are the same for every holder."""
+    if not options:
+        raise ValueError("Choice with no options")
     root: dict = {}
     for idx, opt in enumerate(options):
         if not opt:
