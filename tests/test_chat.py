@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sglightning.chat import ChatFormat
+from sglightning.errors import ConfigError
 from sglightning.models import build_tiny_tokenizer
 
 GEMMA_STYLE = (
@@ -81,7 +82,7 @@ def test_a_template_without_a_system_role_gets_the_system_text_in_the_first_user
 
 def test_a_template_that_rewrites_earlier_turns_is_refused_for_the_single_stream_only():
     tok = _tok(MISTRAL_STYLE, ["[INST]", "[/INST]"], eos="<|im_end|>")
-    with pytest.raises(ValueError, match="model.guidance.prompt_mode two_call"):
+    with pytest.raises(ConfigError, match="guidance.prompt_mode: single_stream .* rewrites earlier messages"):
         ChatFormat(tok)
     fmt = ChatFormat(tok, incremental=False)  # two_call renders each prompt whole: fine
     text = tok.decode(fmt.prompt_ids([{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+from sglightning.errors import ConfigError
 from sglightning.guidance import valid_text
 
 #: the most tokens the text -> ids cache holds (~40 MB of Python ints and their texts); past it, it starts anew
@@ -87,12 +88,12 @@ class ChatFormat:
         a = t2.find(self._A)
         u = t2.find(self._U, a + len(self._A)) if a >= 0 else -1
         if u < 0:
-            raise ValueError("the tokenizer's chat template cannot be rendered incrementally: set "
-                             "model.guidance.prompt_mode two_call")
+            raise ConfigError("guidance.prompt_mode: single_stream needs a chat template that can be rendered turn "
+                              "by turn, and this tokenizer's cannot: use two_call")
         self.turn_prefix, self.turn_suffix = t2[a + len(self._A) : u], t2[u + len(self._U) :]
         if any(p in self.turn_prefix + self.turn_suffix for p in (self._S, self._U0)):  # Mistral's v1: the system
-            raise ValueError("the tokenizer's chat template writes earlier messages into later turns, so a "
-                             "conversation cannot grow turn by turn: set model.guidance.prompt_mode two_call")
+            raise ConfigError("guidance.prompt_mode: single_stream grows one conversation turn by turn, and this "
+                              "tokenizer's chat template rewrites earlier messages into later turns: use two_call")
 
     def defuse(self, text: str) -> str:
         """``text`` with every special-token string broken by a zero-width space after its first character."""
