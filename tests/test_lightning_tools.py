@@ -194,27 +194,16 @@ def test_config_yaml_is_swapped_in_whole(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["config.yaml"]  # the failed write's temp file is gone
 
 
-def test_config_yaml_in_a_remote_run_folder_is_written_by_lightning():
-    """The temp-file swap is for local folders: on fsspec's memory:// (as on s3://) Lightning's temp file was left
-    under a hidden name and no config.yaml was written at all."""
+def test_a_remote_run_folder_is_refused_in_one_line_before_anything_is_written(capsys, tmp_path, monkeypatch):
+    """Checkpoints are written atomically and the adapter exported to local folders: on fsspec's memory:// (as on
+    s3://) the checkpoint IO made a local folder named ``memory:``, and Lightning left config.yaml's temp file."""
     import fsspec
-    from jsonargparse import ArgumentParser
-    from lightning.pytorch import Trainer
 
-    from sglightning.cli import VersionedSaveConfig
-
-    parser = ArgumentParser()
-    parser.add_argument("--lr", type=float, default=0.1)
-    trainer = Trainer(default_root_dir="memory://sgl-remote-run", logger=False, enable_progress_bar=False,
-                      enable_model_summary=False)
-
-    class Module:
-        def package_versions(self):
-            return {"torch": "2.x"}
-
-    VersionedSaveConfig(parser, parser.parse_args([]), overwrite=True).setup(trainer, Module(), "fit")
-    fs = fsspec.filesystem("memory")
-    assert [p.rsplit("/", 1)[-1] for p in fs.ls("/sgl-remote-run", detail=False)] == ["config.yaml"]
+    monkeypatch.chdir(tmp_path)
+    line = refused(capsys, "fit", "--config", TINY, "--trainer.logger=false",
+                   "--trainer.default_root_dir=memory://sgl-remote-run")
+    assert line.startswith("sglightning fit: error: trainer.default_root_dir: memory://sgl-remote-run is a remote")
+    assert not fsspec.filesystem("memory").exists("/sgl-remote-run") and list(tmp_path.iterdir()) == []
 
 
 def test_a_write_that_fails_midway_keeps_the_previous_file(tmp_path):

@@ -383,3 +383,103 @@ def test_a_validation_cut_short_in_fit_runs_again_on_resume_and_only_then(tmp_pa
     assert _val_scalars(version, "val/global_step") == [2, 4]
     assert _val_scalars(version, "val/sg/episodes") == [4, 4]
     assert load_checkpoint_file(ckpt)["sglightning"]["rollouts_done"] == 4
+
+
+# ---------------------------------------------------------------------------------------- from a review of the saves
+def _fake_trainer(root: Path | str, **kw):
+    import types
+
+    state = types.SimpleNamespace(fn=kw.pop("fn", "fit"))
+    return types.SimpleNamespace(**{**dict(loggers=[], default_root_dir=str(root), checkpoint_callbacks=[],
+                                           state=state, sanity_checking=False, fast_dev_run=False,
+                                           is_global_zero=True), **kw})
+
+
+def test_a_remote_run_folder_is_refused_naming_the_key(tmp_path):
+    """AtomicCheckpointIO took `memory://bucket/run` for a local path: a folder `./memory:/bucket/run` was made."""
+    from sglightning.checkpointing import check_run_dir
+    from sglightning.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^trainer\.default_root_dir: memory://bucket/run is a remote folder"):
+        check_run_dir(_fake_trainer("memory://bucket/run"))
+    check_run_dir(_fake_trainer(tmp_path))  # the control: a local folder passes
+
+
+def test_lightnings_own_logger_names_the_key_the_user_set(tmp_path):
+    """`trainer.logger: true` puts Lightning's logger in default_root_dir; the error named the logger's save_dir."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from sglightning.checkpointing import check_run_dir
+    from sglightning.errors import ConfigError
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    root = blocker / "sub"
+    trainer = _fake_trainer(root, loggers=[TensorBoardLogger(save_dir=str(root), name="lightning_logs")])
+    with pytest.raises(ConfigError, match=r"^trainer\.default_root_dir: cannot write"):
+        check_run_dir(trainer)
+    trainer.default_root_dir = str(tmp_path)  # a logger of the user's own: its key
+    with pytest.raises(ConfigError, match=r"^trainer\.logger\.init_args\.save_dir: cannot write"):
+        check_run_dir(trainer)
+
+
+def test_a_sharded_checkpoint_folder_is_named_as_one(tmp_path):
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    with pytest.raises(CheckpointError, match="is a folder, a sharded checkpoint"):
+        load_checkpoint_file(folder)
+
+
+def test_an_interrupted_swap_puts_the_previous_folder_back(tmp_path, monkeypatch):
+    from sglightning.checkpointing import swap_in_folder
+
+    target, new = tmp_path / "adapter", tmp_path / ".adapter-new"
+    target.mkdir()
+    (target / "w").write_text("old")
+    new.mkdir()
+    (new / "w").write_text("new")
+    real, calls = os.replace, []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:  # Ctrl-C between moving the old version aside and moving the new one in
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        swap_in_folder(new, target)
+    assert (target / "w").read_text() == "old"
+
+
+def test_ctrl_c_counts_the_steps_the_file_holds_and_speaks_in_validate(tmp_path, capsys):
+    import types
+
+    from sglightning.preemption import PreemptionCheckpoint, _saved_steps
+
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    last.parent.mkdir()
+    atomic_torch_save({"sglightning": {"rollouts_done": 4}}, last)
+    assert _saved_steps(last, 5) == 4  # Ctrl-C while step 5's save was written: the file holds 4
+    assert _saved_steps(tmp_path, 5) == 5  # a folder (sharded): the module's count
+    PreemptionCheckpoint._interrupted(_fake_trainer(tmp_path), types.SimpleNamespace(rollouts_done=5))
+    assert "interrupted after 4 completed steps" in capsys.readouterr().err
+    PreemptionCheckpoint._interrupted(_fake_trainer(tmp_path, fn="validate"), types.SimpleNamespace(rollouts_done=5))
+    assert capsys.readouterr().err.strip() == ("sglightning: interrupted; the validation stopped before it finished: "
+                                              "nothing was reported")
+
+
+def test_sigterm_in_fast_dev_run_saves_nothing(tmp_path, capsys):
+    import types
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from sglightning.preemption import PreemptionCheckpoint
+
+    saved = []
+    trainer = _fake_trainer(tmp_path, fast_dev_run=True, save_checkpoint=lambda *a, **k: saved.append(a))
+    PreemptionCheckpoint().on_exception(trainer, types.SimpleNamespace(rollouts_done=1), SIGTERMException())
+    assert saved == [] and "fast_dev_run stopped, nothing saved" in capsys.readouterr().err
+    trainer.fast_dev_run = False  # the control: a real run saves
+    PreemptionCheckpoint().on_exception(trainer, types.SimpleNamespace(rollouts_done=1), SIGTERMException())
+    assert len(saved) == 1

@@ -966,10 +966,11 @@ def test_a_resumed_run_counts_its_consecutive_skips_on(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="update skipped"):
         tiny_trainer(tmp_path, steps=2, enable_checkpointing=True).fit(tiny_module(**kw))
     module = tiny_module(**kw)
-    with pytest.warns(RuntimeWarning, match="consecutive non-finite"):
+    with pytest.warns(RuntimeWarning, match="step 3: non-finite"):
         tiny_trainer(tmp_path, steps=5, enable_checkpointing=True).fit(
             module, ckpt_path=str(tmp_path / "checkpoints" / "last.ckpt"))
     assert module.consecutive_skips == 3 and module.rollouts_done == 3
+    assert "consecutive non-finite" in module.stop_reason
 
 
 def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
@@ -1068,12 +1069,16 @@ def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, mon
     monkeypatch.setattr(sglightning.grpo, "grpo_loss",
                         lambda *a, **kw: (real(*a, **kw)[0] * float("inf"), real(*a, **kw)[1]))
     module = tiny_module(update=UpdateConfig(max_consecutive_skips=2, micro_batch_size=8))
-    with pytest.warns(RuntimeWarning, match="consecutive non-finite"):
+    with pytest.warns(RuntimeWarning) as said:
         tiny_trainer(tmp_path, steps=6).fit(module)
+    assert [str(w.message).split(":")[0] for w in said if "non-finite" in str(w.message)] == ["step 1", "step 2"]
     assert module.rollouts_done == 2 and module.skipped_updates == 2
     assert "update.max_consecutive_skips=2" in module.stop_reason
     ckpt = tmp_path / "checkpoints" / "nonfinite-stop.ckpt"
-    assert ckpt.is_file() and torch.load(ckpt, weights_only=True)["sglightning"]["skipped_updates"] == 2
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["sglightning"]["skipped_updates"] == 2
+    # saved at the step's end: its counters agree (mid-step, the optimiser had counted step 2 and the module not)
+    assert saved["sglightning"]["rollouts_done"] == saved["global_step"] == 2
 
 
 def test_cli_exits_nonzero_when_the_run_stops_itself(tmp_path, monkeypatch, capsys):
@@ -1086,7 +1091,8 @@ def test_cli_exits_nonzero_when_the_run_stops_itself(tmp_path, monkeypatch, caps
             f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.update.max_consecutive_skips=1",
         ])
     assert exc.value.code == 1
-    assert "consecutive non-finite updates" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("consecutive non-finite updates") == 1, err  # the CLI's line; no warning repeats it
 
 
 PAPER = ROOT / "configs" / "paper"

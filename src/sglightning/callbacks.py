@@ -180,10 +180,9 @@ class RolloutCallback(Callback):
             # SIGTERM during the rollout: abandon this step (nothing was updated yet); PreemptionCheckpoint saves
             raise SIGTERMException() from None
         except EngineError as err:
-            # the engine is gone: this step is abandoned (nothing was updated); last.ckpt holds the last whole step
-            raise EngineError(f"{err}; step {pl_module.rollouts_done + 1} was abandoned, "
-                              f"{run_dir(trainer) / 'checkpoints' / 'last.ckpt'} holds the last whole step "
-                              f"({pl_module.rollouts_done}): resume with --ckpt_path last") from None
+            # the engine is gone: this step is abandoned (nothing was updated); the CLI says where the last whole
+            # step is (a user's ModelCheckpoint may keep last.ckpt elsewhere, and step 1 has none)
+            raise EngineError(f"{err}; step {pl_module.rollouts_done + 1} was abandoned") from None
         except torch.cuda.OutOfMemoryError as err:
             raise out_of_memory("rollout", err, pl_module.rollouts_done + 1) from None
         _none_started(batch.rollout, "rollout.split", self.rollout_cfg.split)

@@ -54,8 +54,14 @@ def check_run_dir(trainer) -> None:
             folder = getattr(logger, "log_dir", None) or folder  # a resume continues in a given version folder
     else:
         key, folder = "trainer.default_root_dir", trainer.default_root_dir
-    if folder is None or "://" in str(folder):
-        return  # a logger without a local folder, or a remote file system: its own business
+    if folder is None:
+        return  # a logger without a folder of its own
+    if (logger is not None and getattr(logger, "name", None) == "lightning_logs"
+            and str(getattr(logger, "save_dir", None)) == str(trainer.default_root_dir)):
+        key = "trainer.default_root_dir"  # `trainer.logger: true`: Lightning's own logger, in the default folder
+    if "://" in str(folder):  # checkpoints are written atomically and the adapter exported to local folders
+        raise ConfigError(f"{key}: {folder} is a remote folder; sglightning writes its runs to a local folder (copy "
+                          "or sync it from there)")
     folder = Path(folder).absolute()
     reason = not_writable(folder)
     if reason:
@@ -67,8 +73,8 @@ class CheckpointError(ValueError):
 
 
 def stop_nonfinite(trainer, limit: int, step: int) -> str:
-    """After ``limit`` non-finite updates in a row, at ``step``: the full state saved to
-    ``checkpoints/nonfinite-stop.ckpt``, the trainer asked to stop, one warning; returns the reason (the CLI's line).
+    """After ``limit`` non-finite updates in a row, at the end of ``step``: the full state saved to
+    ``checkpoints/nonfinite-stop.ckpt``, the trainer asked to stop; returns the reason (the CLI's one line).
 
     Args:
         trainer: the Lightning trainer of the run.
@@ -78,10 +84,8 @@ def stop_nonfinite(trainer, limit: int, step: int) -> str:
     path = run_dir(trainer) / "checkpoints" / "nonfinite-stop.ckpt"
     path.parent.mkdir(parents=True, exist_ok=True)
     trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
-    reason = nonfinite_stop(limit, step, path)
-    warnings.warn(reason, RuntimeWarning, stacklevel=4)
     trainer.should_stop = True
-    return reason
+    return nonfinite_stop(limit, step, path)
 
 
 def check_shapes(checkpoint: dict, own: dict[str, Any]) -> None:
@@ -157,11 +161,17 @@ def swap_in_folder(tmp: Path, target: Path) -> None:
         if file.is_file():
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
+    for folder in (*(d for d in tmp.rglob("*") if d.is_dir()), tmp):  # their entries too
+        fsync_dir(folder)
     old = old_of(target)
     _remove(old)
     if target.exists():
         os.replace(target, old)
-    os.replace(tmp, target)
+    try:
+        os.replace(tmp, target)
+    except BaseException:  # Ctrl-C or a failure between the two renames: the previous version goes back
+        restore_old(target)
+        raise
     fsync_dir(target.parent)
     _remove(old)
 
@@ -180,6 +190,9 @@ _LOAD_WARNINGS: dict = {}
 def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", require_sglightning: bool = True) -> dict:
     """Load a checkpoint with ``weights_only=True``; ``CheckpointError`` naming the file when it cannot be used."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: is a folder, a sharded checkpoint: resume it with the "
+                              "trainer.strategy that wrote it (FSDP)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path}: no such file")
     try:

@@ -92,20 +92,17 @@ class VersionedSaveConfig(SaveConfigCallback):
             self.config = self.config.clone()
             self.config.ckpt_path = None
         # Lightning writes a temp file; save_config (rank 0, within this call) completes it and swaps it in, so a kill
-        # keeps the previous config.yaml whole (a resume rewrites the run's only copy).  A remote folder (s3://…) is
-        # written by Lightning, in place and without the comments: this class writes local files only
-        folders = [trainer.default_root_dir, *(getattr(lg, "save_dir", None) for lg in trainer.loggers)]
-        self._local = not any("://" in str(f) for f in folders if f)
+        # keeps the previous config.yaml whole (a resume rewrites the run's only copy).  Run folders are local
+        # (checkpointing.check_run_dir refuses a remote one)
         self._final = self.config_filename
-        if self._local:
-            self.config_filename = temp_path(Path(self._final)).name
+        self.config_filename = temp_path(Path(self._final)).name
         try:
             super().setup(trainer, pl_module, stage)
         finally:
             self.config_filename = self._final
 
     def save_config(self, trainer, pl_module, stage: str) -> None:
-        if not self.save_to_log_dir or not self._local:
+        if not self.save_to_log_dir:
             return
         tmp = run_dir(trainer) / self.config_filename  # rank 0 only: no trainer.log_dir (a broadcast)
         if not tmp.is_file():
@@ -668,7 +665,7 @@ class SGLightningCLI(LightningCLI):
             sys.exit(2)
         except EngineError as err:  # the generation engine died mid-run: the step was abandoned, one line says so
             _remove_unstarted_run(self.trainer)
-            print(f"sglightning {subcommand}: error: {one_line(str(err))}", file=sys.stderr)
+            print(f"sglightning {subcommand}: error: {one_line(str(err))}{self._last_whole_step()}", file=sys.stderr)
             sys.exit(1)
         except OutOfMemory as err:  # a rollout or an update did not fit: the keys that shrink it, the last whole step
             _remove_unstarted_run(self.trainer)
@@ -687,7 +684,8 @@ class SGLightningCLI(LightningCLI):
         if trainer is None or self.subcommand != "fit":
             return ""
         ckpt = PreemptionCheckpoint.last_path(trainer)
-        return f"; {ckpt} holds the last whole step: resume with --ckpt_path last" if ckpt.is_file() else ""
+        # a sharded (FSDP) last.ckpt is a folder
+        return f"; {ckpt} holds the last whole step: resume with --ckpt_path last" if ckpt.exists() else ""
 
     def _interruption_code(self) -> int:
         trainer = getattr(self, "trainer", None)
@@ -697,7 +695,8 @@ class SGLightningCLI(LightningCLI):
     def after_fit(self) -> None:
         reason = getattr(self.model, "stop_reason", None)
         if reason:
-            print(f"sglightning: {reason}", file=sys.stderr)
+            if self.trainer.global_rank == 0:  # one line, not one per rank
+                print(f"sglightning: {reason}", file=sys.stderr)
             sys.exit(1)
 
     def after_validate(self) -> None:

@@ -111,17 +111,15 @@ class SelfGuideModule(LightningModule):
         self.policy_cfg, self.env_class, self.rollout_cfg = policy, env, rollout
         self.guidance_cfg, self.grpo_cfg, self.update_cfg, self.eval_cfg = guidance, grpo, update, evaluation
         self.optimizer_factory = optimizer if optimizer is not None else default_optimizer
-        self.adapter_path = adapter_path
-        self.engine_cfg = engine
+        self.adapter_path, self.engine_cfg = adapter_path, engine
         self.reward_terms = rewards.distinct_terms(reward_terms)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the adapters only
         self.policy = self.tokenizer = None
         self._env_checked = False
-        self.rollouts_done = 0
-        self.skipped_updates = 0
-        self.consecutive_skips = 0
+        self.rollouts_done = self.skipped_updates = self.consecutive_skips = 0  # _COUNTERS
         self.stop_reason: str | None = None  # set when the run stopped itself (e.g. repeated non-finite updates)
+        self._stop_pending = 0  # max_consecutive_skips was reached in this step: stop at its end
         self.history: list[dict[str, float]] = []  # per-step summary for the end-of-run report
         self.train_metrics = EpisodeMetrics()
         self.validation = report.Validation()  # one validation's episodes, by self-guidance mode
@@ -423,13 +421,18 @@ class SelfGuideModule(LightningModule):
         distributed.skip_optimiser_step(opt, params, scaler)  # a scaler's halves its scale
         if overflow:
             return {"train/update_skipped": 1.0}
-        warnings.warn(f"step {self.rollouts_done}: non-finite loss or gradient; update skipped "
+        warnings.warn(f"step {self.rollouts_done + 1}: non-finite loss or gradient; update skipped "
                       f"({self.skipped_updates} skipped so far)", RuntimeWarning, stacklevel=2)
         self.consecutive_skips += 1
         limit = self.update_cfg.max_consecutive_skips
         if limit and self.consecutive_skips >= limit:
-            self.stop_reason = stop_nonfinite(self.trainer, limit, self.rollouts_done + 1)
+            self._stop_pending = limit
         return {"train/update_skipped": 1.0}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if self._stop_pending:  # saved at the step's end, its counters whole: a resume from it replays nothing
+            self.stop_reason = stop_nonfinite(self.trainer, self._stop_pending, self.rollouts_done)
+            self._stop_pending = 0
 
     # ------------------------------------------------------------------------------------------------------------------
     # validation (the callback plays the episodes; these hooks aggregate them)
@@ -443,8 +446,7 @@ class SelfGuideModule(LightningModule):
         modes = self.validation.merged(self.eval_cfg.modes, self._world()[1], self.device)
         # the optimiser steps the evaluated adapters had taken (validate restores no loop state: the checkpoint's)
         step = max(int(self.global_step), self._checkpoint_step)
-        built = report.build_report(step, self._world()[1], self.eval_cfg.split,
-                                    self.package_versions(), modes)
+        built = report.build_report(step, self._world()[1], self.eval_cfg.split, self.package_versions(), modes)
         if self.trainer.sanity_checking:  # a sanity check (trainer.num_sanity_val_steps) is not evaluation.before_fit
             # Lightning discards what a sanity check logs: the "before" validation goes to the loggers, at its step
             self.val_report_before = built if self.eval_cfg.before_fit else None

@@ -94,6 +94,16 @@ def validation_pending(checkpoint: dict) -> bool:
     return current.get("ready", 0) > current.get("completed", 0)
 
 
+def _saved_steps(last: Path, default: int) -> int:
+    """The completed steps ``last`` holds (memory-mapped: the tensors are not read): one fewer than the module's count
+    when Ctrl-C came while the step's save was being written.  ``default`` for a sharded (folder) checkpoint."""
+    try:
+        ckpt = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
+        return int(ckpt["sglightning"]["rollouts_done"])
+    except Exception:  # noqa: BLE001 - a folder, or a file of another release: the module's count
+        return default
+
+
 class PreemptionCheckpoint(Callback):
     """SIGTERM (preemption): Lightning stops at the end of the current step, or the rollout abandons its step; then
     this saves ``last.ckpt`` (atomically) where ``--ckpt_path last`` finds it, exports the adapter, says how to
@@ -157,6 +167,10 @@ class PreemptionCheckpoint(Callback):
             self._stopped_evaluating(trainer)
             return
         path = self.last_path(trainer)
+        if trainer.fast_dev_run:  # which saves nothing, by its promise
+            if trainer.is_global_zero:
+                print("sglightning: SIGTERM received; fast_dev_run stopped, nothing saved", file=sys.stderr, flush=True)
+            return
         trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
         if trainer.is_global_zero:
             step = pl_module.rollouts_done
@@ -183,11 +197,15 @@ class PreemptionCheckpoint(Callback):
     def _interrupted(trainer: Trainer, pl_module: LightningModule) -> None:
         """Ctrl-C: the interrupted step may be half done, so nothing new is saved; ``last.ckpt`` (written after every
         completed step) is where ``--ckpt_path last`` resumes.  The CLI exits 130."""
-        if not trainer.is_global_zero or trainer.state.fn != "fit":
+        if not trainer.is_global_zero:
+            return
+        if trainer.state.fn != "fit":
+            print("sglightning: interrupted; the validation stopped before it finished: nothing was reported",
+                  file=sys.stderr, flush=True)
             return
         last = PreemptionCheckpoint.last_path(trainer)
         if last.exists():
-            done = pl_module.rollouts_done
+            done = _saved_steps(last, pl_module.rollouts_done)
             msg = (f"interrupted after {done} completed step{'s' * (done != 1)}; {last} holds the last of them. "
                    "Resume with the same command plus --ckpt_path last")
         else:
