@@ -99,6 +99,7 @@ __all__ = [
     "internal_returns",
     "group_advantages",
     "degenerate_groups",
+    "in_degenerate_group",
     "broadcast_advantages",
     "token_advantages",
     "scale_guidance_advantages",
@@ -368,6 +369,13 @@ def degenerate_groups(returns: Tensor, group_ids: Tensor) -> int:
         return 0
     *_, per_group = _group_stats(returns, group_ids)
     return int(per_group.sum().item())
+
+
+def in_degenerate_group(returns: Tensor, group_ids: Tensor) -> Tensor:
+    """``[N]`` bool: whether each episode's group has all returns equal (the groups advantage 0 is set for)."""
+    if returns.numel() == 0:
+        return torch.zeros(0, dtype=torch.bool)
+    return _group_stats(returns, group_ids)[2]
 
 
 def broadcast_advantages(adv: Tensor, sample_episode: Tensor) -> Tensor:

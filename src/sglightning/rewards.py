@@ -113,12 +113,9 @@ def informative_groups(episodes: Sequence[Episode], lam: float, normalise: str =
     if not episodes:
         return set()
     returns, _, _ = episode_returns(episodes, lam, normalise, penalty, terms)
-    by: dict[int, list[float]] = {}
-    for e, r in zip(episodes, returns.tolist()):
-        by.setdefault(e.group, []).append(r)
+    flat = grpo.in_degenerate_group(returns, torch.tensor([e.group for e in episodes], dtype=torch.long))  # [N]
     failed = {e.group for e in episodes if e.error is not None} if drop_failed else set()
-    return {g for g, values in by.items() if g not in failed
-            and bool(grpo.returns_differ(*torch.tensor([max(values), min(values)], dtype=torch.float64)))}
+    return {e.group for e, no_signal in zip(episodes, flat.tolist()) if not no_signal and e.group not in failed}
 
 
 class TrustMeter:
