@@ -830,3 +830,23 @@ def test_a_choice_with_no_options_is_refused():
     with pytest.raises(ValueError, match="no options"):
         build_trie([])
     assert -1 in build_trie([[5]])[5]  # the control: one option is a trie
+
+
+def test_an_episode_without_steps_is_left_out_of_the_per_step_shares():
+    """A guided episode whose reset failed counted 0 in every label share, in the invalid-action and format-error
+    rates, and as a lost 0 in the positive gap: one won episode beside it read as half its labels positive."""
+    from sglightning.episodes import Episode, RolloutBatch, StepRecord
+    from sglightning.metrics import EpisodeMetrics, batch_stats
+
+    won = Episode(index=0, group=0, seed=1, won=True, guided=True)
+    won.steps = [StepRecord(observation="", label="positive", action="go", invalid=False) for _ in range(2)]
+    lost = Episode(index=1, group=0, seed=1, won=False, guided=True)
+    lost.steps = [StepRecord(observation="", label="negative", action="go", invalid=True)]
+    failed = Episode(index=2, group=0, seed=1, guided=True, error="reset: timeout after 1 s")
+    metrics = EpisodeMetrics()
+    metrics.update(RolloutBatch(episodes=[won, lost, failed]))
+    got = metrics.compute()
+    assert got["guidance/label_positive"] == pytest.approx(0.5)  # (1 + 0) / 2 episodes with steps, not / 3
+    assert got["rollout/invalid_action_rate"] == pytest.approx(0.5) and "guidance/rate_history_truncated" not in got
+    assert got["rollout/env_error_rate"] == pytest.approx(1 / 3)  # the control: a whole-episode rate counts it
+    assert batch_stats(RolloutBatch(episodes=[won, lost, failed]))["guidance/positive_gap_won_minus_lost"] == 1.0

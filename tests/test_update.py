@@ -191,6 +191,25 @@ def test_step_stats_average_by_tokens_and_keep_maxima_and_minima():
     assert s.result() == {"a": 1.5, "b_max": 4.0, "c_min": 1.0, "loss/calibration": pytest.approx(0.3)}
 
 
+def test_a_statistic_of_one_token_kind_weighs_micro_batches_by_that_kind():
+    """In two_call a row holds guidance tokens or action tokens: a micro-batch of action rows logged a guidance
+    entropy of 0 (the mean over none), weighted by its policy tokens, so the step's value moved with the batch size."""
+    from sglightning.update import MicrobatchObjective, StepStats
+
+    guide = MicrobatchObjective(torch.zeros(()), {"policy/entropy_guidance": 2.0, "policy/entropy_action": 0.0,
+                                                  "policy/entropy": 2.0}, 10.0,
+                                stat_weights={"policy/entropy_guidance": 10.0, "policy/entropy_action": 0.0})
+    act = MicrobatchObjective(torch.zeros(()), {"policy/entropy_guidance": 0.0, "policy/entropy_action": 1.0,
+                                                "policy/entropy": 1.0}, 90.0,
+                              stat_weights={"policy/entropy_guidance": 0.0, "policy/entropy_action": 90.0})
+    s = StepStats()
+    s.add(guide)
+    s.add(act)
+    got = s.result()
+    assert got["policy/entropy_guidance"] == 2.0 and got["policy/entropy_action"] == 1.0  # as one micro-batch says
+    assert got["policy/entropy"] == pytest.approx(1.1)  # over all policy tokens: (10·2 + 90·1) / 100
+
+
 @pytest.mark.parametrize("setting,dtype,precision,engine,expected", [
     ("auto", torch.float32, "32-true", ("builtin", "float32"), None),
     ("auto", torch.bfloat16, "32-true", ("builtin", "float32"), "token"),
@@ -378,3 +397,31 @@ def test_the_shared_prefix_update_moves_every_row_whole():
             if key not in ("restrict_ids", "restrict_valid", "restrict_exclude"):
                 assert torch.equal(value[i], plain.data[key][j]), key
         assert torch.equal(shared.adv[i], plain.adv[j])
+
+
+def test_a_sliding_window_model_shares_no_prefix_and_corrects_its_rollouts():
+    """Sliding-window layers count cache slots, pads included: a padded shared prefix, or the engine's pads inside a
+    row, shifted the window (a Qwen2 with 16-token windows: shared-prefix hidden states off by up to 2.9)."""
+    import types
+
+    from transformers import MistralConfig, Qwen2Config
+
+    from sglightning import distributed
+    from sglightning.engines.builtin import BuiltinEngine
+    from sglightning.engines.vllm import VLLMEngine
+    from sglightning.errors import ConfigError
+    from sglightning.models import sliding_window
+    from sglightning.update import rollout_correction_mode
+
+    def model(config):
+        return types.SimpleNamespace(config=config)
+
+    sliding = model(Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=2))
+    assert sliding_window(sliding) == 16 and sliding_window(model(MistralConfig(sliding_window=4096))) == 4096
+    assert sliding_window(model(Qwen2Config())) is None  # the control: Qwen2's window is switched off
+    assert sliding_window(model(MistralConfig(sliding_window=None))) is None and sliding_window(None) is None
+    assert distributed.prefix_sharing(None, None, False) and not distributed.prefix_sharing(None, None, False, True)
+    with pytest.raises(ConfigError, match="update.share_prefix: true is not supported here .*sliding-window"):
+        distributed.prefix_sharing(True, None, False, sliding=True)
+    assert rollout_correction_mode("auto", weights_dtype=torch.float32, precision="32-true", sliding=True) == "token"
+    assert BuiltinEngine.pads_inside_rows and not VLLMEngine.pads_inside_rows

@@ -128,14 +128,18 @@ def sync_grads(params: list[torch.nn.Parameter]) -> None:
         offset += n
 
 
-def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpointing: bool) -> bool:
-    """``update.share_prefix`` resolved for ``sharding`` (``"fsdp2"``, ``"fsdp1"`` or None) and gradient
-    checkpointing: null = on where it holds, true where it cannot hold = ``ConfigError``."""
+def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpointing: bool,
+                   sliding: bool = False) -> bool:
+    """``update.share_prefix`` resolved for ``sharding`` (``"fsdp2"``, ``"fsdp1"`` or None), gradient checkpointing
+    and ``sliding`` (the model has sliding-window layers: :func:`models.sliding_window`): null = on where it holds,
+    true where it cannot hold = ``ConfigError``."""
     why = None
     if sharding is not None:
         why = "FSDP gathers the weights in each root forward; a shared prefix needs two forwards per micro-batch"
     elif gradient_checkpointing:
         why = "gradient checkpointing turns off the KV cache that the continuations attend through"
+    elif sliding:
+        why = "the model's sliding-window layers count cache slots, and a padded prefix would shift their window"
     if why and setting:
         raise ConfigError(f"update.share_prefix: true is not supported here ({why}); set it to null or false")
     return setting is not False and why is None

@@ -39,6 +39,10 @@ EPISODE_KEYS = (
     "guidance/rate_history_truncated",
 )
 LABEL_KEYS = frozenset(k for k in EPISODE_KEYS if k.startswith("guidance/label_"))
+#: shares over an episode's steps or rate calls: NaN where it has none (a failed reset, no guidance), left out of the
+#: means (a 0 there read as "never invalid", "no label"; where no episode has any, the key is not logged)
+PER_STEP_KEYS = LABEL_KEYS | {"rollout/invalid_action_rate", "rollout/format_error_rate",
+                              "guidance/rate_history_truncated"}
 
 
 #: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
@@ -63,17 +67,17 @@ def _episode_values(ep: Episode) -> dict[str, float]:
         "rollout/score": score,
         "rollout/score_gained": gained,
         "rollout/episode_length": float(n),
-        "rollout/invalid_action_rate": sum(s.invalid for s in ep.steps) / n if n else 0.0,
+        "rollout/invalid_action_rate": sum(s.invalid for s in ep.steps) / n if n else math.nan,
         # the actor's answer did not have the configured shape (guidance.actor_format), whether or not an action
         # could still be recovered from it
-        "rollout/format_error_rate": sum(not s.format_ok for s in ep.steps) / n if n else 0.0,
-        "guidance/rate_history_truncated": ep.rate_truncations / ep.rate_calls if ep.rate_calls else 0.0,
+        "rollout/format_error_rate": sum(not s.format_ok for s in ep.steps) / n if n else math.nan,
+        "guidance/rate_history_truncated": ep.rate_truncations / ep.rate_calls if ep.rate_calls else math.nan,
         "rollout/truncated_rate": float(ep.truncated),
         "rollout/env_error_rate": float(ep.error is not None),
         "reward/internal_sum": sum(ep.internal_rewards),
     }
-    for lab in (*LABELS, "unparsed"):  # an episode without guidance has no labels: NaN, left out of the means
-        out[f"guidance/label_{lab}"] = (labels[lab] / n if n else 0.0) if ep.guided else math.nan
+    for lab in (*LABELS, "unparsed"):  # an episode without guidance or steps has no labels: NaN, left out
+        out[f"guidance/label_{lab}"] = labels[lab] / n if n and ep.guided else math.nan
     return out
 
 
@@ -90,8 +94,8 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
         return stats
     # does the guidance know? share of positive labels in won vs lost episodes
     positive = [_episode_values(e)["guidance/label_positive"] for e in eps]
-    won = [v for v, e in zip(positive, eps) if e.won]
-    lost = [v for v, e in zip(positive, eps) if not e.won]
+    won = [v for v, e in zip(positive, eps) if e.won and not math.isnan(v)]
+    lost = [v for v, e in zip(positive, eps) if not e.won and not math.isnan(v)]  # a failed reset: no labels
     if won and lost:
         stats["guidance/positive_gap_won_minus_lost"] = sum(won) / len(won) - sum(lost) / len(lost)
     stats.update(calibration_stats(eps))  # do the labels describe the measured progress, do they know the outcome?
@@ -172,8 +176,8 @@ class EpisodeMetrics(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.names = list(EPISODE_KEYS)
-        # label shares are NaN for episodes played without guidance (no labels): those are skipped, not averaged in
-        self.means = torch.nn.ModuleList([MeanMetric(nan_strategy="ignore" if n in LABEL_KEYS else "warn")
+        # per-step shares are NaN for episodes without steps or labels: those are skipped, not averaged in
+        self.means = torch.nn.ModuleList([MeanMetric(nan_strategy="ignore" if n in PER_STEP_KEYS else "warn")
                                           for n in self.names])
 
     def update(self, batch: RolloutBatch) -> None:

@@ -410,6 +410,21 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
     return model
 
 
+def sliding_window(model) -> int | None:
+    """The window of ``model``'s sliding-window (or chunked) attention layers, None where every layer sees the whole
+    context.  Such layers count cache slots, pads included: padding inside a row shifts their window, so the
+    in-process engine and prefix sharing cannot score them exactly (``docs/method.md``)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    config = getattr(config, "text_config", None) or config  # multimodal wrappers keep the text model's config apart
+    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is not None:
+        return window if any(k in ("sliding_attention", "chunked_attention") for k in kinds) else None
+    return window if getattr(config, "use_sliding_window", True) else None  # Qwen2: a window, switched off
+
+
 def keep_cpu_layout(model: torch.nn.Module) -> None:
     """The 4-bit layers keep one layout.  On a CPU with AVX512-BF16, bitsandbytes (0.50) repacks a layer's weights for
     its inference kernel at the first eval-mode, no-grad forward, and its training matmul then fails ("a view of a

@@ -50,6 +50,7 @@ from sglightning.models import (
     drops_out,
     eval_mode,
     load_policy,
+    sliding_window,
     warn_low_precision_adapters,
 )
 from sglightning.profiling import phase, phase_logs, timing
@@ -134,10 +135,6 @@ class SelfGuideModule(LightningModule):
         """``"fsdp2"``, ``"fsdp1"`` or ``None`` (one device, DDP)."""
         return strategies.sharding_of(self.trainer.strategy) if self._trainer is not None else None
 
-    def _sharded(self) -> bool:
-        """FSDP1 or FSDP2: every forward/backward is a collective and FSDP reduces the gradients."""
-        return self.sharding is not None
-
     @property
     def peft_model(self):
         """The peft model itself (under FSDP1 ``self.policy`` is its ``FullyShardedDataParallel`` root wrapper)."""
@@ -164,7 +161,7 @@ class SelfGuideModule(LightningModule):
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
         strategy = strategy or (self._trainer.strategy if self._trainer is not None else None)
         return distributed.prefix_sharing(self.update_cfg.share_prefix, strategies.sharding_of(strategy),
-                                          self.policy_cfg.gradient_checkpointing)
+                                          self.policy_cfg.gradient_checkpointing, bool(sliding_window(self.policy)))
 
     def _check_env(self) -> None:
         if not self._env_checked:
@@ -265,8 +262,9 @@ class SelfGuideModule(LightningModule):
 
     def token_logprobs(self, ids, attn, mask, temperature: float, entropy: bool = False, restrict=None):
         """:func:`scoring.token_logprobs` on this policy (through the FSDP root when sharded)."""
-        return scoring.token_logprobs(self.policy if self._sharded() else self.peft_model, ids, attn, mask,
-                                      temperature, whole_model=self._sharded(), entropy=entropy, restrict=restrict,
+        sharded = self.sharding is not None  # FSDP: every forward is a collective, through the root
+        return scoring.token_logprobs(self.policy if sharded else self.peft_model, ids, attn, mask, temperature,
+                                      whole_model=sharded, entropy=entropy, restrict=restrict,
                                       share_prefix=self.share_prefix())
 
     def training_step(self, batch: data.StepBatch, batch_idx):
@@ -321,12 +319,12 @@ class SelfGuideModule(LightningModule):
         adv = prepared.adv.to(self.device) if prepared.adv is not None else None
         rows = scoring.microbatch_rows(data, self.update_cfg.micro_batch_size, self.update_cfg.micro_batch_tokens)
         # FSDP: every forward/backward is a collective, so ranks with fewer micro-batches pad with dummy ones
-        pad = distributed.most_over_ranks(len(rows), self.device) - len(rows) if self._sharded() else 0
+        pad = distributed.most_over_ranks(len(rows), self.device) - len(rows) if self.sharding else 0
         out: dict[str, float] = {}
         mode = self.correction_mode()  # its old log-probs from the first epoch's forward, or one pass with dropout
         correct = RolloutCorrection(data, mode, self.grpo_cfg.rollout_correction_cap) if mode and data else None
         data = correct.data if correct else data
-        if mode and drops_out(self.policy) and (correct or self._sharded()):  # FSDP: every rank runs its collectives
+        if mode and drops_out(self.policy) and (correct or self.sharding):  # FSDP: every rank runs its collectives
             with phase("update/correction"):
                 out.update(self._rollout_correction(correct, rows, pad))
             correct = None  # every row passed: the epochs read its data
@@ -342,8 +340,10 @@ class SelfGuideModule(LightningModule):
         """``grpo.rollout_correction`` resolved for this run (:func:`sglightning.update.rollout_correction_mode`)."""
         base = self.peft_model.get_input_embeddings().weight.dtype if self.policy is not None else torch.float32
         precision = str(self.trainer.precision) if self._trainer is not None else "32-true"
+        engine = engine_class(self.engine_cfg)
         return rollout_correction_mode(self.grpo_cfg.rollout_correction, weights_dtype=base, precision=precision,
-                                       engine_half=engine_class(self.engine_cfg).samples_in_half_precision(self.engine_cfg))
+                                       engine_half=engine.samples_in_half_precision(self.engine_cfg),
+                                       sliding=engine.pads_inside_rows and bool(sliding_window(self.policy)))
 
     @torch.no_grad()
     def _rollout_correction(self, correct: RolloutCorrection | None, rows: list[slice], pad: int) -> dict[str, float]:
@@ -372,7 +372,7 @@ class SelfGuideModule(LightningModule):
         step's counts over ranks; ``skipped``: zero-advantage rows were left out; ``correct``: the rollout
         correction taken from this pass (its ``data`` is ``step_data``).  Returns the step's statistics."""
         c, temp, stats = self.grpo_cfg, self.rollout_cfg.temperature, StepStats()
-        finite, sharded = True, self._sharded()
+        finite, sharded = True, self.sharding is not None
         opt.zero_grad()
         distributed.dummy_microbatches(pad, lambda i, a, m: self.token_logprobs(i, a, m, temp),
                                        self.manual_backward, self.device, c.kl_coef > 0, self.policy.disable_adapter)

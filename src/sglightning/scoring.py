@@ -150,12 +150,15 @@ def microbatch(data: dict[str, Tensor], tok_adv: Tensor, rows: slice) -> dict[st
 
 
 def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: dict[str, Tensor], first_epoch: bool
-                     ) -> dict[str, float]:
-    """The statistics one micro-batch logs (averaged over the step weighted by its policy tokens): loss terms, ratio,
-    entropies by token kind and, at the first PPO epoch, sampler-vs-trainer log-prob gap (≈0 unless the weights or
-    the scoring drifted), the unrestricted log π of the sampled tokens and log Z(A) where sampling was restricted
-    (how much of the model's own mass the allowed set held: 0 = all of it)."""
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    """The statistics one micro-batch logs: loss terms, ratio, entropies by token kind and, at the first PPO epoch,
+    sampler-vs-trainer log-prob gap (≈0 unless the weights or the scoring drifted), the unrestricted log π of the
+    sampled tokens and log Z(A) where sampling was restricted (how much of the model's own mass the allowed set held:
+    0 = all of it).  Returns them and, for those averaged over some of its policy tokens only (a token kind, the
+    restricted ones), how many: the step weighs each micro-batch by that count, else by its policy tokens."""
     m, kinds = mb["mask"], mb["kinds"]
+    guide, act = m & (kinds == KIND_GUIDANCE), m & (kinds == KIND_ACTION)  # [B, W]
+    weights = {"policy/entropy_guidance": float(guide.sum()), "policy/entropy_action": float(act.sum())}
     out = {
         "loss/total": float(loss.detach()),
         "loss/policy": float(st["policy_loss"]),
@@ -165,8 +168,8 @@ def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: dict[s
         # the entropy of the distribution each token was drawn from (over its restriction where sampling was
         # restricted: at a label token, the entropy of the label choice), and of the unrestricted π
         "policy/entropy": float(masked_mean(ent["sampled"], m)),
-        "policy/entropy_guidance": float(masked_mean(ent["sampled"], m & (kinds == KIND_GUIDANCE))),
-        "policy/entropy_action": float(masked_mean(ent["sampled"], m & (kinds == KIND_ACTION))),
+        "policy/entropy_guidance": float(masked_mean(ent["sampled"], guide)),
+        "policy/entropy_action": float(masked_mean(ent["sampled"], act)),
         "policy/entropy_unrestricted": float(masked_mean(ent["unrestricted"], m)),
     }
     if first_epoch:
@@ -183,10 +186,12 @@ def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: dict[s
             out["policy/sampler_ratio_max"] = float(log_r.abs().max().exp())
         known = m & torch.isfinite(full)  # an engine that returns only log q records NaN for the unrestricted log π
         if known.any():
+            restricted = known & (mb["restrict"]["index"] >= 0)  # [B, W]
             out["policy/logprob_unrestricted"] = float(masked_mean(full.nan_to_num(0.0), known))
-            out["policy/restricted_log_mass"] = float(masked_mean((full - sampler).nan_to_num(0.0),
-                                                                  known & (mb["restrict"]["index"] >= 0)))
-    return out
+            out["policy/restricted_log_mass"] = float(masked_mean((full - sampler).nan_to_num(0.0), restricted))
+            weights.update({"policy/logprob_unrestricted": float(known.sum()),
+                            "policy/restricted_log_mass": float(restricted.sum())})
+    return out, weights
 
 
 def restrictions_of(data: dict[str, Tensor], rows: slice | None = None) -> dict[str, Tensor]:

@@ -217,6 +217,8 @@ class MicrobatchObjective:
     tokens: float  # its policy tokens
     calibration_nll: float = 0.0  # Σ −log q(y*) over its hindsight targets
     calibration_targets: float = 0.0  # how many
+    #: the tokens a statistic averages over where not all its policy tokens (a token kind): its weight in the step
+    stat_weights: dict[str, float] = field(default_factory=dict)
 
 
 def microbatch_objective(mb: dict, logp: Tensor, ent: dict, ref_logp: Tensor | None, totals: grpo.StepCounts,
@@ -242,13 +244,15 @@ def microbatch_objective(mb: dict, logp: Tensor, ent: dict, ref_logp: Tensor | N
                                               cfg.calibration_balance)
         objective = objective + cfg.calibration * term
         nll, n_targets = float(nll_sum), float(targets.sum())
-    stats = scoring.microbatch_stats(mb, loss, st, logp, ent, first_epoch)
-    return MicrobatchObjective(objective, stats, float(m.sum()), nll, n_targets)
+    stats, weights = scoring.microbatch_stats(mb, loss, st, logp, ent, first_epoch)
+    return MicrobatchObjective(objective, stats, float(m.sum()), nll, n_targets, weights)
 
 
 class StepStats:
-    """A step's statistics over its micro-batches: means weighted by policy tokens; ``…_max`` the maximum and
-    ``…_min`` the minimum; ``loss/calibration`` the mean −log q(y*) over the step's hindsight targets."""
+    """A step's statistics over its micro-batches: means weighted by policy tokens (or by the tokens a statistic
+    averages over: ``stat_weights``, so a micro-batch without guidance tokens does not pull the guidance entropy to
+    0); ``…_max`` the maximum and ``…_min`` the minimum; ``loss/calibration`` the mean −log q(y*) over the step's
+    hindsight targets."""
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
@@ -261,8 +265,9 @@ class StepStats:
             if pick:
                 self._sums[k], self._weights[k] = pick(self._sums.get(k, v), v), 1.0
                 continue
-            self._sums[k] = self._sums.get(k, 0.0) + v * part.tokens
-            self._weights[k] = self._weights.get(k, 0.0) + part.tokens
+            w = part.stat_weights.get(k, part.tokens)
+            self._sums[k] = self._sums.get(k, 0.0) + v * w
+            self._weights[k] = self._weights.get(k, 0.0) + w
         self._nll += part.calibration_nll
         self._targets += part.calibration_targets
 
@@ -278,15 +283,16 @@ class StepStats:
 
 
 def rollout_correction_mode(setting: str | None, *, weights_dtype: torch.dtype, precision: str,
-                            engine_half: bool = False) -> str | None:
+                            engine_half: bool = False, sliding: bool = False) -> str | None:
     """``grpo.rollout_correction`` resolved: ``auto`` is ``token`` where half precision samples or trains — a bf16 or
     fp16 base (``weights_dtype``), a mixed- or half-precision trainer (Lightning's ``precision``), an engine with
     half-precision weights of its own (``engine_half``: ``Engine.samples_in_half_precision``, e.g. vLLM in bf16) —
-    and None in fp32, where the sampler's log-probs are the trainer's within ~1e-5."""
+    or where the in-process engine cannot sample exactly (``sliding``: a model with sliding-window layers, whose
+    window pads inside a row shift), and None otherwise, where the sampler's log-probs are the trainer's to ~1e-5."""
     if setting != "auto":
         return setting
     half = (weights_dtype in (torch.bfloat16, torch.float16) or not str(precision).startswith(("32", "64"))
-            or engine_half)
+            or engine_half or sliding)
     return "token" if half else None
 
 

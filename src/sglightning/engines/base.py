@@ -116,6 +116,10 @@ class Engine(abc.ABC):
         #: the version (optimiser steps) of the weights sampling now; None before the first rollout
         self.version: int | None = None
 
+    #: whether its caches hold pads inside a row (left-padded blocks): a sliding window counts them, so under one
+    #: (:func:`sglightning.models.sliding_window`) its log-probs drift and ``grpo.rollout_correction: auto`` is on
+    pads_inside_rows: bool = False
+
     @classmethod
     def samples_in_half_precision(cls, cfg: EngineConfig) -> bool:
         """Whether this engine, configured by ``cfg``, samples with half-precision weights of its own, so that its

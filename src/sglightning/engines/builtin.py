@@ -61,6 +61,8 @@ class BuiltinEngine(Engine):
     ``gathered()`` weights (a collective under FSDP).  ``model.engine.compile`` chooses the decode step: the
     dynamic cache (``off``, CPUs) or the static slot cache, compiled or not (:mod:`sglightning.engines.static`)."""
 
+    pads_inside_rows = True  # blocks are left-padded within the block
+
     def __init__(self, cfg=None, *, share_prefix: bool = True, staged_prefill: bool | None = None,
                  few_rows_alone: bool | None = None):
         """``share_prefix``, ``staged_prefill`` and ``few_rows_alone``: see :class:`DecodeSession` (benchmarks switch
