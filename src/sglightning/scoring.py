@@ -280,6 +280,12 @@ def logprobs_from_logits(
         if restricted is not None:
             rows, listed, valid, exclude, log_z = (t.detach() for t in restricted)
             h_q[rows] = restricted_entropy(listed.float(), valid, exclude, log_z.float(), h_pi[rows])
+            heavy = (exclude & (log_z < -math.log(2.0))).nonzero().squeeze(-1)  # [H] banned ids hold most of π
+            if heavy.numel():  # (H(π) + Σ_B π log π) / Z cancels there: H(q) summed over A itself
+                r = rows[heavy]
+                banned = listed_mask(restrict["ids"].to(ids.device)[ridx[r]], valid[heavy], logp_all.shape[-1])
+                logq = logp_all[r].detach().float().masked_fill(banned, float("-inf")) - log_z[heavy, None].float()
+                h_q[r] = -torch.where(torch.isfinite(logq), logq.exp() * logq, 0.0).sum(-1)  # [H]
     out = dict(extras)
     for key, h in (("sampled", h_q), ("unrestricted", h_pi)):
         full = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)  # [B, L]

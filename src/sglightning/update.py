@@ -47,8 +47,8 @@ class UpdateConfig:
     micro_batch_size: int = 4
     """samples per forward/backward pass (gradients accumulate over micro-batches into one step)"""
     share_prefix: bool | None = None
-    """compute a prefix shared by a micro-batch's samples once (same result). null = on unless FSDP or gradient
-    checkpointing; true there is an error"""
+    """compute a prefix shared by a micro-batch's samples once (same result; LoRA dropout: one mask). null = on
+    unless FSDP, checkpointing or sliding windows"""
     micro_batch_tokens: int | None = None
     """at most this many fed positions per micro-batch (rows × the longest row; a longer row goes alone); null = limited
     by micro_batch_size only"""
@@ -145,7 +145,7 @@ def prepare_update(
     stats["tokens/policy"] = float(mask.sum())
     stats["tokens/guidance_share"] = float(guidance_tokens.sum()) / max(stats["tokens/policy"], 1.0)
     # choice tokens with one allowed continuation: no choice was made, so no loss and no place in the mean
-    stats["tokens/forced_choice"] = float(sum(s.forced for s in samples))
+    stats["tokens/forced_choice"] = float(sum(s.forced for s in rollout.samples))  # all of them, scored or not
     stats["tokens/total"] = float(data["attn"].sum())
     # every row, before selection: the token-mean's denominators, the hindsight targets and those of each label
     targets = (data["target"] >= 0) & mask if calibrate else torch.zeros_like(mask)  # [S, L]
