@@ -29,7 +29,8 @@ VLLM_PYTHON = os.environ.get("SGLIGHTNING_VLLM_PYTHON", str(ROOT / ".venv-vllm" 
     ({"backend": "sglang"}, "model.engine.backend: 'sglang' is not one of builtin, vllm or a class path"),
     ({"url": "127.0.0.1:8000"}, "model.engine.url: '127.0.0.1:8000' is not an http(s) URL"),
     ({"max_loras": 1}, "model.engine.max_loras: must be >= 2"),
-    ({"kv_cache_gb": 0}, "model.engine.kv_cache_gb: must be > 0"),
+    ({"kv_cache_gb": 0}, "model.engine.kv_cache_gb: must be a finite number > 0"),
+    ({"kv_cache_gb": float("nan")}, "model.engine.kv_cache_gb: must be a finite number > 0"),
     ({"dtype": "int8"}, "model.engine.dtype: 'int8' is not one of float32, bfloat16, float16"),
 ])
 def test_engine_config_names_the_key(kw, needle):

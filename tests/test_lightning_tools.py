@@ -238,3 +238,52 @@ def test_lightnings_default_logger_resumes_in_its_run_folder(tmp_path, capsys):
     assert [p.name for p in (tmp_path / "lightning_logs").iterdir()] == ["version_0"]
     run = tmp_path / "lightning_logs" / "version_0"
     assert len(list(run.glob("events.out.tfevents.*"))) == 2 and "# resumed from " in (run / "config.yaml").read_text()
+
+
+def test_a_refused_resume_leaves_the_runs_config_as_it_was(tmp_path, capsys):
+    """The resume's config.yaml was swapped in before the checkpoint restored: a refused resume (another
+    model.policy) rewrote the file its own error line tells the user to use."""
+    run = Path(fit(tmp_path, steps=1).trainer.log_dir)
+    before = (run / "config.yaml").read_text()
+    capsys.readouterr()
+    line = refused(capsys, "fit", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=2", "--model.policy.lora_r=4",
+                   "--ckpt_path=last")
+    assert "it was trained with another model.policy" in line
+    assert (run / "config.yaml").read_text() == before and "lora_r: 8" in before
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".config")]  # no temp file left either
+    fit(tmp_path, "--ckpt_path=last", f"--trainer.logger.init_args.version={run.name}", steps=2)  # the control
+    assert (run / "config.yaml").read_text() != before and "# resumed from" in (run / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--ckpt_path=best"], "--ckpt_path: 'best' is Lightning's, and sglightning keeps no such checkpoint"),
+    (["--ckpt_path=hpc"], "--ckpt_path: 'hpc' is Lightning's"),
+    (["--trainer.devices=abc"], "trainer.devices: `devices` selected with `CPUAccelerator` should be an int > 0"),
+])
+def test_lightnings_own_refusals_are_one_line(args, needle, tmp_path, capsys):
+    line = refused(capsys, "fit", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+                   f"--trainer.default_root_dir={tmp_path}", *args)
+    assert needle in line and line.startswith("sglightning fit: error: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_config_that_is_not_text_is_one_line(tmp_path, capsys):
+    config = tmp_path / "weights.yaml"
+    config.write_bytes(bytes(range(128, 256)))
+    line = refused(capsys, "fit", "--config", str(config))
+    assert line == f"sglightning fit: error: {config}: cannot be read as a YAML config (UnicodeDecodeError)"
+
+
+def test_ctrl_c_before_the_run_starts_is_one_line(monkeypatch, capsys):
+    """Interrupted while torch imported or the config parsed: a 110-line traceback, nothing written."""
+    import sglightning.cli
+    from sglightning import entry
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sglightning.cli, "main", interrupted)
+    monkeypatch.setattr("sys.argv", ["sglightning", "fit", "--config", TINY])
+    assert entry.main() == 130
+    assert capsys.readouterr().err == "sglightning: interrupted before the run started; nothing was written\n"

@@ -132,6 +132,22 @@ def test_ctrl_c_is_one_line_and_exit_130(tmp_path):
     assert "--ckpt_path last" in lines[0]
 
 
+def test_ctrl_c_before_the_first_step_leaves_no_run_folder(tmp_path):
+    """Stopped in the validation before the first step: nothing to resume, so the run's folder (config.yaml,
+    hparams.yaml, an events file) goes, and the next run is version_0 again, not version_1."""
+    config = tmp_path / "tiny" / "version_0" / "config.yaml"
+    slow_start = ("--trainer.limit_val_batches=null", "--model.evaluation.num_tasks=64",
+                  "--model.evaluation.tasks_per_batch=4")  # a long validation before the first step
+    proc = subprocess.Popen(_fit_cmd(tmp_path, 30, *slow_start),
+                            env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            preexec_fn=_terminal_sigint)
+    _wait_for(config, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "interrupted before the first step completed" in err, err[-3000:]
+    assert not (tmp_path / "tiny").exists(), list(tmp_path.rglob("*"))
+
+
 def test_resume_after_sigkill_equals_the_straight_run(tmp_path, straight):
     ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     proc = subprocess.Popen(_fit_cmd(tmp_path, 6), env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,

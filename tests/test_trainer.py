@@ -355,6 +355,12 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.guidance.decoding=free"], "guidance.action_decoding: admissible needs guidance.decoding"),
         (["--model.grpo.max_grad_norm=0"], "model.grpo.max_grad_norm: must be a finite number > 0 or null, got 0"),
         (["--model.grpo.kl_kind=k1"], "model.grpo.kl_kind: k1"),
+        # YAML's .nan is a float: it passed every `<= 0` check and crashed step 1 with a traceback
+        (["--model.rollout.temperature=.nan"], "model.rollout.temperature: must be a finite number > 0, got nan"),
+        (["--model.evaluation.temperature=.inf"], "model.evaluation.temperature: must be a finite number > 0"),
+        (["--model.engine.request_timeout_s=.nan"], "model.engine.request_timeout_s: must be a finite number > 0"),
+        (["--model.guidance.reward_positive=.nan"], "model.guidance.reward_positive: must be a finite number, got nan"),
+        (["--model.rollout.env_step_timeout_s=0"], "model.rollout.env_step_timeout_s: must be a finite number > 0 or"),
         (["--model.rollout.max_steps=0"], "max_steps"),
         (["--model.evaluation.self_guidance=maybe"], "self_guidance"),
         (["--model.grpo.clip_high=0"], "clip_high"),

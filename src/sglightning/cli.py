@@ -114,8 +114,17 @@ class VersionedSaveConfig(SaveConfigCallback):
         if versions:
             text += "# package versions of this run (written by sglightning):\n"
             text += "".join(f"#   {k}: {v}\n" for k, v in versions.items())
-        atomic_write_text(tmp.with_name(self._final), text)
         tmp.unlink(missing_ok=True)
+        self._pending = (tmp.with_name(self._final), text)
+        if not (self._resumed_from and stage == "fit"):
+            self.on_train_start(trainer, pl_module)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        """A resume's config replaces the run's once the checkpoint restored: a refused one (another
+        ``model.policy``, a corrupt file) leaves the run's config.yaml as it was, as its error line advises."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending:
+            atomic_write_text(*pending)
 
 
 # field docs are attribute docstrings (below each dataclass field): --help shows them
@@ -484,6 +493,9 @@ class SGLightningCLI(LightningCLI):
             super().instantiate_classes()
             if getattr(self, "_announce", None):  # said once the checkpoint loaded: a refused one says only why
                 self.trainer.callbacks.append(_Announce(self._announce))
+        except TypeError as err:  # the Trainer's own checks: "`devices` selected with `CPUAccelerator` should be …"
+            named = re.match(r"`(\w+)`", str(err))
+            self._error(f"trainer.{named.group(1)}: {err}" if named else str(err).splitlines()[0])
         except ValueError as err:
             msg = str(err)
             while err.__cause__ is not None and isinstance(err.__cause__, ValueError):
@@ -591,8 +603,12 @@ class SGLightningCLI(LightningCLI):
         hyper-parameters, so there is nothing to merge into the config (the config file is the source of truth)."""
         sub = self.config.get("subcommand")
         path = self.config[sub].get("ckpt_path") if sub else None
-        if not path or path in ("last", "best", "hpc") or str(path).lower().split(":")[0] == "registry":
-            return  # resolved later (last: before_instantiate_classes; the others: Lightning)
+        if not path or path == "last":
+            return  # resolved later (before_instantiate_classes)
+        if path in ("best", "hpc") or str(path).lower().split(":")[0] == "registry":
+            print(f"sglightning {sub}: error: --ckpt_path: {path!r} is Lightning's, and sglightning keeps no such "
+                  "checkpoint: give a checkpoint file, a distributed checkpoint folder, or last", file=sys.stderr)
+            sys.exit(2)
         p = Path(str(path))
         if "://" in str(path):
             return  # an fsspec URL: Lightning's to load
@@ -652,6 +668,7 @@ class SGLightningCLI(LightningCLI):
         except SystemExit:
             code = self._interruption_code()  # Ctrl-C (130) or SIGTERM in validate (143): the callback said what
             if code:  # happened
+                _remove_unstarted_run(self.trainer)  # stopped before its first step: no folder left behind
                 sys.exit(code)
             raise
         except (CheckpointError, ConfigError) as err:  # one line naming the file / config key, no traceback wall
@@ -880,12 +897,18 @@ def _check_config_files(argv: list[str], prog: str) -> None:
         if not p.is_file():
             continue  # the parser says "File does not exist" with the path
         try:
-            loaded = yaml.safe_load(p.read_text())
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as err:  # unreadable, or not text
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+            sys.stderr.write(f"{prog}: error: {path}: cannot be read as a YAML config ({reason})\n")
+            sys.exit(2)
+        try:
+            loaded = yaml.safe_load(text)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err)
-            tab = " (YAML does not allow tabs for indentation)" if "\t" in p.read_text() and "token" in problem else ""
+            tab = " (YAML does not allow tabs for indentation)" if "\t" in text and "token" in problem else ""
             sys.stderr.write(f"{prog}: error: {path}:{where} YAML syntax error: {problem}{tab}\n")
             sys.exit(2)
         if not isinstance(loaded, dict):
@@ -946,7 +969,7 @@ def _keyed_by_subcommand(path: str) -> bool:
 
     try:
         data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return False
     return isinstance(data, dict) and any(k in SUBCOMMANDS for k in data)
 

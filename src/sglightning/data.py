@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from sglightning.episodes import RolloutBatch
+from sglightning.errors import check_number
 from sglightning.models import drops_out
 
 
@@ -82,8 +83,7 @@ class RolloutConfig:
             raise ValueError(f"rollout.groups_per_step: must be >= 1, got {self.groups_per_step}")
         if self.max_steps < 1:
             raise ValueError(f"rollout.max_steps: must be >= 1, got {self.max_steps}")
-        if self.temperature <= 0:
-            raise ValueError(f"rollout.temperature: must be > 0, got {self.temperature}")
+        check_number("rollout.temperature", self.temperature, 0, strict=True)
         if self.max_context_tokens < 64:
             raise ValueError(f"rollout.max_context_tokens: must be >= 64, got {self.max_context_tokens}")
         if self.failed_episodes not in ("keep", "drop_group"):
@@ -93,10 +93,8 @@ class RolloutConfig:
         if self.env_max_concurrency < 0:
             raise ValueError(
                 f"rollout.env_max_concurrency: must be >= 0 (0 = CPU cores), got {self.env_max_concurrency}")
-        for key in ("env_step_timeout_s", "env_reset_timeout_s"):
-            v = getattr(self, key)
-            if v is not None and v <= 0:
-                raise ValueError(f"rollout.{key}: must be > 0 seconds or null (no timeout), got {v}")
+        for key in ("env_step_timeout_s", "env_reset_timeout_s"):  # null: no timeout
+            check_number(f"rollout.{key}", getattr(self, key), 0, strict=True, null=True)
 
 
 @dataclass
@@ -130,8 +128,7 @@ class EvalConfig:
         for key in ("num_tasks", "episodes_per_task", "tasks_per_batch"):
             if getattr(self, key) < 1:
                 raise ValueError(f"evaluation.{key}: must be >= 1, got {getattr(self, key)}")
-        if self.temperature <= 0:
-            raise ValueError(f"evaluation.temperature: must be > 0, got {self.temperature}")
+        check_number("evaluation.temperature", self.temperature, 0, strict=True)
 
     @property
     def modes(self) -> list[str]:

@@ -24,6 +24,10 @@ def main() -> int:
         prog = f"sglightning {sub}".strip()
         print(f"{prog}: error: {err} (see: {prog} --help)", file=sys.stderr)
         return 2
-    from sglightning.cli import main as cli_main
+    try:
+        from sglightning.cli import main as cli_main
 
-    return cli_main()
+        return cli_main()
+    except KeyboardInterrupt:  # Ctrl-C before the trainer runs (importing torch, parsing, loading the model)
+        print("sglightning: interrupted before the run started; nothing was written", file=sys.stderr)
+        return 130

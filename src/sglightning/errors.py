@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -93,3 +94,23 @@ def not_writable(folder: Path) -> str | None:
         return f"{existing} does not take new folders ({err.strerror or type(err).__name__})"
     os.rmdir(probe)
     return None
+
+
+def check_number(key: str, value: float | None, low: float, strict: bool = False, null: bool = False) -> None:
+    """``ValueError`` naming ``key`` unless ``value`` is a finite number ≥ ``low`` (> with ``strict``), or None where
+    ``null`` allows it.  NaN passes every ``<`` test: a NaN temperature or clip norm would pass a plain check, and
+    YAML's ``.nan`` is a float.
+
+    Args:
+        key: the config key as the user writes it (``rollout.temperature``).
+        value: the value given.
+        low: the bound.
+        strict: the bound itself is refused.
+        null: None is allowed (the key's "off").
+    """
+    if value is None and null:
+        return
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value > low if strict else value >= low)):
+        bound = "" if low == -math.inf else f" {'>' if strict else '>='} {low:g}"
+        raise ValueError(f"{key}: must be a finite number{bound}{' or null' if null else ''}, got {value!r}")

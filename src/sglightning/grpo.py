@@ -93,6 +93,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from sglightning.errors import check_number
+
 __all__ = [
     "trust_schedule",
     "validate_breakpoints",
@@ -474,16 +476,6 @@ def check_clip(clip_low: float, clip_high: float) -> None:
         raise ValueError(f"grpo.clip_high: must be > 0, got {clip_high}")
 
 
-def check_number(key: str, value: float | None, low: float, strict: bool = False, null: bool = False) -> None:
-    """``ValueError`` naming ``grpo.<key>`` unless ``value`` is a finite number ≥ ``low`` (> with ``strict``), or
-    None where ``null`` allows it (NaN passes every ``<`` test: a NaN clip norm or KL weight would pass silently)."""
-    if value is None and null:
-        return
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and (value > low if strict else value >= low)):
-        bound = f"{'>' if strict else '>='} {low:g}" + (" or null" if null else "")
-        raise ValueError(f"grpo.{key}: must be a finite number {bound}, got {value!r}")
-
-
 def policy_counts(mask: Tensor | None) -> Tensor:
     """``[2]`` float64: (policy tokens, sequences with at least one policy token) of a ``[S, L]`` mask (zeros for
     None: a rank without samples still takes part in the sum over ranks)."""
@@ -796,8 +788,8 @@ class GRPOConfig:
         check_clip(self.clip_low, self.clip_high)
         for key, low in (("kl_coef", 0), ("adv_eps", 0), ("invalid_action_penalty", 0),
                          ("guidance_advantage_scale", 0), ("calibration", 0), ("rollout_correction_cap", 1)):
-            check_number(key, getattr(self, key), low)
-        check_number("max_grad_norm", self.max_grad_norm, 0, strict=True, null=True)
+            check_number(f"grpo.{key}", getattr(self, key), low)
+        check_number("grpo.max_grad_norm", self.max_grad_norm, 0, strict=True, null=True)
         for key, allowed in (("kl_kind", KL_KINDS), ("loss_agg", LOSS_AGGS), ("adv_scale", SCALE_CHOICES),
                              ("internal_reward_norm", NORMALISE_CHOICES)):
             check_choice(f"grpo.{key}", getattr(self, key), allowed)

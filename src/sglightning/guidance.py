@@ -28,11 +28,12 @@ output is only ever matched with regular expressions and ``json`` decoding: neve
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sglightning.errors import ConfigError
+from sglightning.errors import ConfigError, check_number
 
 LABELS = ("positive", "neutral", "negative")
 
@@ -150,6 +151,8 @@ class GuidanceConfig:
         _check_choice("guidance.action_decoding", self.action_decoding, ("free", "admissible"))
         _check_choice("guidance.actor_format", self.actor_format, tuple(ACTOR_FORMATS))
         _check_choice("guidance.source", self.source, ("model", "oracle"))
+        for key in ("reward_positive", "reward_neutral", "reward_negative"):  # a NaN reward: NaN returns at step 1
+            check_number(f"guidance.{key}", getattr(self, key), -math.inf)
         for key in ("max_guidance_tokens", "max_action_tokens", "max_think_tokens"):
             if getattr(self, key) < 1:
                 raise ValueError(f"guidance.{key}: must be >= 1, got {getattr(self, key)}")

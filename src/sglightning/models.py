@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 import torch
 
-from sglightning.errors import ConfigError, not_writable
+from sglightning.errors import ConfigError, check_number, not_writable
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,7 @@ class PolicyConfig:
             raise ValueError(f"model.policy.quantization: {self.quantization!r} is not one of null, 4bit")
         if self.lora_r < 1:
             raise ValueError(f"model.policy.lora_r: must be >= 1, got {self.lora_r}")
-        if self.lora_alpha <= 0:
-            raise ValueError(f"model.policy.lora_alpha: must be > 0, got {self.lora_alpha}")
+        check_number("model.policy.lora_alpha", self.lora_alpha, 0, strict=True)
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ValueError(f"model.policy.lora_dropout: must be in [0, 1), got {self.lora_dropout}")
         name = self.name_or_path

@@ -26,7 +26,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from sglightning.errors import ConfigError
+from sglightning.errors import ConfigError, check_number
 
 if TYPE_CHECKING:
     from sglightning.engines.base import Engine
@@ -117,16 +117,14 @@ class EngineConfig:
             raise ValueError(f"model.engine.dtype: {self.dtype!r} is not one of float32, bfloat16, float16")
         if self.url is not None and not str(self.url).startswith(("http://", "https://")):
             raise ValueError(f"model.engine.url: {self.url!r} is not an http(s) URL (e.g. http://127.0.0.1:8000)")
-        if self.kv_cache_gb <= 0:
-            raise ValueError(f"model.engine.kv_cache_gb: must be > 0, got {self.kv_cache_gb}")
+        check_number("model.engine.kv_cache_gb", self.kv_cache_gb, 0, strict=True)
         if self.max_model_len is not None and self.max_model_len < 64:
             raise ValueError(f"model.engine.max_model_len: must be >= 64, got {self.max_model_len}")
         if self.max_loras < 2:
             raise ValueError(f"model.engine.max_loras: must be >= 2 (a new adapter version loads before the old one "
                              f"is unloaded), got {self.max_loras}")
         for key in ("startup_timeout_s", "request_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"model.engine.{key}: must be > 0, got {getattr(self, key)}")
+            check_number(f"model.engine.{key}", getattr(self, key), 0, strict=True)
         if self.max_concurrency < 1:
             raise ValueError(f"model.engine.max_concurrency: must be >= 1, got {self.max_concurrency}")
         if self.sync_tolerance is not None and not self.sync_tolerance > 0:
