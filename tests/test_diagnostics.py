@@ -86,6 +86,9 @@ def test_rates_are_over_failed_episodes_and_skip_unjudgeable_ones():
     assert rates["wrong_object_focus"] == 0.0  # judged on the 2 failed episodes with targets only
     assert "query_looping" not in rates  # no WebShop episode
     assert failure_pattern_rates([ep(["a"], won=True)]) == {"failed_episodes": 0}
+    crashed = ep([])
+    crashed.error = "reset: timeout after 1 s"  # the env failed it: no steps, nothing the policy did to judge
+    assert failure_pattern_rates(eps + [crashed]) == rates
 
 
 def test_report_markdown_has_the_paper_tables():

@@ -355,6 +355,8 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.guidance.decoding=free"], "guidance.action_decoding: admissible needs guidance.decoding"),
         (["--model.grpo.max_grad_norm=0"], "model.grpo.max_grad_norm: must be a finite number > 0 or null, got 0"),
         (["--model.grpo.kl_kind=k1"], "model.grpo.kl_kind: k1"),
+        (["--trainr.max_steps=3"], "did you mean --trainer.max_steps?"),  # a misspelt section, not only a leaf
+        (["--model.grpo.trust_breakpoints=abc"], "model.grpo.trust_breakpoints: 'abc' is not a list ([a, b, …])"),
         # YAML's .nan is a float: it passed every `<= 0` check and crashed step 1 with a traceback
         (["--model.rollout.temperature=.nan"], "model.rollout.temperature: must be a finite number > 0, got nan"),
         (["--model.evaluation.temperature=.inf"], "model.evaluation.temperature: must be a finite number > 0"),

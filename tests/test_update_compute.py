@@ -246,7 +246,10 @@ def _compiled_against_eager(tmp_path, **kw):
         scale = max(float(g.abs().max()) for g in ge.values())
         assert ge.keys() == gc.keys() and scale > 0
         for name in ge:
-            assert float((gc[name] - ge[name]).abs().max()) <= 1e-5 * scale, name
+            # 3e-5: step 2's gradients are taken at weights one AdamW step apart, which carries step 1's rounding
+            # (AdamW divides by √v: tiny gradients' rounding becomes a relative change). Measured 2026-12-07 with
+            # shared prefixes: step 1 3.9e-7 of the largest gradient, step 2 1.2e-5
+            assert float((gc[name] - ge[name]).abs().max()) <= 3e-5 * scale, name
     return comp
 
 

@@ -158,6 +158,8 @@ class RolloutCallback(Callback):
                                       op=torch.distributed.ReduceOp.MAX)
         if float(most.item()) == 0:
             return False
+        if rb.first_round is None:  # on every rank, topped up or not: each logs dynamic_sampling/… for its batch
+            rb.first_round = len(rb.episodes)
         # a seed stream of its own per round (still below the evaluation seeds), sliced by rank like the first
         seeds = task_seeds(cfg.seed + 1_000_033 * extra_round, step, cfg.groups_per_step, rank, world,
                            self.eval_cfg.seed_offset)[:missing]

@@ -24,7 +24,7 @@ import traceback
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from jsonargparse import Namespace, set_parsing_settings
 from jsonargparse.typing import PositiveInt
@@ -147,7 +147,8 @@ MOVED_KEYS = {
 
 
 _TYPE_WORDS = {"PositiveInt": "a positive integer", "NonNegativeInt": "an integer >= 0", "NoneType": "null",
-               "int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+               "int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "tuple": "a list ([a, b, …])", "list": "a list ([a, b, …])", "dict": "a mapping ({key: value, …})"}
 _UNION = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*Does not validate against any of the Union subtypes'
                     r'\s+Subtypes:\s*\[(?P<types>.*)\]\s+Errors:.*Given value: (?P<value>.*?)\s*$', re.DOTALL)
 
@@ -320,8 +321,16 @@ def close_key_hint(message: str, parser: argparse.ArgumentParser) -> str:
         unknown, dash = re.findall(r"(?:^|\s)--([\w.\-]+)", m["args"]), "--"
     else:
         unknown, dash = [f"{m['group']}.{m['key']}" if m["group"] else m["key"]], ""
-    hints = [dash + close[0] for key in unknown
-             if (close := difflib.get_close_matches(key.split("=")[0], leaves, n=1, cutoff=0.75))]
+    sections = {o.split(".")[0] for o in options}
+    hints = []
+    for key in unknown:
+        key = key.split("=")[0]
+        close = difflib.get_close_matches(key, leaves, n=1, cutoff=0.75)
+        head, _, rest = key.partition(".")
+        section = difflib.get_close_matches(head, sections, n=1, cutoff=0.75) if rest and not close else []
+        if section and any(o == f"{section[0]}.{rest}" or o.startswith(f"{section[0]}.{rest}.") for o in options):
+            close = [f"{section[0]}.{rest}"]  # a misspelt section: trainr.max_steps -> trainer.max_steps
+        hints += [dash + close[0]] if close else []
     return f"{message}; did you mean {' or '.join(hints)}?" if hints else message
 
 
@@ -606,23 +615,20 @@ class SGLightningCLI(LightningCLI):
         if not path or path == "last":
             return  # resolved later (before_instantiate_classes)
         if path in ("best", "hpc") or str(path).lower().split(":")[0] == "registry":
-            print(f"sglightning {sub}: error: --ckpt_path: {path!r} is Lightning's, and sglightning keeps no such "
-                  "checkpoint: give a checkpoint file, a distributed checkpoint folder, or last", file=sys.stderr)
-            sys.exit(2)
+            fail(f"sglightning {sub}", f"--ckpt_path: {path!r} is Lightning's, and sglightning keeps no such "
+                 "checkpoint: give a checkpoint file, a distributed checkpoint folder, or last")
         p = Path(str(path))
         if "://" in str(path):
             return  # an fsspec URL: Lightning's to load
         if p.is_dir():
             if not (p / LOOP_STATE_FILE).is_file() and not (p / ".metadata").is_file():
-                print(f"sglightning {sub}: error: --ckpt_path: {p} is a folder, not a checkpoint (give a .ckpt file "
-                      f"such as {p / 'last.ckpt'}, a distributed checkpoint folder, or last)", file=sys.stderr)
-                sys.exit(2)
+                fail(f"sglightning {sub}", f"--ckpt_path: {p} is a folder, not a checkpoint (give a .ckpt file such "
+                     f"as {p / 'last.ckpt'}, a distributed checkpoint folder, or last)")
             return  # a distributed checkpoint
         try:  # a missing file too: before any line announces it
             load_checkpoint_file(path)
         except CheckpointError as err:
-            print(f"sglightning {sub}: error: {err}", file=sys.stderr)
-            sys.exit(2)
+            fail(f"sglightning {sub}", str(err))
 
     def _set_seed(self) -> None:
         """Lightning's, but ``seed_everything: true`` draws a random seed, as its help says (Lightning's
@@ -672,28 +678,21 @@ class SGLightningCLI(LightningCLI):
                 sys.exit(code)
             raise
         except (CheckpointError, ConfigError) as err:  # one line naming the file / config key, no traceback wall
-            _remove_unstarted_run(self.trainer)
-            print(f"sglightning {subcommand}: error: {one_line(full_key(str(err)))}", file=sys.stderr)
-            sys.exit(2)
+            self._stop(subcommand, full_key(str(err)), 2)
         except MisconfigurationException as err:  # a Trainer setting or callback Lightning refuses inside fit
-            _remove_unstarted_run(self.trainer)
-            print(f"sglightning {subcommand}: error: Lightning: {one_line(str(err))}{self._last_whole_step()}",
-                  file=sys.stderr)
-            sys.exit(2)
-        except EngineError as err:  # the generation engine died mid-run: the step was abandoned, one line says so
-            _remove_unstarted_run(self.trainer)
-            print(f"sglightning {subcommand}: error: {one_line(str(err))}{self._last_whole_step()}", file=sys.stderr)
-            sys.exit(1)
-        except OutOfMemory as err:  # a rollout or an update did not fit: the keys that shrink it, the last whole step
-            _remove_unstarted_run(self.trainer)
-            print(f"sglightning {subcommand}: error: {one_line(str(err))}{self._last_whole_step()}", file=sys.stderr)
-            sys.exit(1)
+            self._stop(subcommand, f"Lightning: {err}", 2, last=True)
+        except (EngineError, OutOfMemory) as err:  # the engine died / a phase did not fit: the step was abandoned
+            self._stop(subcommand, str(err), 1, last=True)
         except RuntimeError as err:  # after EngineError and OutOfMemory, which are RuntimeErrors too
             if not str(err).startswith("Early stopping conditioned on metric"):  # a callback's monitor: no such key
                 raise
-            print(f"sglightning {subcommand}: error: trainer.callbacks: {unknown_monitor(str(err))}"
-                  f"{self._last_whole_step()}", file=sys.stderr)
-            sys.exit(2)
+            self._stop(subcommand, f"trainer.callbacks: {unknown_monitor(str(err))}", 2, last=True)
+
+    def _stop(self, subcommand: str, message: str, code: int, last: bool = False) -> NoReturn:
+        """End the command with one line (:func:`fail`): a run stopped before its first step leaves no folder; with
+        ``last``, the line says where the last whole step is."""
+        _remove_unstarted_run(self.trainer)
+        fail(f"sglightning {subcommand}", one_line(message) + (self._last_whole_step() if last else ""), code)
 
     def _last_whole_step(self) -> str:
         """Where the last whole step is, for an error that abandoned the step in progress (fit only)."""
@@ -868,6 +867,13 @@ def checkpoint_dirpaths(trainer) -> list[Path]:
     return found
 
 
+def fail(prog: str, message: str, code: int = 2) -> NoReturn:
+    """The command's one line for an input or a run it cannot go on with (``<prog>: error: <message>``), then exit
+    ``code`` (2: bad input; 1: the run failed)."""
+    sys.stderr.write(f"{prog}: error: {message}\n")
+    sys.exit(code)
+
+
 def _remove_unstarted_run(trainer) -> None:
     """A run that failed before its first step: remove the files it wrote (config, hyper-parameters, empty event
     files) and then its folder if that is empty.  Nothing else is ever deleted."""
@@ -900,8 +906,7 @@ def _check_config_files(argv: list[str], prog: str) -> None:
             text = p.read_text()
         except (OSError, UnicodeDecodeError) as err:  # unreadable, or not text
             reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
-            sys.stderr.write(f"{prog}: error: {path}: cannot be read as a YAML config ({reason})\n")
-            sys.exit(2)
+            fail(prog, f"{path}: cannot be read as a YAML config ({reason})")
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as err:
@@ -909,17 +914,12 @@ def _check_config_files(argv: list[str], prog: str) -> None:
             where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err)
             tab = " (YAML does not allow tabs for indentation)" if "\t" in text and "token" in problem else ""
-            sys.stderr.write(f"{prog}: error: {path}:{where} YAML syntax error: {problem}{tab}\n")
-            sys.exit(2)
+            fail(prog, f"{path}:{where} YAML syntax error: {problem}{tab}")
         if not isinstance(loaded, dict):
             what = "is empty" if loaded is None else f"holds a {type(loaded).__name__}, not a mapping"
-            sys.stderr.write(f"{prog}: error: {path}: the config {what}; a config maps sections to settings "
-                             "(trainer: …, model: …)\n")
-            sys.exit(2)
+            fail(prog, f"{path}: the config {what}; a config maps sections to settings (trainer: …, model: …)")
         if (key := _section_not_a_mapping(loaded)) is not None:
-            sys.stderr.write(f"{prog}: error: {path}: {key[0]}: {key[1]!r} is not a mapping of settings "
-                             f"({key[0]}: {{name: value, …}})\n")
-            sys.exit(2)
+            fail(prog, f"{path}: {key[0]}: {key[1]!r} is not a mapping of settings ({key[0]}: {{name: value, …}})")
 
 
 #: the config sections that hold settings (a value of another kind was passed to the parser, which crashed on it)
@@ -957,9 +957,8 @@ def _check_options_follow_the_subcommand(argv: list[str]) -> None:
                 given.append(a)
     if given:
         name = argv[sub] if sub is not None else "fit"
-        sys.stderr.write(f"sglightning: error: {given[0].split('=')[0]} goes after the subcommand, e.g. sglightning "
-                         f"{name} --config configs/tiny.yaml\n")
-        sys.exit(2)
+        fail("sglightning", f"{given[0].split('=')[0]} goes after the subcommand, e.g. sglightning {name} --config "
+             "configs/tiny.yaml")
 
 
 def _keyed_by_subcommand(path: str) -> bool:
@@ -983,9 +982,8 @@ def _check_something_configured(argv: list[str], prog: str) -> None:
     if any(a in ("-h", "--help", "--print_config") or a.startswith(("--config", "-c", "--model", "--print_config"))
            or a.split("=")[0].endswith(".help") for a in argv[1:]):  # a class's help (--trainer.strategy.help X)
         return
-    sys.stderr.write(f"{prog}: error: no --config: start from configs/quickstart.yaml (the embedded SmolLM2, minutes "
-                     f"on CPU) or configs/tiny.yaml (a tiny model, seconds), e.g. {prog} --config configs/tiny.yaml\n")
-    sys.exit(2)
+    fail(prog, f"no --config: start from configs/quickstart.yaml (the embedded SmolLM2, minutes on CPU) or "
+         f"configs/tiny.yaml (a tiny model, seconds), e.g. {prog} --config configs/tiny.yaml")
 
 
 def nothing_left_to_train(ckpt: str | os.PathLike, trainer: dict) -> None:

@@ -131,8 +131,8 @@ def episode_patterns(ep: Episode) -> dict[str, bool | None]:
 
 def failure_pattern_rates(episodes: Sequence[Episode]) -> dict[str, float | int]:
     """Share of failed episodes showing each pattern (patterns no failed episode can be judged on are omitted), plus
-    ``failed_episodes``."""
-    failed = [e for e in episodes if not e.won]
+    ``failed_episodes``.  Failed: lost by the policy; an episode the env failed (no steps to judge) is not one."""
+    failed = [e for e in episodes if not e.won and e.error is None]
     out: dict[str, float | int] = {"failed_episodes": len(failed)}
     if not failed:
         return out

@@ -241,7 +241,8 @@ class RolloutBatch:
         self.generated_tokens += other.generated_tokens
         self.forward_calls += other.forward_calls
         self.prefill_positions += other.prefill_positions
-        for key in ("requests", "prompt_tokens", "cached_tokens", "caches_given_back"):
+        for key in ("requests", "prompt_tokens", "cached_tokens", "caches_given_back", "lock_steps", "row_steps",
+                    "context_tokens"):  # counts (engine/rows_per_lock_step and kin are ratios of them)
             if key in other.engine_counts:
                 self.engine_counts[key] = self.engine_counts.get(key, 0.0) + other.engine_counts[key]
 

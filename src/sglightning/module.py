@@ -311,8 +311,7 @@ class SelfGuideModule(LightningModule):
         self.log("lam", lam, on_step=True, prog_bar=True, logger=False)
 
     def update(self, prepared: UpdateBatch) -> dict[str, float]:
-        """``grpo.ppo_epochs`` optimiser steps on the prepared rows, one per epoch, with or without rows on this rank
-        (every rank takes part in the same collectives).  Returns the token-weighted loss statistics."""
+        """``grpo.ppo_epochs`` optimiser steps on the prepared rows (every rank, rows or not): their statistics."""
         # this step's policy tokens and sequences over all ranks: the loss is one mean over all of them
         totals = StepCounts.from_tensor(distributed.all_reduce(prepared.counts.to_tensor(self.device)))
         data = {k: v.to(self.device) for k, v in prepared.data.items()} if prepared.data is not None else None
@@ -329,8 +328,10 @@ class SelfGuideModule(LightningModule):
                 out.update(self._rollout_correction(correct, rows, pad))
             correct = None  # every row passed: the epochs read its data
         for epoch in range(self.grpo_cfg.ppo_epochs):
+            skipped = out.get("train/update_skipped", 0.0)  # 1 if any epoch skipped, not only the last
             out.update(self._optimiser_step(data, adv, rows, pad, totals, prepared.rows_left_out, self.optimizers(),
                                             first_epoch=epoch == 0, correct=correct))
+            out["train/update_skipped"] = max(skipped, out["train/update_skipped"])
             if correct and correct.complete:  # else a skipped step: the next epoch, same weights, passes again
                 out.update(correct.stats())
                 correct = None
@@ -460,8 +461,7 @@ class SelfGuideModule(LightningModule):
         self._log_at_global_step(step, on_epoch=True, sync_dist=sync)
 
     def _log_at_global_step(self, step: int | None = None, **kw) -> None:
-        """The loggers' x-axis: the optimiser steps the weights have taken (``step``, default ``global_step``), logged
-        as ``step``, which Lightning's logger connector uses (why: ``docs/metrics.md``)."""
+        """The loggers' x-axis, logged as ``step``: optimiser steps taken (default ``global_step``; docs/metrics)."""
         self.log("step", float(self.global_step if step is None else step), prog_bar=False, batch_size=1, **kw)
 
     # ------------------------------------------------------------------------------------------------------------------
