@@ -50,8 +50,9 @@ class ChatFormat:
         template = str(getattr(tokenizer, "chat_template", "") or "")
         if "enable_thinking" in template and "enable_thinking" not in self.kwargs:
             self.kwargs["enable_thinking"] = False
+        special_ids = _special_ids(tokenizer)
         specials = sorted({t for t in tokenizer.all_special_tokens if t}
-                          | {t for t, i in tokenizer.get_added_vocab().items() if _is_special(tokenizer, i)},
+                          | {t for t, i in tokenizer.get_added_vocab().items() if i in special_ids},
                           key=len, reverse=True)
         self._special = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._firsts = frozenset(t[0] for t in specials)  # most texts hold none of these: no regex run
@@ -60,7 +61,7 @@ class ChatFormat:
         after = self._render([{"role": "user", "content": "u"}, {"role": "assistant", "content": self._A}], False)
         tail = self.tok.encode(after[after.find(self._A) + len(self._A):], add_special_tokens=False)
         eos = tokenizer.eos_token_id
-        self.turn_end_id = tail[0] if tail and _is_special(tokenizer, tail[0]) else eos
+        self.turn_end_id = tail[0] if tail and tail[0] in special_ids else eos
         self.turn_end_text = tokenizer.decode([self.turn_end_id]) if self.turn_end_id is not None else ""
         self.turn_prefix = self.turn_suffix = ""
         if incremental:
@@ -143,12 +144,10 @@ class ChatFormat:
         return self.encode(prefix + self.defuse(user_text) + self.turn_suffix)
 
 
-def _is_special(tokenizer, token_id: int) -> bool:
-    """Whether ``token_id`` is a special (control) token of ``tokenizer``."""
-    if token_id in set(tokenizer.all_special_ids):
-        return True
-    added = getattr(tokenizer, "added_tokens_decoder", {}).get(token_id)
-    return bool(added is not None and getattr(added, "special", False))
+def _special_ids(tokenizer) -> frozenset[int]:
+    """The ids of ``tokenizer``'s special (control) tokens: its named ones and the added tokens marked special."""
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return frozenset(tokenizer.all_special_ids) | {i for i, t in added.items() if getattr(t, "special", False)}
 
 
 def _cached(tokenizer, key: str, build):
@@ -180,7 +179,7 @@ def closing_tokens(tokenizer, closer: str, json_string: bool = False) -> tuple[d
 
     Returns ``(stops, banned)``: ``stops`` maps each token whose text, from its first ``closer[0]`` on, is a prefix
     of ``closer`` to the rest of ``closer`` still to be written (a token ``",`` leaves `` "action": "``); ``banned``
-    holds every other token containing ``closer[0]`` (or an escaped one: ``"``), so that the thought can only end
+    holds every other token containing ``closer[0]`` (or an escaped one: ``\"``), so that the thought can only end
     by starting ``closer``.  With ``json_string`` (the thought is a JSON string) also the tokens holding a newline
     and those ending in an odd run of backslashes (``abc\`` then ``",`` would escape the closing quote).  Cached on
     the tokenizer per (closer, json_string)."""

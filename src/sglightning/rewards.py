@@ -131,7 +131,11 @@ class TrustMeter:
         """One step's episodes in (their moments reduced over ranks by ``reduce``); returns the reliability."""
         moments = reduce(torch.tensor(label_progress_moments(episodes), dtype=torch.float64))
         self.steps = (self.steps + [[float(v) for v in moments]])[-self.window :]
-        self.reliability = grpo.label_reliability([sum(col) for col in zip(*self.steps)])
+        return self._measure()
+
+    def _measure(self) -> float:
+        """The reliability of the window's pairs (their moments summed over steps), kept as ``reliability``."""
+        self.reliability = grpo.label_reliability([sum(col) for col in zip(*self.steps)]) if self.steps else 0.0
         return self.reliability
 
     def state_dict(self) -> dict:
@@ -139,7 +143,7 @@ class TrustMeter:
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = [list(map(float, row)) for row in state.get("steps", [])][-self.window :]
-        self.reliability = grpo.label_reliability([sum(col) for col in zip(*self.steps)]) if self.steps else 0.0
+        self._measure()
 
 
 class Trust:

@@ -225,12 +225,18 @@ def heavy_banned_mass(log_z: Tensor, logp: Tensor, rows: Tensor, ids: Tensor, va
 
     ``logp`` [M, V]: log π; ``rows`` [R]: the rows of ``logp`` restricted; ``ids``, ``valid`` [R, K]: their listed ids;
     ``exclude`` [R].  Returns [R]."""
-    heavy = (exclude & (log_z < -math.log(2.0))).nonzero().squeeze(-1)  # [H]
+    heavy = heavy_banned_rows(log_z, exclude)  # [H]
     if not heavy.numel():
         return log_z
     part = logp[rows[heavy]]  # [H, V]
     banned = listed_mask(ids[heavy], valid[heavy], part.shape[-1])  # [H, V]
     return log_z.index_put((heavy,), torch.logsumexp(part.masked_fill(banned, float("-inf")), dim=-1))  # [R]
+
+
+def heavy_banned_rows(log_z: Tensor, exclude: Tensor) -> Tensor:
+    """``[H]`` the rows whose set A is everything but banned ids and holds under half the mass (``log_z`` [R],
+    ``exclude`` [R]): where sums over the banned ids lose digits, and sums over A itself are taken."""
+    return (exclude & (log_z < -math.log(2.0))).nonzero().squeeze(-1)
 
 
 def listed_mask(ids: Tensor, valid: Tensor, vocab: int) -> Tensor:
@@ -280,7 +286,7 @@ def logprobs_from_logits(
         if restricted is not None:
             rows, listed, valid, exclude, log_z = (t.detach() for t in restricted)
             h_q[rows] = restricted_entropy(listed.float(), valid, exclude, log_z.float(), h_pi[rows])
-            heavy = (exclude & (log_z < -math.log(2.0))).nonzero().squeeze(-1)  # [H] banned ids hold most of π
+            heavy = heavy_banned_rows(log_z, exclude)  # [H] banned ids hold most of π
             if heavy.numel():  # (H(π) + Σ_B π log π) / Z cancels there: H(q) summed over A itself
                 r = rows[heavy]
                 banned = listed_mask(restrict["ids"].to(ids.device)[ridx[r]], valid[heavy], logp_all.shape[-1])
