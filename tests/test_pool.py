@@ -78,7 +78,8 @@ class GarbageStepEnv(HouseholdEnv):
                 return "garbage"  # type: ignore[return-value]
             bad = {"field": ("reward", "lots"), "nan": ("reward", float("nan")),
                    "letters": ("admissible_actions", "go"), "no_observation": ("observation", None),
-                   "score": ("score", float("nan")), "progress": ("progress", float("inf"))}[self.kind]
+                   "score": ("score", float("nan")), "progress": ("progress", float("inf")),
+                   "info": ("info", ["truncated"])}[self.kind]
             setattr(res, *bad)
         return res
 
@@ -168,7 +169,8 @@ def test_a_hanging_step_times_out_and_fails_only_its_episode(tok):
     ("field", "reward 'lots' is not a finite number"), ("nan", "reward nan is not a finite number"),
     ("letters", "admissible_actions 'go' is not a list of str"), ("no_observation", "observation None is not a str"),
     ("type", "expected StepResult"), ("score", "score nan is not a finite number"),
-    ("progress", "progress inf is not a finite number"), ("help", "action_help 42 is not a str")])
+    ("progress", "progress inf is not a finite number"), ("help", "action_help 42 is not a str"),
+    ("info", "info \"['truncated']\" is not a dict")])  # a list read by key crashed the whole rollout
 def test_garbage_step_results_fail_the_episode_with_a_reason(tok, kind, reason):
     factory = functools.partial(GarbageStepEnv, kind=kind, difficulty=0, info_actions=False)
     r = Rollout(ScriptedLM(tok, scripted_reply()), tok, factory, GuidanceConfig(),

@@ -850,3 +850,29 @@ def test_an_episode_without_steps_is_left_out_of_the_per_step_shares():
     assert got["rollout/invalid_action_rate"] == pytest.approx(0.5) and "guidance/rate_history_truncated" not in got
     assert got["rollout/env_error_rate"] == pytest.approx(1 / 3)  # the control: a whole-episode rate counts it
     assert batch_stats(RolloutBatch(episodes=[won, lost, failed]))["guidance/positive_gap_won_minus_lost"] == 1.0
+
+
+class AliasEnv(HouseholdEnv):
+    """Accepts ``please <admissible command>`` as an alias and runs the command (as ALFWorld runs ``put X in/on Y``
+    as ``move X to Y``), saying so in ``info["command"]``."""
+
+    def step(self, action: str):
+        command = action.removeprefix("please ")
+        res = super().step(command)
+        res.info = {**res.info, "command": command}
+        return res
+
+
+def test_an_alias_the_env_ran_is_a_valid_action(tok):
+    """A free action off the admissible list that the env accepted (its ``info["command"]`` is admissible) was
+    counted invalid and penalised, even on a winning step."""
+    lm = ScriptedLM(tok, scripted_reply(action=lambda ctx: "please " + first_admissible(ctx)))
+    r = Rollout(lm, tok, functools.partial(AliasEnv, difficulty=0, info_actions=False),
+                GuidanceConfig(action_decoding="free"), RolloutConfig(group_size=2, max_steps=3))
+    steps = [s for e in r.run([1]).episodes for s in e.steps]
+    assert steps and all(s.action.startswith("please ") and s.info["command"] in s.action for s in steps)
+    assert not any(s.invalid for s in steps)
+    lm = ScriptedLM(tok, scripted_reply(action=lambda ctx: "please dance"))  # the control: an alias of nothing
+    r = Rollout(lm, tok, functools.partial(AliasEnv, difficulty=0, info_actions=False),
+                GuidanceConfig(action_decoding="free"), RolloutConfig(group_size=2, max_steps=2))
+    assert all(s.invalid for e in r.run([1]).episodes for s in e.steps)

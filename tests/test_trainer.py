@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from tiny import rollout, tiny_module, tiny_trainer
 
 import sglightning.grpo
@@ -1077,12 +1078,15 @@ def test_repeated_nonfinite_updates_stop_the_run_with_a_checkpoint(tmp_path, mon
     monkeypatch.setattr(sglightning.grpo, "grpo_loss",
                         lambda *a, **kw: (real(*a, **kw)[0] * float("inf"), real(*a, **kw)[1]))
     module = tiny_module(update=UpdateConfig(max_consecutive_skips=2, micro_batch_size=8))
+    mine = tmp_path / "mine"  # a user's ModelCheckpoint folder: the stop saves beside its last.ckpt, not elsewhere
+    keeper = ModelCheckpoint(dirpath=mine, save_last=True, save_top_k=0)
     with pytest.warns(RuntimeWarning) as said:
-        tiny_trainer(tmp_path, steps=6).fit(module)
+        tiny_trainer(tmp_path, steps=6, enable_checkpointing=True, callbacks=[keeper]).fit(module)
     assert [str(w.message).split(":")[0] for w in said if "non-finite" in str(w.message)] == ["step 1", "step 2"]
     assert module.rollouts_done == 2 and module.skipped_updates == 2
     assert "update.max_consecutive_skips=2" in module.stop_reason
-    ckpt = tmp_path / "checkpoints" / "nonfinite-stop.ckpt"
+    assert not (tmp_path / "checkpoints").exists()
+    ckpt = mine / "nonfinite-stop.ckpt"
     saved = torch.load(ckpt, weights_only=True)
     assert saved["sglightning"]["skipped_updates"] == 2
     # saved at the step's end: its counters agree (mid-step, the optimiser had counted step 2 and the module not)

@@ -425,3 +425,15 @@ def test_a_sliding_window_model_shares_no_prefix_and_corrects_its_rollouts():
         distributed.prefix_sharing(True, None, False, sliding=True)
     assert rollout_correction_mode("auto", weights_dtype=torch.float32, precision="32-true", sliding=True) == "token"
     assert BuiltinEngine.pads_inside_rows and not VLLMEngine.pads_inside_rows
+
+
+def test_a_model_scored_whole_shares_no_prefix_and_counts_none():
+    """A family whose logits the decoder-only scoring does not know is scored through the whole model
+    (``models.head_is_exact``), which shares no prefix: the update must not count shared positions for it."""
+    from sglightning import distributed
+    from sglightning.errors import ConfigError
+
+    assert distributed.prefix_sharing(None, None, False, head_exact=True)  # the control
+    assert not distributed.prefix_sharing(None, None, False, head_exact=False)
+    with pytest.raises(ConfigError, match="update.share_prefix: true is not supported here .*scored whole"):
+        distributed.prefix_sharing(True, None, False, head_exact=False)

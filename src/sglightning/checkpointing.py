@@ -72,16 +72,29 @@ class CheckpointError(ValueError):
     """A checkpoint file that cannot be used (the message names the file)."""
 
 
+def checkpoint_keeper(trainer):
+    """The ModelCheckpoint that keeps ``last.ckpt`` (``save_last``), or None."""
+    return next((c for c in trainer.checkpoint_callbacks if getattr(c, "save_last", None)), None)
+
+
+def checkpoint_dir(trainer) -> Path:
+    """The run's checkpoint folder: the ``dirpath`` of the ModelCheckpoint that keeps ``last.ckpt``, else the run
+    folder's ``checkpoints``. ``last.ckpt`` and the non-finite stop's checkpoint are written there."""
+    dirpath = getattr(checkpoint_keeper(trainer), "dirpath", None)
+    return Path(dirpath) if dirpath else run_dir(trainer) / "checkpoints"
+
+
 def stop_nonfinite(trainer, limit: int, step: int) -> str:
     """After ``limit`` non-finite updates in a row, at the end of ``step``: the full state saved to
-    ``checkpoints/nonfinite-stop.ckpt``, the trainer asked to stop; returns the reason (the CLI's one line).
+    ``nonfinite-stop.ckpt`` in the checkpoint folder, the trainer asked to stop; returns the reason (the CLI's one
+    line).
 
     Args:
         trainer: the Lightning trainer of the run.
         limit: ``update.max_consecutive_skips``.
         step: the training step, counted from 1.
     """
-    path = run_dir(trainer) / "checkpoints" / "nonfinite-stop.ckpt"
+    path = checkpoint_dir(trainer) / "nonfinite-stop.ckpt"
     path.parent.mkdir(parents=True, exist_ok=True)
     trainer.save_checkpoint(path, weights_only=False)  # full state (says so: Lightning logs the default)
     trainer.should_stop = True
@@ -187,8 +200,16 @@ def _remove(path: Path) -> None:
 _LOAD_WARNINGS: dict = {}
 
 
-def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", require_sglightning: bool = True) -> dict:
-    """Load a checkpoint with ``weights_only=True``; ``CheckpointError`` naming the file when it cannot be used."""
+def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", require_sglightning: bool = True,
+                         mmap: bool = False) -> dict:
+    """Load a checkpoint with ``weights_only=True``; ``CheckpointError`` naming the file when it cannot be used.
+
+    Args:
+        path: the checkpoint file.
+        map_location: torch.load's.
+        require_sglightning: refuse a file without the ``sglightning`` section (not written by ``sglightning fit``).
+        mmap: map the file instead of reading it (the tensors are read only when used).
+    """
     path = Path(path)
     if path.is_dir():
         raise CheckpointError(f"checkpoint {path}: is a folder, a sharded checkpoint: resume it with the "
@@ -198,7 +219,7 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu", req
     try:
         with warnings.catch_warnings(record=True) as said:  # a file that fails: its line alone, not torch's guesses
             warnings.simplefilter("always")
-            ckpt = torch.load(path, map_location=map_location, weights_only=True)
+            ckpt = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         for w in said:  # a file that loads: what torch said, as it would have (once per place, as by default)
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, registry=_LOAD_WARNINGS)
     except Exception as err:  # noqa: BLE001 - torch raises many types for bad files (IndexError for some text files)

@@ -129,10 +129,10 @@ def sync_grads(params: list[torch.nn.Parameter]) -> None:
 
 
 def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpointing: bool,
-                   sliding: bool = False) -> bool:
-    """``update.share_prefix`` resolved for ``sharding`` (``"fsdp2"``, ``"fsdp1"`` or None), gradient checkpointing
-    and ``sliding`` (the model has sliding-window layers: :func:`models.sliding_window`): null = on where it holds,
-    true where it cannot hold = ``ConfigError``."""
+                   sliding: bool = False, head_exact: bool = True) -> bool:
+    """``update.share_prefix`` resolved for ``sharding`` (``"fsdp2"``, ``"fsdp1"`` or None), gradient checkpointing,
+    ``sliding`` (the model has sliding-window layers: :func:`models.sliding_window`) and ``head_exact``
+    (:func:`models.head_is_exact`): null = on where it holds, true where it cannot hold = ``ConfigError``."""
     why = None
     if sharding is not None:
         why = "FSDP gathers the weights in each root forward; a shared prefix needs two forwards per micro-batch"
@@ -140,6 +140,8 @@ def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpoi
         why = "gradient checkpointing turns off the KV cache that the continuations attend through"
     elif sliding:
         why = "the model's sliding-window layers count cache slots, and a padded prefix would shift their window"
+    elif not head_exact:
+        why = "the model changes its logits in a way the decoder-only scoring does not know; it is scored whole"
     if why and setting:
         raise ConfigError(f"update.share_prefix: true is not supported here ({why}); set it to null or false")
     return setting is not False and why is None

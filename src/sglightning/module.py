@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import OptimizerCallable
 
-from sglightning import data, distributed, report, rewards, scoring, strategies
+from sglightning import data, distributed, models, report, rewards, scoring, strategies
 from sglightning.callbacks import RolloutCallback, default_callbacks
 from sglightning.chat import pad_token_id
 from sglightning.checkpointing import check_shapes, stop_nonfinite, use_atomic_io
@@ -50,7 +50,6 @@ from sglightning.models import (
     drops_out,
     eval_mode,
     load_policy,
-    sliding_window,
     warn_low_precision_adapters,
 )
 from sglightning.profiling import phase, phase_logs, timing
@@ -116,8 +115,7 @@ class SelfGuideModule(LightningModule):
         self.reward_terms = rewards.distinct_terms(reward_terms)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold the adapters only
-        self.policy = self.tokenizer = None
-        self._env_checked = False
+        self.policy, self.tokenizer, self._env_checked = None, None, False
         self.rollouts_done = self.skipped_updates = self.consecutive_skips = 0  # _COUNTERS
         self.stop_reason: str | None = None  # set when the run stopped itself (e.g. repeated non-finite updates)
         self._stop_pending = 0  # max_consecutive_skips was reached in this step: stop at its end
@@ -159,9 +157,10 @@ class SelfGuideModule(LightningModule):
 
     def share_prefix(self, strategy=None) -> bool:
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
-        strategy = strategy or (self._trainer.strategy if self._trainer is not None else None)
-        return distributed.prefix_sharing(self.update_cfg.share_prefix, strategies.sharding_of(strategy),
-                                          self.policy_cfg.gradient_checkpointing, bool(sliding_window(self.policy)))
+        sharding = strategies.sharding_of(strategy or getattr(self._trainer, "strategy", None))
+        exact = bool(sharding) or self.policy is None or models.head_is_exact(self.policy)  # FSDP: no forward
+        checkpointing, sliding = self.policy_cfg.gradient_checkpointing, bool(models.sliding_window(self.policy))
+        return distributed.prefix_sharing(self.update_cfg.share_prefix, sharding, checkpointing, sliding, exact)
 
     def _check_env(self) -> None:
         if not self._env_checked:
@@ -183,6 +182,7 @@ class SelfGuideModule(LightningModule):
 
     def on_fit_start(self) -> None:
         warn_low_precision_adapters(self.policy)  # after the precision plugin converted the model (bf16-true does)
+        self.share_prefix()  # the model loaded: update.share_prefix: true is refused now where it cannot hold
 
     def generation_weights(self):
         """Rollouts: whole weights for the whole rollout under FSDP (:func:`distributed.generation_weights`)."""
@@ -344,7 +344,7 @@ class SelfGuideModule(LightningModule):
         engine = engine_class(self.engine_cfg)
         return rollout_correction_mode(self.grpo_cfg.rollout_correction, weights_dtype=base, precision=precision,
                                        engine_half=engine.samples_in_half_precision(self.engine_cfg),
-                                       sliding=engine.pads_inside_rows and bool(sliding_window(self.policy)))
+                                       sliding=engine.pads_inside_rows and bool(models.sliding_window(self.policy)))
 
     @torch.no_grad()
     def _rollout_correction(self, correct: RolloutCorrection | None, rows: list[slice], pad: int) -> dict[str, float]:

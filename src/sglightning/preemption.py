@@ -18,7 +18,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sglightning import distributed
-from sglightning.checkpointing import run_dir
+from sglightning.checkpointing import CheckpointError, checkpoint_dir, checkpoint_keeper, load_checkpoint_file
 
 
 def sigterm_check(trainer: Trainer | None):
@@ -98,9 +98,8 @@ def _saved_steps(last: Path, default: int) -> int:
     """The completed steps ``last`` holds (memory-mapped: the tensors are not read): one fewer than the module's count
     when Ctrl-C came while the step's save was being written.  ``default`` for a sharded (folder) checkpoint."""
     try:
-        ckpt = torch.load(last, map_location="cpu", weights_only=True, mmap=True)
-        return int(ckpt["sglightning"]["rollouts_done"])
-    except Exception:  # noqa: BLE001 - a folder, or a file of another release: the module's count
+        return int(load_checkpoint_file(last, mmap=True)["sglightning"]["rollouts_done"])
+    except (CheckpointError, KeyError, TypeError, ValueError):  # a folder, or a file of another release
         return default
 
 
@@ -122,22 +121,16 @@ class PreemptionCheckpoint(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         install_sigterm_notifier(trainer)
 
-    @staticmethod
-    def _keeper(trainer: Trainer):
-        """The ModelCheckpoint that keeps ``last.ckpt`` (``save_last``), or None."""
-        return next((c for c in trainer.checkpoint_callbacks if getattr(c, "save_last", None)), None)
-
     @classmethod
     def last_path(cls, trainer: Trainer) -> Path:
         """Where ``--ckpt_path last`` finds ``last.ckpt``: its ModelCheckpoint's folder, else the run's
         ``checkpoints``."""
-        dirpath = getattr(cls._keeper(trainer), "dirpath", None)
-        return (Path(dirpath) if dirpath else run_dir(trainer) / "checkpoints") / "last.ckpt"
+        return checkpoint_dir(trainer) / "last.ckpt"
 
     def _save_last(self, trainer: Trainer) -> None:
         """Rewrite ``last.ckpt`` (only when a ModelCheckpoint keeps one, and never in ``fast_dev_run``, which saves
         nothing)."""
-        if self._keeper(trainer) is not None and not trainer.fast_dev_run:
+        if checkpoint_keeper(trainer) is not None and not trainer.fast_dev_run:
             trainer.save_checkpoint(self.last_path(trainer), weights_only=False)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -547,12 +547,13 @@ class Rollout:
 
     def _record(self, ep: Episode, action: str | None, res: StepResult) -> None:
         rec = ep.steps[-1]
-        invalid = bool(res.invalid_action) or action is None or (
-            ep.admissible is not None and match_admissible(action, ep.admissible) is None
+        rec.info = dict(res.info)
+        ran = rec.info.get("command")  # what the env ran: an alias it accepts (ALFWorld's put X in/on Y) is valid
+        ran = ran if isinstance(ran, str) else action
+        rec.invalid = bool(res.invalid_action) or action is None or (
+            ep.admissible is not None and match_admissible(ran, ep.admissible) is None
         )
-        rec.invalid = invalid
         rec.env_reward = float(res.reward)
-        rec.info = dict(res.info) if isinstance(res.info, dict) else {}
         ep.env_return += float(res.reward)
         ep.observation = str(res.observation)
         ep.admissible = _clean_admissible(res.admissible_actions)
@@ -572,7 +573,7 @@ class Rollout:
             ep.done = True
             ep.won = bool(res.won)
             # the env's own step limit ended it (info["truncated"], the TextEnv convention): a truncation too
-            ep.truncated = ep.truncated or (not ep.won and bool((res.info or {}).get("truncated")))
+            ep.truncated = ep.truncated or (not ep.won and bool(rec.info.get("truncated")))
 
 
 #: the task type of an episode whose reset failed and no episode of its seed says what the task was

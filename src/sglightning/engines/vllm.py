@@ -54,9 +54,9 @@ import torch
 from sglightning import distributed
 from sglightning.engines import PROBE_TEXT, VLLM_LORA_RANKS, EngineConfig
 from sglightning.engines.base import Engine, RunContext, Session, Weights
-from sglightning.engines.program import Choice, Force, Free, ProgramState, banned_restriction
+from sglightning.engines.program import Choice, Free, ProgramState, banned_restriction, node_restriction
 from sglightning.engines.server import RequestFailed, VLLMClient, VLLMServer, free_port
-from sglightning.episodes import Piece, Restriction
+from sglightning.episodes import Piece
 from sglightning.errors import ConfigError, EngineError
 from sglightning.models import PolicyConfig, head_dim_of, max_positions, served_model
 
@@ -147,31 +147,20 @@ class VLLMSession(Session):
         ctx = self.rows[row]
         calls = 0
         while True:
-            st.advance()
+            ctx.extend(st.written())  # forced tokens, a capped segment's closing, one-way choices: no request
             if st.done:
                 return st.pieces
             seg, piece = st.program[st.seg], st.piece
-            if isinstance(seg, Force) or (isinstance(seg, Free) and st.pending_close):
-                rest = st.force_ids[len(piece.ids):] if isinstance(seg, Force) else st.pending_close
-                for tok in rest:
-                    piece.add(tok, 0.0, False)
-                ctx.extend(rest)
-                continue
             try:
                 if isinstance(seg, Choice):
-                    allowed = sorted(t for t in st.node if t >= 0)
-                    if len(allowed) == 1:  # one way on: no choice was made, so no policy token
-                        piece.add(allowed[0], 0.0, False)
-                        piece.forced += 1
-                        st.node = st.node[allowed[0]]
-                        ctx.append(allowed[0])
-                        continue
+                    restriction = node_restriction(st.node)
+                    allowed = list(restriction.ids)
                     toks, lps = self._sample(ctx, 1, seed + calls, allowed=allowed)
                     calls += 1
                     tok = toks[0]
                     if tok not in st.node:
                         raise RequestFailed(f"the engine sampled token {tok} outside the allowed set {allowed[:8]}")
-                    piece.add(tok, lps[0], True, Restriction(tuple(allowed)), math.nan)
+                    piece.add(tok, lps[0], True, restriction, math.nan)
                     st.node = st.node[tok]
                     ctx.append(tok)
                     continue

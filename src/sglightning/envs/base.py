@@ -52,8 +52,8 @@ class StepResult:
     score: float | None = None  # 0-100 progress score where the env has one
     admissible_actions: list[str] | None = None
     invalid_action: bool = False  # the action was malformed or not executable
-    #: conventional key: "truncated" (True: the env's own step limit ended the episode; counted in
-    #: ``rollout/truncated_rate``)
+    #: conventional keys: "truncated" (True: the env's own step limit ended the episode; counted in
+    #: ``rollout/truncated_rate``), "command" (the admissible command the env ran for an alias it accepts)
     info: dict[str, Any] = field(default_factory=dict)
     #: how much closer to the goal this step brought the agent (> 0 closer, 0 no change, < 0 farther; e.g. the fall
     #: of an expert's distance-to-goal), where the env can tell; None = unknown (the rollout then uses the change of

@@ -170,8 +170,8 @@ def _finite(value: Any) -> bool:
 
 
 def _check_fields(res: ResetResult | StepResult, texts: tuple[str, ...]) -> None:
-    """The fields a rollout reads as text are text, and the admissible actions a list of them (a string would be read
-    letter by letter): else the episode fails, naming the field."""
+    """The fields a rollout reads as text are text, the admissible actions a list of them (a string would be read
+    letter by letter) and ``info`` a dict: else the episode fails, naming the field."""
     what = f"malformed {type(res).__name__}"
     for name in texts:
         if not isinstance(getattr(res, name), str):
@@ -180,6 +180,8 @@ def _check_fields(res: ResetResult | StepResult, texts: tuple[str, ...]) -> None
     if actions is not None and (isinstance(actions, (str, bytes)) or not isinstance(actions, (list, tuple))
                                 or not all(isinstance(a, str) for a in actions)):
         raise TypeError(f"{what}: admissible_actions {str(actions)[:80]!r} is not a list of str or None")
+    if not isinstance(res.info, dict):  # read by key (truncated, command, task_id)
+        raise TypeError(f"{what}: info {str(res.info)[:80]!r} is not a dict")
 
 
 class EnvPool:
