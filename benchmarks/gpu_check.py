@@ -16,7 +16,8 @@ device time, so how busy the GPU was in the rollout and the update) and leaves i
 The decode roofline: a decode step reads the weights once and every row's KV cache, so
 ``tokens/s ≤ B / ((2·N + B·L·kv) / bandwidth)`` with B the rows a lock step advances, L their mean context (both as
 the engine logged them), kv = 2 · layers · kv_heads · head_dim · 2 bytes per token, N the parameters, bandwidth a
-device-to-device copy measured here (bytes read + written).  MFU counts the positions the update's forwards feed
+device-to-device copy measured here (bytes read + written).  On several GPUs the rates are their total, the roofline
+one GPU's, and its share the rate per GPU over it.  MFU counts the positions the update's forwards feed
 (``tokens/update_positions``: pads included, a shared prefix once), 4·N FLOPs each for a pass with a backward
 (forward and input gradients; the frozen base takes no weight gradients) and 2·N for a pass without (the KL term's
 reference, the rollout correction's pass where the model drops out), against a bf16 matrix product measured here;
@@ -219,7 +220,8 @@ def summarise(hist: list[dict], shape: dict, bandwidth: float | None, flops: flo
     if bandwidth and b:
         step_bytes = 2 * out["params"] + b * ctx * out["kv_bytes_per_token"]
         out["decode_roofline_tokens_per_s"] = b / (step_bytes / bandwidth)
-        out["roofline_share"] = out["rollout_tokens_per_s"] / out["decode_roofline_tokens_per_s"]
+        # the roofline is one GPU's (B and L are rank means); the rate is every GPU's together
+        out["roofline_share"] = out["rollout_tokens_per_s"] / devices / out["decode_roofline_tokens_per_s"]
     passes = passes or {"backward": 1, "no_grad": 0}
     out["update_flops_per_param_position"] = 4 * passes["backward"] + 2 * passes["no_grad"]
     if flops:

@@ -126,13 +126,19 @@ def run_cli(args: list[str], log: Path, program: list[str] = SGLIGHTNING) -> Non
                          f"log {log}:\n{tail}")
 
 
+def in_versions(folder: Path, pattern: str = "") -> list[Path]:
+    """``folder/version_*/pattern`` oldest first, by version number (as text, version_10 sorts before version_9)."""
+    found = folder.glob(f"version_*/{pattern}" if pattern else "version_*")
+    return sorted(found, key=lambda p: int(p.relative_to(folder).parts[0].split("_", 1)[1]))
+
+
 def run_scalars(run: Path) -> list[dict[str, dict[int, float]]]:
     """Every scalar of the run's TensorBoard events, one ``{tag: {logger step: value}}`` per version folder (a
     resumed run's too), read once for :func:`val_curve` and :func:`guide_stats`."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     versions = []
-    for version in sorted(run.glob("version_*")):
+    for version in in_versions(run):
         acc = EventAccumulator(str(version), size_guidance={"scalars": 0})
         acc.Reload()
         versions.append({tag: {ev.step: float(ev.value) for ev in acc.Scalars(tag)}
@@ -146,8 +152,9 @@ def val_curve(scalars: list[dict[str, dict[int, float]]], mode: str) -> list[tup
     points: dict[int, float] = {}
     for version in scalars:
         if tag in version and "val/global_step" in version:
-            # the logger's step is Lightning's count at logging time; val/global_step says how many GRPO steps the
-            # evaluated adapters had taken
+            # the logger's step is Lightning's count at logging time; val/global_step says how many optimiser steps
+            # the evaluated adapters had taken (GRPO steps × grpo.ppo_epochs: the GRPO steps at ppo_epochs 1, as in
+            # every study here; the unit of trainer.max_steps, --steps and --eval-every)
             trained = {step: int(value) for step, value in version["val/global_step"].items()}
             for step, value in version[tag].items():
                 points[trained[step]] = value
@@ -264,7 +271,7 @@ def load_done(folder: Path) -> dict:
     if "final" in result and (not {"balanced_accuracy", "constant_accuracy"} <= set(result.get("final_labels", {}))
                               or "final_paired" not in result):
         # validated on and off before these statistics were kept
-        reports = sorted(folder.parent.glob(f"{folder.name}-final/version_*/validation_report.json"))
+        reports = in_versions(folder.parent / f"{folder.name}-final", "validation_report.json")
         if reports:
             report = json.loads(reports[-1].read_text())
             result["final_labels"] = final_labels(report)
@@ -277,10 +284,24 @@ def load_done(folder: Path) -> dict:
 
 def max_steps_of(run: Path) -> int | None:
     """``trainer.max_steps`` of a run's newest version, from the config.yaml the CLI saved there."""
-    configs = sorted(run.glob("version_*/config.yaml"))
+    configs = in_versions(run, "config.yaml")
     if not configs:
         return None
     return (yaml.safe_load(configs[-1].read_text()).get("trainer") or {}).get("max_steps")
+
+
+def last_validation_cut(run: Path, target: int) -> bool:
+    """Whether the run's newest ``last.ckpt`` holds all ``target`` steps and a validation it did not finish (a stop
+    in the last validation: ``fit --ckpt_path last`` then has nothing to train and exits)."""
+    from sglightning.checkpointing import CheckpointError, load_checkpoint_file
+    from sglightning.preemption import validation_pending
+
+    ckpts = in_versions(run, "checkpoints/last.ckpt")
+    try:
+        state = load_checkpoint_file(ckpts[-1], mmap=True) if ckpts else None
+    except CheckpointError:
+        return False
+    return state is not None and state.get("global_step", 0) >= target and validation_pending(state)
 
 
 def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out: Path, extra: list[str]) -> dict:
@@ -311,14 +332,13 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
     else:
         zname = zero.stem
         run_cli(["validate", *common, f"--trainer.logger.init_args.name={zname}"], log)
-        reports = sorted((out / zname).glob("version_*/validation_report.json"))
+        reports = in_versions(out / zname, "validation_report.json")
         report = json.loads(reports[-1].read_text())
         zero.write_text(json.dumps({"success": report["modes"][mode_of(arm)][METRIC], "by": arm,
                                     "settings": untrained}))
+    limit = [f"--trainer.max_steps={steps}"] if steps is not None else []  # in every config.yaml the run writes
     fit = ["fit", *common, f"--trainer.logger.init_args.name={name}", f"--trainer.val_check_interval={every}",
-           "--ckpt_path=last"]
-    if steps is not None:
-        fit.append(f"--trainer.max_steps={steps}")
+           "--ckpt_path=last", *limit]
     run_cli(fit, log)
     scalars = run_scalars(out / name)
     trained = val_curve(scalars, mode_of(arm))
@@ -326,6 +346,12 @@ def one_run(config: str, arm: str, seed: int, steps: int | None, every: int, out
         raise SystemExit(f"learning_curves: {name}: the fit recorded no validation after training (log {log}); "
                          "nothing written for it")
     target = max_steps_of(out / name)
+    if target is not None and trained[-1][0] < target and last_validation_cut(out / name, target):
+        # stopped in the validation after its last step: the fit has nothing left to train, validate plays it
+        run_cli(["validate", *common, f"--trainer.logger.init_args.name={name}", *limit,
+                 f"--ckpt_path={in_versions(out / name, 'checkpoints/last.ckpt')[-1]}"], log)
+        scalars = run_scalars(out / name)
+        trained = val_curve(scalars, mode_of(arm))
     if target is not None and trained[-1][0] < target:  # stopped early (SIGTERM to the fit alone): not finished
         raise SystemExit(f"learning_curves: {name}: the fit stopped after step {trained[-1][0]} of {target} "
                          f"(log {log}); nothing written for it: the same command resumes it")
@@ -342,7 +368,7 @@ def final_both(config: str, arm: str, seed: int, out: Path, extra: list[str], re
     if "final" in result:
         return result
     name = f"{arm}-seed{seed}"
-    ckpts = sorted((out / name).glob("version_*/checkpoints/last.ckpt"))
+    ckpts = in_versions(out / name, "checkpoints/last.ckpt")
     if not ckpts:
         raise SystemExit(f"learning_curves: {name}: no last.ckpt to validate")
     fname = f"{name}-final"
@@ -352,7 +378,7 @@ def final_both(config: str, arm: str, seed: int, out: Path, extra: list[str], re
             "--trainer.enable_progress_bar=false", "--model.evaluation.self_guidance=both", *extra,
             f"--ckpt_path={ckpts[-1]}"]
     run_cli(args, out / name / "run.log")
-    report = json.loads(sorted((out / fname).glob("version_*/validation_report.json"))[-1].read_text())
+    report = json.loads(in_versions(out / fname, "validation_report.json")[-1].read_text())
     result["final"] = {mode: report["modes"][mode][METRIC] for mode in ("sg", "nosg")}
     result["final_labels"] = final_labels(report)
     result["final_paired"] = final_paired(report)
@@ -399,6 +425,11 @@ def arm_name(arm: str, runs: list[dict]) -> str:
     return f"{arm} ({' '.join(o.removeprefix('--model.') for o in overrides)})"
 
 
+def shared_last_step(runs: list[dict]) -> int:
+    """The last step every run of ``runs`` validated at (step 0 at least)."""
+    return max(set.intersection(*({step for step, _ in r["curve"]} for r in runs)))
+
+
 def summarise(results: list[dict]) -> tuple[dict, str]:
     """curves.json content and the Markdown table: validation success at step 0 and at the last step (mean ± std
     over seeds, then each seed's: with few seeds the spread says more than a mean), then training means over steps
@@ -432,10 +463,13 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
 
     for arm, runs in by_arm.items():
         first = [r["curve"][0][1] for r in runs]
-        last = [r["curve"][-1][1] for r in runs]
+        step = shared_last_step(runs)  # runs extended to different lengths are compared where they all are
+        last = [dict(r["curve"])[step] for r in runs]
         cells = [guide(runs, k) for k in ("train_success", "label_accuracy", "constant_accuracy", "label_auroc",
                                           "positive", "lambda")]
-        each = ", ".join(f"{r['seed']}: {r['curve'][-1][1]:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
+        each = ", ".join(f"{r['seed']}: {dict(r['curve'])[step]:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
+        ends = sorted({r["curve"][-1][0] for r in runs} - {step})
+        step_cell = f"{step}" + (f" (some runs go on to {', '.join(map(str, ends))})" if ends else "")
         if finals:
             for mode in ("sg", "nosg"):
                 vals = [r["final"][mode] for r in runs if "final" in r]
@@ -452,7 +486,7 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
                                    for x in (r.get("final_labels", {}) for r in runs if "final" in r)
                                    if "balanced_accuracy" in x) or "–")
         rows.append(f"| {arm_name(arm, runs)} | {len(runs)} | {ms(first)} | {ms(last)} | {each} | "
-                    f"{runs[0]['curve'][-1][0]} | " + " | ".join(cells) + " |")
+                    f"{step_cell} | " + " | ".join(cells) + " |")
     sources: dict[str, dict[str, list[int]]] = {}
     for r in results:
         if "from" in r:
@@ -496,7 +530,7 @@ def plot(results: list[dict], path: Path) -> list[str]:
         by_arm.setdefault(r["arm"], []).append(r)
     colour = {}
     for arm, runs in by_arm.items():
-        steps = sorted({s for r in runs for s, _ in r["curve"]})
+        steps = sorted(set.intersection(*({s for s, _ in r["curve"]} for r in runs)))  # every run's: one n
         means, lows, highs, xs = [], [], [], []
         for s in steps:
             vals = [v for r in runs for t, v in r["curve"] if t == s]
@@ -511,7 +545,7 @@ def plot(results: list[dict], path: Path) -> list[str]:
         (line,) = ax.plot(xs, means, marker="o", label=f"{arm_name(arm, runs)} (n={len(runs)}{where})")
         colour[arm] = line.get_color()
         ax.fill_between(xs, lows, highs, alpha=0.2)
-    ax.set_xlabel("GRPO step")
+    ax.set_xlabel("optimiser step (the GRPO step at grpo.ppo_epochs 1)")
     ax.set_ylabel("validation success rate")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
@@ -554,7 +588,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--arms", nargs="+", default=DEFAULT_ARMS, choices=list(ARMS))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, help="trainer.max_steps (default: the config's)")
-    ap.add_argument("--eval-every", type=int, default=5, help="validate every k GRPO steps")
+    ap.add_argument("--eval-every", type=int, default=5,
+                    help="validate every k optimiser steps (GRPO steps at grpo.ppo_epochs 1)")
     ap.add_argument("--out", default="runs/curves")
     ap.add_argument("--final-both", action="store_true",
                     help="validate each finished run's last checkpoint with self-guidance on and off")

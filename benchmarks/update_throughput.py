@@ -16,7 +16,7 @@ admissible actions, LoRA r16 on every linear layer); its samples get fixed non-z
 ``--repeats`` times in one process.  Also measured in the same process: a fp32 matmul's GFLOP/s, which turns the
 update's work into a floor:
 
-    floor = 4 · N · T / matmul rate        (N: the non-embedding parameters; T: the tokens the plain update feeds;
+    floor = 4 · N · T / matmul rate        (N: the non-embedding parameters; T: the rows' own tokens, no padding;
                                             2·N·T for the forward, 2·N·T for the input gradients of the backward —
                                             the frozen weights get no weight gradient; LoRA's own work is < 1 %)
 

@@ -376,15 +376,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{arm:12} {rnd:5d} {s['step_s']:7.1f} {s['rollout_s']:9.1f} {s['rollout_tok_s']:9.1f} "
                   f"{s['update_s']:8.1f} {s['update_tok_s']:9.0f} {s['peak_rss_mb']:11.0f} "
                   f"{s['skipped_samples']:13.0f}", flush=True)
+    # sglightning's update tokens count every sample, the skipped zero-advantage ones too: no update rate to compare
+    skipped = sum(g["skipped_samples"] for g in per_round["sglightning"])
     for key, better in (("step_s", "lower"), ("rollout_tok_s", "higher"), ("update_tok_s", "higher")):
+        if key == "update_tok_s" and skipped:
+            report["ratios"][key] = {"median": None, "why": f"sglightning skipped {skipped:.0f} zero-advantage samples"}
+            continue
         ratios = [(t[key] / g[key]) if better == "lower" else (g[key] / t[key])
                   for g, t in zip(per_round["sglightning"], per_round["trl"])]
         report["ratios"][key] = {"median": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
     r = report["ratios"]
+    update = (f"{r['update_tok_s']['median']:.2f}x" if r["update_tok_s"]["median"] is not None else
+              f"not compared ({r['update_tok_s']['why']} that TRL computes)")
     print(f"sglightning vs TRL (median over rounds, >1 = sglightning faster): per step "
           f"{r['step_s']['median']:.2f}x (range {r['step_s']['range'][0]:.2f}-{r['step_s']['range'][1]:.2f}), "
-          f"rollout tokens/s {r['rollout_tok_s']['median']:.2f}x, update tokens/s {r['update_tok_s']['median']:.2f}x",
-          flush=True)
+          f"rollout tokens/s {r['rollout_tok_s']['median']:.2f}x, update tokens/s {update}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

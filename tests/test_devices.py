@@ -159,3 +159,18 @@ def test_training_and_validation_rollouts_sample_in_eval_mode_on_one_compiled_st
     assert len(modes) >= 4 and not any(modes)  # 2 validations and 2 training rollouts, all in eval mode
     assert updates == [True, True]  # the updates in train mode
     assert step.graphs == 1 and step.skipped > step.checked
+
+
+def test_the_finite_flag_of_an_update_lives_where_the_process_group_reads(monkeypatch):
+    """FSDP1 with CPU offload keeps the parameters on the CPU; NCCL refuses a CPU tensor, so the flag that every
+    rank's loss was finite (built on the first parameter's device) crashed every such update on GPUs."""
+    from sglightning import distributed
+
+    cpu = torch.device("cpu")
+    assert distributed.collective_device(cpu) == cpu  # one process: where the parameters are
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    assert distributed.collective_device(cpu) == cpu
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert distributed.collective_device(cpu) == torch.device("cuda", 3)

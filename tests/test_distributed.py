@@ -401,3 +401,83 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_point(tmp_path):
     assert r1["own_flag_after_signal"] is False  # noted, not acted on alone (Lightning's loop would stop rank 1 here)
     assert r0["all_reduce"] == r1["all_reduce"] == 2.0  # the collective after the signal was not disturbed
     assert r0["agreed"] is r1["agreed"] is True and r0["flag_after_agreement"] is r1["flag_after_agreement"] is True
+
+
+def _no_rows_anywhere(rank: int, port: int, out: str) -> None:
+    """One rank of a DDP step in which no rank had rows: no backward ran, every gradient is None."""
+    import torch.distributed as dist
+
+    from sglightning.distributed import finish_gradients
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    lin(torch.randn(2, 4)).sum().backward()  # a first step: AdamW has momentum
+    opt.step()
+    opt.zero_grad()
+    before = lin.weight.detach().clone()
+    if rank == 1:  # one rank has a bias gradient: it is summed (zeros from the other rank)
+        lin.bias.grad = torch.ones(4)
+    finish_gradients(lin, list(lin.parameters()), None, True, 100.0)
+    grads = [p.grad is not None for p in lin.parameters()]
+    opt.step()
+    moved = float((lin.weight - before).abs().max())
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"grads": grads, "moved": moved,
+                                                         "bias_grad": lin.bias.grad.tolist()}))
+    dist.destroy_process_group()
+
+
+def test_a_gradient_no_rank_has_stays_none_under_ddp(tmp_path):
+    """DDP zero-filled the gradients no rank had before its sum: AdamW then moved the adapters by their momentum
+    on a step with no rows anywhere (one device leaves them)."""
+    import torch.multiprocessing as mp
+
+    from sglightning.engines.server import free_port
+
+    mp.spawn(_no_rows_anywhere, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["grads"] == [False, True] and got["moved"] == 0.0, got
+        assert got["bias_grad"] == [1.0] * 4
+
+
+def _fsdp2_after_a_rollout(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from sglightning.distributed import generation_weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = init_device_mesh("cpu", (2,))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    for layer in model[:2]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    def reshards() -> list[bool]:  # [root, layer 0, layer 1]: resharded after forward?
+        return [m._get_fsdp_state()._fsdp_param_groups[0].post_forward_mesh_info is not None
+                for m in (model, model[0], model[1])]
+
+    model(torch.randn(2, 4)).sum().backward()  # lazy init: the root's own default
+    first = reshards()
+    with generation_weights(model, "fsdp2"):
+        model(torch.randn(2, 4))
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"first": first, "after": reshards()}))
+    dist.destroy_process_group()
+
+
+def test_fsdp2_rollouts_leave_the_root_unsharded_after_forward(tmp_path):
+    """The rollout's all-gathered weights set every unit to keep its weights; switching back set the root to
+    reshard after forward too, for the rest of the run (1-2 more all-gathers of embeddings and head per micro-batch)."""
+    import torch.multiprocessing as mp
+
+    from sglightning.engines.server import free_port
+
+    mp.spawn(_fsdp2_after_a_rollout, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert got["first"] == [False, True, True] and got["after"] == got["first"], got

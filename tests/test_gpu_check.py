@@ -68,6 +68,8 @@ def test_the_roofline_by_hand():
     assert out["update_tokens_per_s"] == 1e5 and out["update_positions_per_s"] == 6e4
     assert out["update_flops_per_param_position"] == 6
     assert out["update_mfu"] == pytest.approx(6 * out["params"] * 6e4 / 2 / 8e14)
+    # on 2 GPUs the rate is both GPUs' together; the roofline is one GPU's (the logged B and L are rank means)
+    assert out["roofline_share"] == pytest.approx(1280 / 2 / out["decode_roofline_tokens_per_s"])
 
 
 def test_cpu_smoke_run_goes_through_fit_with_validation(tmp_path, capsys):

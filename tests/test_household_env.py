@@ -247,3 +247,14 @@ def test_pick_up_task_and_revealed_contents():
                     return
                 break
     raise AssertionError("no seed with a distractor next to the agent")
+
+
+def test_the_test_split_is_not_the_dev_split():
+    """Evaluation seeds are one range for dev and test: with one generator for every split, a model chosen on dev and
+    reported on test was reported on the very same tasks."""
+    env = HouseholdEnv(difficulty=2)
+    seeds = range(1_000_000, 1_000_020)
+    dev = [env.reset(s, "dev").observation for s in seeds]
+    assert dev == [env.reset(s, "train").observation for s in seeds]  # train and dev: disjoint seeds, one generator
+    test = [env.reset(s, "test").observation for s in seeds]
+    assert sum(a != b for a, b in zip(dev, test)) >= 18 and test == [env.reset(s, "test").observation for s in seeds]

@@ -71,6 +71,11 @@ def test_summary_table_and_figure_over_arms_and_seeds(tmp_path):
             in table)
     assert lc.plot(results, tmp_path / "c.png") == ["validation success vs GRPO step"]  # no final: one panel
     assert (tmp_path / "c.png").stat().st_size > 1000
+    # a seed trained on to step 10 (--steps 10 --seeds 2): the arm is compared where every seed is, at step 5
+    results.append({"arm": "grpo", "seed": 2, "curve": [[0, 0.1], [5, 0.3], [10, 0.9]], "guide": {}})
+    _, table = lc.summarise(results)
+    assert "| grpo | 3 | 0.100 ± 0.000 | 0.300 ± 0.100 | 0: 0.200, 1: 0.400, 2: 0.300 | 5 (some runs go on to 10) |" \
+        in table
 
 
 def test_the_figure_shows_on_and_off_after_training_when_runs_have_both(tmp_path):
@@ -343,3 +348,52 @@ def test_a_final_validation_recorded_before_its_label_statistics_gets_them_from_
                                                "guide": {}, "final": {"sg": 0.3, "nosg": 0.2}}))
     assert lc.load_done(run)["final_labels"]["constant_accuracy"] == pytest.approx(2 / 3)
     assert "sg_gr_cal" not in lc.DEFAULT_ARMS and set(lc.DEFAULT_ARMS) < set(lc.ARMS)  # named arms only
+
+
+def test_a_fit_stopped_in_its_last_validation_is_validated_not_stuck(tmp_path, monkeypatch):
+    """Stopped in the validation after its last step, a fit's checkpoint holds every step: `fit --ckpt_path last` has
+    nothing to train and exits 0, so rerunning the study never finished the run. The runner validates it instead."""
+    import torch
+
+    from sglightning.checkpointing import atomic_torch_save
+
+    lc = _runner()
+    _fake_fit(lc, monkeypatch, tmp_path, max_steps=8, validated=[4])
+    progress = {"total": {"ready": 3, "started": 3, "processed": 2, "completed": 2},
+                "current": {"ready": 1, "started": 1, "processed": 0, "completed": 0}, "is_last_batch": False}
+    ckpt = tmp_path / "grpo-seed0" / "version_0" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    loops = {"fit_loop": {"epoch_loop.val_loop.batch_progress": progress}}
+    atomic_torch_save({"global_step": 8, "sglightning": {}, "loops": loops}, ckpt)
+    scalars = [{"val/nosg/success_rate": {0: 0.25}, "val/global_step": {0: 4}}]
+    calls = []
+
+    def cli(args, log, program=None):
+        calls.append(args[0])
+        if args[0] == "validate":  # a version of its own, at the checkpoint's step
+            assert f"--ckpt_path={ckpt}" in args and "--trainer.logger.init_args.name=grpo-seed0" in args
+            scalars.append({"val/nosg/success_rate": {0: 0.5}, "val/global_step": {0: 8}})
+
+    monkeypatch.setattr(lc, "run_cli", cli)
+    monkeypatch.setattr(lc, "run_scalars", lambda run: scalars)
+    (ckpt.parent.parent / "config.yaml").write_text("trainer:\n  max_steps: 8\n")
+    result = lc.one_run(TINY, "grpo", 0, None, 4, tmp_path, [])
+    assert calls == ["fit", "validate"] and result["curve"] == [[0, 0.0], [4, 0.25], [8, 0.5]]
+    # the control: a checkpoint whose validation finished is a fit stopped early, resumed by the same command
+    (tmp_path / "grpo-seed0" / "done.json").unlink()
+    progress["current"].update(processed=1, completed=1)
+    atomic_torch_save(torch.load(ckpt, weights_only=True) | {"global_step": 4}, ckpt)
+    scalars[1:] = []
+    with pytest.raises(SystemExit, match="stopped after step 4 of 8"):
+        lc.one_run(TINY, "grpo", 0, None, 4, tmp_path, [])
+
+
+def test_versions_are_read_in_number_order(tmp_path):
+    """A run resumed or validated ten times: as text, version_10 sorted before version_9, so an older report or
+    config was taken for the newest and an older validation overwrote a newer one."""
+    lc = _runner()
+    for v in (2, 10, 9):
+        (tmp_path / f"version_{v}").mkdir()
+        (tmp_path / f"version_{v}" / "config.yaml").write_text(f"trainer:\n  max_steps: {v}\n")
+    assert [p.name for p in lc.in_versions(tmp_path)] == ["version_2", "version_9", "version_10"]
+    assert lc.max_steps_of(tmp_path) == 10

@@ -57,7 +57,8 @@ class RolloutConfig:
     env_reset_timeout_s: float | None = 300.0
     """the same for creating an env + ``reset`` (JVM start, task loading)"""
     env_parallel: bool = True
-    """step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially"""
+    """step the envs of all live episodes concurrently (one worker thread + env per episode slot); false = serially,
+    with no env timeouts"""
     env_processes: bool | None = None
     """one process per env slot (a hung env is killed; GIL-bound envs step in parallel); null: the env's choice
     (ALFWorld: yes)"""
@@ -232,7 +233,7 @@ def seeded_dropout(model: torch.nn.Module, seed: int, step: int, rank: int, devi
     Args:
         model: the policy; without dropout (:func:`sglightning.models.drops_out`) nothing is done.
         seed: ``rollout.seed``.
-        step: the training step (rollouts done).
+        step: the optimiser steps taken (``global_step``: GRPO steps × ``grpo.ppo_epochs``).
         rank: this process's rank.
         device: the model's device.
     """

@@ -115,17 +115,28 @@ def no_sync(wrapped_model: Any):
 
 def sync_grads(params: list[torch.nn.Parameter]) -> None:
     """Σ over ranks of every trainable gradient (each rank's loss is already weighted by its share of the global
-    token count, so the sum is the gradient of the global token-mean loss).  One flat all-reduce."""
+    token count, so the sum is the gradient of the global token-mean loss).  One flat all-reduce, which also counts
+    the ranks that have each gradient: one that no rank has stays None (the optimiser leaves it, as on one device;
+    zeros would move it by its momentum and weight decay)."""
     if not is_distributed():
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    has = torch.tensor([p.grad is not None for p in params], dtype=grads[0].dtype, device=grads[0].device)  # [P]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [has])
     all_reduce(flat)
-    offset = 0
-    for p, g in zip(params, grads):
+    offset, present = 0, (flat[-len(params):] > 0).tolist()
+    for p, g, kept in zip(params, grads, present):
         n = g.numel()
-        p.grad = flat[offset : offset + n].view_as(g).clone()
+        p.grad = flat[offset : offset + n].view_as(g).clone() if kept else None
         offset += n
+
+
+def collective_device(fallback: torch.device) -> torch.device:
+    """Where a small tensor for a collective must live: the current CUDA device under NCCL (FSDP1's CPU offload
+    keeps the parameters on the CPU, and NCCL refuses CPU tensors), else ``fallback``."""
+    if is_distributed() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback
 
 
 def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpointing: bool,
@@ -158,7 +169,7 @@ def finish_gradients(policy: torch.nn.Module, params: list[torch.nn.Parameter], 
     Returns (update?, the true grad norm): the norm is None where a loss was not finite, and not finite where a
     gradient was not (under a loss scale, an overflow)."""
     if is_distributed():
-        flag = all_reduce(torch.tensor([1.0 if finite else 0.0], device=params[0].device),
+        flag = all_reduce(torch.tensor([1.0 if finite else 0.0], device=collective_device(params[0].device)),
                           op=torch.distributed.ReduceOp.MIN)
         finite = bool(flag.item() == 1.0)
         if finite and sharding is None:
@@ -413,7 +424,8 @@ def _fsdp2_unsharded(policy: torch.nn.Module):
         yield
     finally:
         policy.set_reshard_after_forward(True)
-        for m in mods:
+        policy.set_reshard_after_forward(False, recurse=False)  # the root as fully_shard left it: unsharded after
+        for m in mods:                                          # forward (else 1-2 more all-gathers per micro-batch)
             m.reshard()
 
 

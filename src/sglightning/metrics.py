@@ -45,9 +45,11 @@ PER_STEP_KEYS = LABEL_KEYS | {"rollout/invalid_action_rate", "rollout/format_err
                               "guidance/rate_history_truncated"}
 
 
-#: logged numbers that are counts (summed over ranks); everything else is averaged over the ranks that have it
+#: logged numbers that are counts or rates of the whole run (summed over ranks); everything else is averaged over
+#: the ranks that have it
 SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
                       "rollout/dropped_groups", "rollout/degenerate_groups", "tokens/generated", "tokens/policy",
+                      "tokens/generated_per_s",
                       "tokens/forced_choice", "tokens/total", "tokens/update_positions", "tokens/prefill_positions",
                       "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples",
                       "guidance/calibration_pairs", "guidance/auroc_labels",

@@ -100,7 +100,7 @@ class PolicyConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """auto = fp32 on CPU (bf16 is slow on CPUs without AVX512-BF16 or AMX), bf16 on CUDA when supported"""
     quantization: Literal["4bit"] | None = None
-    """``None`` or ``4bit`` (QLoRA: NF4 base weights via bitsandbytes, LoRA adapters in ``dtype``)"""
+    """``None`` or ``4bit`` (QLoRA: NF4 base weights via bitsandbytes, computed in ``dtype``; LoRA adapters in fp32)"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32

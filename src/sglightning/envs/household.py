@@ -21,7 +21,7 @@ Actions (exact ALFWorld strings; input is lower-cased, whitespace-collapsed, a t
 ``look``, ``inventory``.  ``admissible_actions`` lists exactly the actions executable now (sorted); anything else
 returns "Nothing happens." with ``invalid_action=True`` and leaves the world unchanged (the step still counts).
 
-Difficulty (``task_types`` overrides the task-type column, validated against the five names above):
+Difficulty (``task_types`` overrides the task-type column, validated against the six names above):
 
 ====  ===========  ===========  ==============  =========================================  ====================
 diff  receptacles  distractors  closed (p)      target object                              task types
@@ -134,11 +134,11 @@ class HouseholdEnv(TextEnv):
 
     # ------------------------------------------------------------------ episode API
     def reset(self, seed: int, split: str = "train") -> ResetResult:
-        """The task is a pure function of ``seed``; training and evaluation seeds are disjoint ranges, so every split
-        shares one generator (``split`` is checked, not used)."""
+        """The task is a pure function of ``split`` and ``seed``.  Training and evaluation seeds are disjoint ranges,
+        so ``train`` and ``dev`` share one generator; ``test`` has its own (else it replayed ``dev``'s tasks)."""
         if split not in self.splits:
             raise ValueError(f"household: unknown split {split!r}; allowed: {', '.join(self.splits)}")
-        rng = random.Random(seed)
+        rng = random.Random(f"test:{seed}" if split == "test" else seed)
         (rmin, rmax), (dmin, dmax), p_closed, hidden_ok, pool, _ = _LEVELS[self.difficulty]
         ttype = rng.choice(self.task_types)
         verb, appliance, prop, objs = _MODIFY.get(ttype, (None, None, None, OBJECTS))
