@@ -358,6 +358,24 @@ def test_grpo_loss_hand_example_value_stats_and_grads():
     assert loss2.item() == pytest.approx(-0.096)
 
 
+def test_dual_clip_caps_a_negative_advantage_tokens_loss_and_its_gradient():
+    """Dual-clip PPO by hand: Â = −1 at ratios 0.5, 4.0, 1.1 (c = 3): −min(ρÂ, clip(ρ)Â) = max(ρ, clip(ρ)) is
+    0.8, 4.0, 1.1; the 4.0 is capped at 3 with no gradient. Positive-advantage tokens and the loss off are untouched."""
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    ratios = torch.tensor([[0.5, 4.0, 1.1], [0.5, 4.0, 1.1]], dtype=torch.float64)
+    adv, mask = torch.tensor([-1.0, 1.0], dtype=torch.float64), torch.ones(2, 3, dtype=torch.bool)
+    logp = ratios.log().requires_grad_(True)
+    loss, stats = grpo_loss(logp, old, adv, mask, dual_clip=3.0)
+    # row 0 (Â = −1): 0.8 + 3.0 + 1.1; row 1 (Â = 1): −min(ρ, clip(ρ)) = −0.5, −1.28, −1.1
+    assert loss.item() == pytest.approx((0.8 + 3.0 + 1.1 - 0.5 - 1.28 - 1.1) / 6)
+    assert stats["dual_clip_frac"].item() == pytest.approx(1 / 6)
+    loss.backward()
+    assert logp.grad[0, 1] == 0 and logp.grad[0, 2] != 0 and logp.grad[1, 0] != 0
+    plain, plain_stats = grpo_loss(ratios.log(), old, adv, mask)  # the control: off, the 4.0 counts in full
+    assert plain.item() == pytest.approx((0.8 + 4.0 + 1.1 - 0.5 - 1.28 - 1.1) / 6)
+    assert "dual_clip_frac" not in plain_stats
+
+
 def test_grpo_loss_gradient_only_through_logp():
     logp = _logp()
     old = OLD.clone().requires_grad_(True)
@@ -578,7 +596,8 @@ def test_a_negative_or_nonfinite_guidance_advantage_scale_names_the_key():
 @pytest.mark.parametrize("key, value", [("adv_eps", -0.1), ("adv_eps", float("nan")), ("kl_coef", float("nan")),
                                         ("kl_coef", float("inf")), ("max_grad_norm", float("nan")),
                                         ("max_grad_norm", 0.0), ("total_steps", -3), ("calibration", float("inf")),
-                                        ("rollout_correction_cap", 0.5)])
+                                        ("rollout_correction_cap", 0.5), ("dual_clip", 1.0),
+                                        ("dual_clip", float("nan"))])
 def test_a_number_outside_its_range_is_refused_naming_the_key(key, value):
     """NaN passes every `<` test: a NaN clip norm wrote NaN into the adapters with a finite logged norm, a NaN KL
     weight switched the KL off; a negative ε flipped the sign of a low-variance group's advantages."""

@@ -177,6 +177,10 @@ def test_the_microbatch_objective_by_hand_without_lightning():
     assert math.isclose(float(part.objective), -1 / 6 + 0.5 * 0.7 / 2, rel_tol=1e-6)
     assert (part.calibration_nll, part.calibration_targets) == (pytest.approx(0.7), 1.0)
     assert "policy/sampler_ratio_max" not in part.stats  # the sampler comparison is the first epoch's only
+    assert "loss/dual_clip_frac" not in part.stats
+    mb, logp, ent = _microbatch(calibrate=False)  # grpo.dual_clip reaches the loss (ratio 1: nothing capped)
+    part = microbatch_objective(mb, logp, ent, None, totals, GRPOConfig(kl_coef=0.0, dual_clip=3.0), first_epoch=True)
+    assert part.stats["loss/dual_clip_frac"] == 0.0 and math.isclose(float(part.objective), -1 / 6, rel_tol=1e-6)
     script = ("import sys, sglightning.update; "
               "sys.exit(any(m.startswith(('lightning', 'pytorch_lightning')) for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", script]).returncode == 0

@@ -598,8 +598,13 @@ def grpo_loss(
     kl_kind: str = "low_var_kl",
     loss_agg: str = "token_mean",
     is_weight: Tensor | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO surrogate + optional per-token KL (paper eq. 9). Returns ``(loss, stats)``.
+
+    ``dual_clip`` c (dual-clip PPO, Ye et al. 2020; not in the paper): a token with Â < 0 has its policy loss capped
+    at −c·Â, so a ratio far above 1 + ε_high cannot make one token's loss (and the update) unbounded; there its
+    gradient is 0.  With it, the stats hold dual_clip_frac (the share of policy tokens capped).
 
     Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``is_weight``: ``[S, L]``; ``advantages``: ``[S, L]`` or
     ``[S]``.  ``is_weight`` (rollout correction, :func:`rollout_correction_weights`) multiplies each token's policy
@@ -641,6 +646,9 @@ def grpo_loss(
     surr1 = ratio * adv  # [S, L]
     surr2 = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv  # [S, L]
     pg = torch.where(m, -torch.minimum(surr1, surr2), zero)  # [S, L] per-token policy loss
+    if dual_clip is not None:
+        capped = (adv < 0) & (pg > -dual_clip * adv) & m  # [S, L] Â < 0 and −min(ρÂ, clip(ρ)Â) > −c·Â
+        pg = torch.where(capped, -dual_clip * adv, pg)  # [S, L] a constant there: no gradient
     if is_weight is not None:
         pg = pg * torch.where(m, is_weight.detach().to(logp.dtype), zero)  # [S, L] rollout correction
     clipped = (surr2 < surr1) & m  # [S, L] the clipped term is the active (smaller) one
@@ -677,6 +685,8 @@ def grpo_loss(
             "num_tokens": n_tok.to(logp.dtype),
             "adv_mean": masked_mean(adv, m),
         }
+        if dual_clip is not None:
+            stats["dual_clip_frac"] = masked_mean(capped.to(logp.dtype), m)
     return loss, stats
 
 
@@ -734,6 +744,9 @@ class GRPOConfig:
     clip_high: float = 0.28
     """ε_high: the ratio is clipped above at 1 + clip_high (DAPO's clip-higher; equal to clip_low for the symmetric
     clip of the paper's equation)"""
+    dual_clip: float | None = None
+    """dual-clip PPO: a negative-advantage token's policy loss is capped at −c·Â (c > 1; verl's default is 3). null =
+    off, the paper"""
     kl_coef: float = 0.01
     """β, the weight of the per-token KL to the reference policy (the same model with adapters off); 0 skips the
     reference pass"""
@@ -790,6 +803,7 @@ class GRPOConfig:
                          ("guidance_advantage_scale", 0), ("calibration", 0), ("rollout_correction_cap", 1)):
             check_number(f"grpo.{key}", getattr(self, key), low)
         check_number("grpo.max_grad_norm", self.max_grad_norm, 0, strict=True, null=True)
+        check_number("grpo.dual_clip", self.dual_clip, 1, strict=True, null=True)
         for key, allowed in (("kl_kind", KL_KINDS), ("loss_agg", LOSS_AGGS), ("adv_scale", SCALE_CHOICES),
                              ("internal_reward_norm", NORMALISE_CHOICES)):
             check_choice(f"grpo.{key}", getattr(self, key), allowed)

@@ -172,6 +172,8 @@ def microbatch_stats(mb: dict, loss: Tensor, st: dict, logp: Tensor, ent: dict[s
         "policy/entropy_action": float(masked_mean(ent["sampled"], act)),
         "policy/entropy_unrestricted": float(masked_mean(ent["unrestricted"], m)),
     }
+    if "dual_clip_frac" in st:  # grpo.dual_clip set
+        out["loss/dual_clip_frac"] = float(st["dual_clip_frac"])
     if first_epoch:
         old, full = mb["old_logp"], mb["full_logp"]
         sampler = mb.get("sampler_logp", old)  # with rollout correction `old` is the trainer's own recomputation
