@@ -9,6 +9,7 @@ import importlib.util
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -619,3 +620,53 @@ def test_a_4bit_policy_trains_after_eval_mode_rollouts(tiny_folder, tmp_path):
     assert [math.isfinite(h["train/grad_norm"]) for h in module.history] == [True, True]
     four_bit = [m for m in module.policy.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
     assert four_bit and not any(m.support_avx512bf16_for_cpu for m in four_bit)
+
+
+def test_an_adapter_loaded_from_a_folder_gets_checkpointing_and_its_own_shape_is_said(tmp_path, caplog):
+    """``adapter_path`` skipped gradient checkpointing (a run sized for it could run out of memory) and trained the
+    saved adapter's rank and dropout in place of the configured ones without a word."""
+    model, _ = load_policy(_tiny_cfg(lora_r=4, lora_alpha=8))
+    model.save_pretrained(tmp_path / "adapter")
+    with caplog.at_level("WARNING", logger="sglightning.models"):
+        loaded, _ = load_policy(_tiny_cfg(lora_r=4, lora_alpha=8, gradient_checkpointing=True),
+                                adapter_path=str(tmp_path / "adapter"))
+    assert all(layer.gradient_checkpointing for layer in loaded.get_base_model().model.layers)
+    assert not caplog.records  # the control: the same settings, nothing to say
+    with caplog.at_level("WARNING", logger="sglightning.models"):
+        load_policy(_tiny_cfg(lora_r=16, lora_alpha=8, lora_dropout=0.3), adapter_path=str(tmp_path / "adapter"))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "lora_r 4 (model.policy.lora_r 16)" in said and "lora_dropout 0.0 (model.policy.lora_dropout 0.3)" in said
+
+
+def test_layer_drop_and_local_attention_are_seen():
+    """LayerDrop makes train and eval forwards differ (drops_out: the rollout correction's own pass); GPT-Neo's local
+    layers window by cache slot (sliding_window: no prefix sharing, rollout correction under auto)."""
+    import types
+
+    from transformers import GPTNeoConfig, OPTConfig
+
+    class Plain(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+    quiet = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    assert not models.drops_out(Plain(OPTConfig(layerdrop=0.0, **quiet)))  # the control
+    assert models.drops_out(Plain(OPTConfig(layerdrop=0.5, **quiet)))
+    assert models.sliding_window(types.SimpleNamespace(config=GPTNeoConfig(window_size=64))) == 64
+    only_global = GPTNeoConfig(attention_types=[[["global"], 24]])
+    assert models.sliding_window(types.SimpleNamespace(config=only_global)) is None
+
+
+def test_a_tiny_model_an_engine_serves_is_drawn_on_the_trainers_device(tmp_path, monkeypatch):
+    """On CUDA the trainer draws `embedded:tiny` there; the copy saved for vLLM was drawn on the CPU: another random
+    model, so the engine sampled from another base. It is drawn where the trainer's was, in a folder of its own."""
+    drawn = []
+    real = models.build_tiny_model
+    monkeypatch.setattr(models, "build_tiny_model", lambda t, n, device="cpu", dtype=torch.float32:
+                        drawn.append((str(device), dtype)) or real(t, n))  # recorded; built here on the CPU
+    cfg = _tiny_cfg(cache_dir=str(tmp_path))
+    cpu, cuda = models.served_model(cfg), models.served_model(cfg, "cuda")
+    assert drawn == [("cpu", torch.float32), ("cuda", models.resolve_dtype("auto", "cuda"))]
+    assert Path(cuda).name == Path(cpu).name + "-cuda-" + str(drawn[1][1]).removeprefix("torch.")
+    assert models._rng_devices() == ([] if not torch.cuda.is_initialized() else [torch.cuda.current_device()])

@@ -71,6 +71,23 @@ def test_apply_sets_torch_threads():
         torch.set_num_threads(before)
 
 
+def test_the_budget_of_several_processes_is_not_replaced_by_lightnings(monkeypatch):
+    """Lightning's launcher sets cores ÷ processes threads in every rank unless OMP_NUM_THREADS is set: with
+    devices: 2 the budget (`auto` leaves a core free; an integer is the user's) was replaced by all the cores."""
+    from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)  # what Lightning divides
+    try:
+        assert threads.apply(1, {"devices": 1}) == 1 and "OMP_NUM_THREADS" not in os.environ  # one process: unset
+        assert threads.apply(1, {"devices": 2}) == 1 and os.environ["OMP_NUM_THREADS"] == "1"  # the ranks inherit it
+        _set_num_threads_if_needed(2)  # what fit does in every rank
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_cli_applies_the_budget_before_the_run_and_saves_it_in_the_config(tmp_path):
     """In a fresh process: --threads=1 is in force when the model exists (torch.get_num_threads seen from the
     fitted module's process) and recorded in the saved config; a bad value is one line, exit 2."""

@@ -100,7 +100,8 @@ class RolloutCallback(Callback):
         if self.grpo_cfg is not None:
             self.engine.check(self.policy_cfg or PolicyConfig(), self.rollout_cfg, self.grpo_cfg)
         self.engine.start(RunContext(rank=trainer.global_rank, world_size=trainer.world_size, policy=self.policy_cfg,
-                                     max_context_tokens=self.rollout_cfg.max_context_tokens, nodes=trainer.num_nodes))
+                                     max_context_tokens=self.rollout_cfg.max_context_tokens, nodes=trainer.num_nodes,
+                                     device=str(trainer.strategy.root_device)))
 
     @contextlib.contextmanager
     def _sampling(self, pl_module: LightningModule):

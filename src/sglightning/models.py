@@ -205,7 +205,7 @@ def ensure_smollm2_folder(cfg: PolicyConfig | None = None) -> Path:
     # torch's RNG is left as it was: the model built from the config draws random weights (overwritten at once), and
     # the run that converts would otherwise initialise its LoRA adapters from another RNG state than every later run
     # with the same seed; transformers' progress bars are not this run's news
-    with torch.random.fork_rng(devices=[]), _no_progress_bars():
+    with torch.random.fork_rng(devices=_rng_devices()), _no_progress_bars():
         _convert_smollm2(gguf, target)
     return target
 
@@ -337,9 +337,15 @@ def _quiet_gguf_reader():
             reader.tqdm = bar
 
 
+def _rng_devices() -> list[int]:
+    """The CUDA device whose generator ``torch.manual_seed`` also reseeds and a fork must restore (none before CUDA
+    starts; the other GPUs of a node are left alone: restoring theirs would open a context on each)."""
+    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+
+
 @contextlib.contextmanager
 def _fork_rng(seed: int):
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=_rng_devices()):
         torch.manual_seed(seed)
         yield
 
@@ -421,6 +427,9 @@ def sliding_window(model) -> int | None:
     kinds = getattr(config, "layer_types", None)
     if kinds is not None:
         return window if any(k in ("sliding_attention", "chunked_attention") for k in kinds) else None
+    local = getattr(config, "attention_layers", None)  # GPT-Neo: "global" and "local" layers, windowed by slot
+    if local is not None and "local" in local:
+        return getattr(config, "window_size", None)
     return window if getattr(config, "use_sliding_window", True) else None  # Qwen2: a window, switched off
 
 
@@ -447,6 +456,11 @@ def add_lora(model, cfg: PolicyConfig):
         peft_model = get_peft_model(model, lora)
     except ValueError as err:
         raise ConfigError(f"model.policy.lora_target_modules: {err}") from err
+    return _with_checkpointing(peft_model, cfg)
+
+
+def _with_checkpointing(peft_model, cfg: PolicyConfig):
+    """``peft_model`` with ``gradient_checkpointing`` applied where the config asks (a new adapter or a loaded one)."""
     if cfg.gradient_checkpointing:
         enable_activation_checkpointing(peft_model.get_base_model())
         peft_model.enable_input_require_grads()
@@ -624,7 +638,22 @@ def load_adapter(base, cfg: PolicyConfig, path: str, key: str = "model.adapter_p
                 f"{len(resized)} have another shape (e.g. {resized[0]})" if resized else ""]
         raise ConfigError(f"{key}: the adapter in {path} was not trained on {cfg.name_or_path} as configured: "
                           + "; ".join(w for w in what if w))
-    return model
+    differ = _adapter_settings_differ(model, cfg)
+    if differ:  # the adapter's own shape trains on: say so once, rather than train another adapter than configured
+        log.warning("%s: the adapter in %s has %s; it trains as saved, not as model.policy says", key, path, differ)
+    return _with_checkpointing(model, cfg)
+
+
+def _adapter_settings_differ(model, cfg: PolicyConfig) -> str:
+    """The LoRA settings of a loaded adapter that differ from ``cfg``'s, in words ("" when none do)."""
+    saved = model.peft_config.get("default")
+    if saved is None:
+        return ""
+    pairs = [("lora_r", saved.r, cfg.lora_r), ("lora_alpha", saved.lora_alpha, cfg.lora_alpha),
+             ("lora_dropout", saved.lora_dropout, cfg.lora_dropout)]
+    if not isinstance(cfg.lora_target_modules, str):  # all-linear: expanded by peft, nothing to compare
+        pairs.append(("lora_target_modules", sorted(saved.target_modules or ()), sorted(cfg.lora_target_modules)))
+    return ", ".join(f"{name} {have} (model.policy.{name} {want})" for name, have, want in pairs if have != want)
 
 
 def load_policy(cfg: PolicyConfig, device: torch.device | str = "cpu", adapter_path: str | None = None):
@@ -642,21 +671,24 @@ def load_policy(cfg: PolicyConfig, device: torch.device | str = "cpu", adapter_p
     return model, tok
 
 
-def served_model(cfg: PolicyConfig) -> str:
+def served_model(cfg: PolicyConfig, device: torch.device | str = "cpu") -> str:
     """What an external engine (a vLLM server) loads as the base: a local HF folder holding the same weights and
     tokenizer the trainer loads — the converted SmolLM2 folder, the in-process tiny model saved once under the cache
-    (keyed by its shape and seed), a local folder as given — or the hub id (the engine reads the same HF cache)."""
+    (keyed by its shape, seed and, off the CPU, the trainer's ``device`` type and dtype: it is drawn there, as the
+    trainer's), a local folder as given — or the hub id (the engine reads the same HF cache)."""
     name = cfg.name_or_path
     if name == EMBEDDED_SMOLLM2:
         return str(ensure_smollm2_folder(cfg))
     if name != EMBEDDED_TINY:
         return str(Path(name).expanduser()) if name.startswith((".", "/", "~")) else name
-    t = cfg.tiny
-    target = cache_root(cfg) / "models" / t.key()
+    t, device = cfg.tiny, torch.device(device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    drawn = "" if device.type == "cpu" else f"-{device.type}-{str(dtype).removeprefix('torch.')}"
+    target = cache_root(cfg) / "models" / (t.key() + drawn)
     if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
         return str(target)
     tok = build_tiny_tokenizer(t.vocab_size)
-    model = build_tiny_model(t, len(tok))
+    model = build_tiny_model(t, len(tok), device, dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
     try:
@@ -728,8 +760,8 @@ def head_is_exact(policy: torch.nn.Module) -> bool:
 
 def drops_out(model: torch.nn.Module) -> bool:
     """Whether a forward in train mode can differ from one in eval mode: a dropout layer with p > 0 (LoRA's
-    included), or a rate above 0 in the model's config, its sub-configs included, for dropout or for noise (attention
-    dropout and a router's jitter are calls, not layers)."""
+    included), or a rate above 0 in the model's config, its sub-configs included, for dropout, dropped layers
+    (LayerDrop, drop path) or noise (attention dropout and a router's jitter are calls, not layers)."""
     if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
         return True
     cfg = getattr(model, "config", None)
@@ -739,7 +771,8 @@ def drops_out(model: torch.nn.Module) -> bool:
             if isinstance(v, dict) and random(v):
                 return True
             rate = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-            if rate and isinstance(k, str) and any(w in k for w in ("dropout", "pdrop", "jitter", "noise")):
+            if rate and isinstance(k, str) and any(w in k for w in ("dropout", "pdrop", "jitter", "noise", "layerdrop",
+                                                                    "drop_path")):
                 return True
         return False
 

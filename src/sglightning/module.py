@@ -99,7 +99,7 @@ class SelfGuideModule(LightningModule):
             update: how the update is computed (micro-batches, shared prefixes, skipping zero-advantage rows).
             evaluation: the validation episode set.
             optimizer: optimiser for the adapter parameters (default: AdamW, lr 1e-5).
-            adapter_path: start from a saved peft adapter folder.
+            adapter_path: start from a saved peft adapter folder (its own LoRA rank, alpha, dropout and targets).
             reward_terms: extra per-episode rewards added to the return (``sglightning.rewards.RewardTerm``
                 subclasses; none by default, as in the paper).
             engine: where rollouts are generated: ``backend: builtin`` (batched forwards of the policy in this

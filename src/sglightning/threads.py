@@ -142,10 +142,16 @@ def resolve(setting: Threads, processes: int = 1, cpus: int | None = None, load:
 
 
 def apply(setting: Threads, trainer: dict[str, Any] | None = None) -> int:
-    """Set torch's intra-op threads for this process; returns the count in force."""
+    """Set torch's intra-op threads for this process; returns the count in force.  With several processes on this
+    machine the count goes to ``OMP_NUM_THREADS`` too: Lightning's launcher sets cores ÷ processes in every rank
+    unless that is set (all the cores: the oversubscription ``auto`` leaves a core free against), and the ranks it
+    starts inherit it."""
     import torch
 
-    n = resolve(setting, local_processes(trainer))
+    processes = local_processes(trainer)
+    n = resolve(setting, processes)
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
+    if n is not None and processes > 1:
+        os.environ["OMP_NUM_THREADS"] = str(n)
     return torch.get_num_threads()

@@ -104,6 +104,9 @@ class RunContext:
     max_context_tokens: int = 4096
     #: where the engine may write logs (None: a temporary folder)
     log_dir: str | None = None
+    #: the trainer's device: an external engine serving ``embedded:tiny`` builds it there, as the trainer did (a
+    #: random model drawn on CUDA is not the one drawn on the CPU)
+    device: str = "cpu"
 
 
 class Engine(abc.ABC):

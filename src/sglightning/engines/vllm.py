@@ -296,7 +296,7 @@ class VLLMEngine(Engine):
         if self.client is not None:
             return self
         policy = run.policy or PolicyConfig()
-        self.model_path, self.lora_rank, self.rank = served_model(policy), policy.lora_r, run.rank
+        self.model_path, self.lora_rank, self.rank = served_model(policy, run.device), policy.lora_r, run.rank
         # the same weights and code as the trainer's: a hub id's revision (a folder has none), remote code if allowed
         revision = ["--revision", policy.revision] if policy.revision and self.model_path == policy.name_or_path else []
         self.model_args = [*revision, *(["--trust-remote-code"] if policy.trust_remote_code else [])]
