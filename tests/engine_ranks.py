@@ -1,5 +1,6 @@
 """Two gloo processes, no server.  ``sync`` (argv[2]): rank 0's vLLM adapter sync fails (the engine refuses the
-adapter); ``rollout``: rank 0's rollout raises EngineError while rank 1's plays out.  Each rank writes what it raised,
+adapter); ``rollout``: rank 0's rollout raises EngineError while rank 1's plays out; ``oom`` / ``error``: rank 1's
+rollout runs out of memory / raises a KeyError.  Each rank writes what it raised,
 and after how long, to OUT/rank{r}.json (argv[1]).  Run by tests/test_engines.py."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -73,8 +75,12 @@ def _rank(rank: int, port: int, out: str, scenario: str) -> None:
             from sglightning.callbacks import _agreed
 
             def rollout():
-                if rank == 0:
+                if rank == 0 and scenario == "rollout":
                     raise EngineError("every request of this turn failed on the engine's side")
+                if rank == 1 and scenario == "oom":  # the failing rank is not the first here
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                if rank == 1 and scenario == "error":
+                    raise KeyError("answer")
                 return "episodes"
 
             _agreed(rollout)

@@ -109,3 +109,14 @@ def test_report_markdown_has_the_paper_tables():
     assert "| self-guidance | failed | looping | redundant exploration |" in md
     assert "| off | 3 | 1.00 | 0.33 |" in md
     assert "Versions: scienceworld 1.2.3" in md
+
+
+def test_an_episode_the_env_failed_shows_no_pattern_in_the_report_either():
+    """The rates leave out an episode the env failed (it is no policy failure); its report line still listed
+    `looping`, so the report's episodes and its table disagreed."""
+    from sglightning.diagnostics import episode_summary
+
+    broken = ep(["look"] * 6)
+    broken.error = "env: step raised RuntimeError"
+    assert episode_summary(broken)["patterns"] == [] and failure_pattern_rates([broken]) == {"failed_episodes": 0}
+    assert episode_summary(ep(["look"] * 6))["patterns"] == ["looping"]  # the control: lost by the policy

@@ -601,6 +601,25 @@ def test_an_engine_failing_on_rank_0_fails_every_rank_at_once(tmp_path, scenario
     assert r1["raised"] == r0["raised"] and r1["s"] < 20, r1
 
 
+@pytest.mark.parametrize("scenario,own,other", [
+    ("oom", "OutOfMemoryError: CUDA out of memory", "OutOfMemoryError: rank 1's rollout: OutOfMemoryError: CUDA out"),
+    ("error", "KeyError: 'answer'", "EngineError: rank 1's rollout: KeyError: 'answer'")])
+def test_any_error_in_one_ranks_rollout_ends_every_ranks(tmp_path, scenario, own, other):
+    """Only an EngineError was exchanged: an out-of-memory error (or a bug) on one rank left the others waiting in
+    their next collective until the process group timed out. The failing rank raises its own error; the others say it
+    (out of memory as out of memory: their line names the keys that shrink it)."""
+    import json
+
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(here / "engine_ranks.py"), str(tmp_path), scenario], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r1["raised"].startswith(own) and r0["raised"].startswith(other), (r0, r1)
+    assert r0["s"] < 20, r0
+
+
 def test_a_launched_vllm_server_loads_the_trainers_revision_and_code(monkeypatch):
     """The server loaded a hub id's default branch (and no remote code) whatever policy.revision said: other weights
     than the trainer's, which a probe passes when they differ little."""

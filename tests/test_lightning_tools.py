@@ -52,10 +52,16 @@ def test_a_users_own_model_checkpoint_keeps_its_top_k_and_the_run_still_resumes(
 
 def test_fast_dev_run_writes_nothing(tmp_path, capsys):
     """Lightning says logging and checkpointing are off in fast_dev_run: no checkpoint, adapter or report either."""
-    fit(tmp_path, "--trainer.fast_dev_run=true")
+    fit(tmp_path, "--trainer.fast_dev_run=true", "--trainer.callbacks+=sglightning.callbacks.StepProfile",
+        "--trainer.callbacks.step=1")  # a profile too: shown, not written
     assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))
     out = capsys.readouterr().out
     assert "1 GRPO steps" in out and "TensorBoard" not in out and "adapter " not in out
+    assert "Profile of training step 1" in out and "(fast_dev_run: no profile written)" in out
+    cli_main(["validate", "--config", TINY, f"--trainer.logger.init_args.save_dir={tmp_path}",
+              f"--trainer.default_root_dir={tmp_path}", "--trainer.fast_dev_run=true"])
+    assert not any(tmp_path.rglob("*")), list(tmp_path.rglob("*"))  # the validation report is shown, not written
+    assert "success" in capsys.readouterr().out
 
 
 def test_a_run_without_a_logger_does_not_overwrite_an_earlier_one(tmp_path, capsys):
@@ -144,6 +150,53 @@ def test_a_model_checkpoint_of_ones_own_without_a_metric_is_kept_too(tmp_path):
                    "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1",
                    "--trainer.callbacks.filename={step}").trainer.log_dir)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["last.ckpt", "step=1.ckpt", "step=2.ckpt"]
+
+
+def test_any_setting_makes_a_model_checkpoint_ones_own():
+    """Only 11 settings were compared: a ModelCheckpoint(save_on_exception=True) counted as Lightning's default and
+    was replaced, without a word (Lightning's line saying so is filtered as noise)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from sglightning.callbacks import _as_made
+
+    assert _as_made(ModelCheckpoint())  # the control
+    for own in (dict(save_on_exception=True), dict(verbose=True), dict(enable_version_counter=False),
+                dict(auto_insert_metric_name=False), dict(every_n_train_steps=1), dict(save_top_k=-1)):
+        assert not _as_made(ModelCheckpoint(**own)), own
+
+
+def test_a_logger_without_a_folder_of_its_own_gets_one_run_folder_per_run(tmp_path):
+    """W&B and MLflow loggers have a save_dir, a project name and a run id, no log_dir: every run's adapter, reports
+    and profiles went to the shared save_dir (the next run overwrote them), apart from its last.ckpt."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import Logger
+
+    from sglightning.checkpointing import checkpoint_dir, run_dir
+
+    class RunIdLogger(Logger):
+        def __init__(self, run_id):
+            super().__init__()
+            self.run_id = run_id
+
+        name = property(lambda self: "project")
+        version = property(lambda self: self.run_id)
+        save_dir = property(lambda self: str(tmp_path))
+
+        def log_metrics(self, *args, **kwargs):
+            pass
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+    folders = []
+    for run_id in ("run1", "run2"):
+        keeper = ModelCheckpoint(save_last=True, save_top_k=0)
+        trainer = Trainer(logger=RunIdLogger(run_id), callbacks=[keeper], enable_progress_bar=False)
+        keeper.setup(trainer, None, "fit")  # where Lightning puts the checkpoints
+        folders.append(run_dir(trainer))
+        assert checkpoint_dir(trainer) == run_dir(trainer) / "checkpoints" == Path(keeper.dirpath)
+    assert folders == [tmp_path / "project" / "run1", tmp_path / "project" / "run2"]
 
 
 def test_one_callback_given_alone_in_a_config_file(tmp_path):

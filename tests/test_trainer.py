@@ -288,6 +288,11 @@ def test_cli_fit_logs_everything_and_exports_the_adapter(cli_run, capsys):
     assert (run_dir / "validation_report.md").read_text().startswith("#")
     adapter = run_dir / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    # readable as the run folder is (mkdtemp made the folder 0700)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {oct(p.stat().st_mode & 0o777) for p in (adapter, run_dir / "checkpoints")} == {oct(0o777 & ~umask)}
+    assert {oct(p.stat().st_mode & 0o777) for p in adapter.iterdir()} == {oct(0o666 & ~umask)}
 
     from peft import PeftModel
 
@@ -1393,3 +1398,21 @@ def test_a_classs_help_needs_no_config(capsys):
     with pytest.raises(SystemExit) as exc:
         cli_main(["fit", "--trainer.strategy.help", "DDPStrategy"])
     assert exc.value.code == 0 and "--trainer.strategy.find_unused_parameters" in capsys.readouterr().out
+
+
+def test_a_finished_fit_unfreezes_what_its_first_rollout_froze(tmp_path):
+    """The first rollout freezes the garbage collector's view of the loaded run (fewer scans); never undone, a
+    trainer and module that refer to each other were never collected after the run (a second fit in a notebook ran
+    beside the first one's model)."""
+    import gc
+    import weakref
+
+    gc.unfreeze()
+    module = tiny_module()
+    trainer = tiny_trainer(tmp_path, steps=1)
+    trainer.fit(module)
+    assert gc.get_freeze_count() == 0
+    gone = weakref.ref(module.policy)
+    del module, trainer
+    gc.collect()
+    assert gone() is None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import json
 import shutil
 import sys
@@ -27,14 +28,14 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sglightning import distributed
-from sglightning.checkpointing import recover_folder, run_dir, swap_in_folder
+from sglightning.checkpointing import readable_as_made, recover_folder, run_dir, swap_in_folder
 from sglightning.data import EvalConfig, RolloutConfig, sampling_generator, task_seeds
 from sglightning.distributed import clean_name
 from sglightning.engines import make_engine
 from sglightning.engines.base import Engine, RunContext
 from sglightning.envs.base import TextEnv
 from sglightning.episodes import Episode, RolloutBatch
-from sglightning.errors import ConfigError, EngineError, out_of_memory
+from sglightning.errors import ConfigError, EngineError, memory_error_within, out_of_memory, summary
 from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
@@ -239,6 +240,7 @@ class RolloutCallback(Callback):
             if self.rollout is not None:
                 self.rollout.close()  # every env worker (JVMs included)
                 self.rollout = None
+                gc.unfreeze()  # what rollout_for froze can go: a second fit in this process would find it alive
         finally:
             self.engine.close()  # e.g. a vLLM server's whole process group, when this process launched it
 
@@ -247,17 +249,23 @@ class RolloutCallback(Callback):
 
 
 def _agreed(run: Callable[[], Any]) -> Any:
-    """``run()`` (a rollout) on every rank; an :class:`EngineError` on any rank is raised on every rank, after one
-    exchange (:func:`distributed.first_failure`): raised on one rank alone, it left the others at their next
-    collective until the process group timed out."""
-    failure = None
+    """``run()`` (a rollout) on every rank; an error on any rank ends it on every rank, after one exchange
+    (:func:`distributed.first_failure`): raised on one rank alone, it left the others at their next collective until
+    the process group timed out.  The failing rank raises its own error; the others an :class:`EngineError` saying
+    it, or an out-of-memory error for one (so their line names the keys that shrink it too)."""
+    failure = own = None
     try:
         result = run()
-    except EngineError as err:
-        failure, result = str(err), None
+    except Exception as err:  # noqa: BLE001 - whatever it is, the other ranks must learn of it
+        own, result = err, None
+        kind = "engine" if isinstance(err, EngineError) else "memory" if memory_error_within(err) else "error"
+        failure = (kind, str(err) if kind == "engine" else f"rank {distributed.rank()}'s rollout: {summary(err)}")
     failure = distributed.first_failure(failure)
+    if own is not None:
+        raise own
     if failure is not None:
-        raise EngineError(failure)
+        kind, text = failure
+        raise torch.cuda.OutOfMemoryError(text) if kind == "memory" else EngineError(text)
     return result
 
 
@@ -285,6 +293,7 @@ class AdapterExport(Callback):
         tmp = Path(tempfile.mkdtemp(prefix=f".{self.dirname}-", dir=target.parent))
         try:
             write_adapter(pl_module, state, tmp)
+            readable_as_made(tmp)  # mkdtemp's folder (and safetensors' file) are the owner's only
             swap_in_folder(tmp, target)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -371,6 +380,9 @@ class StepProfile(Callback):
             self._prof = None
 
     def _write(self, trainer: Trainer, pl_module: LightningModule, summary: dict) -> None:
+        self.summary = summary
+        if trainer.fast_dev_run:  # a trial writes nothing (as Lightning): the table is printed at fit end only
+            return
         name = f"profile-step{self.step}" + (f"-rank{trainer.global_rank}" if trainer.world_size > 1 else "")
         folder = run_dir(trainer)
         folder.mkdir(parents=True, exist_ok=True)
@@ -379,7 +391,7 @@ class StepProfile(Callback):
         (folder / f"{name}.json").write_text(json.dumps(summary, indent=1))
         if self.trace:
             self._prof.export_chrome_trace(str(folder / f"{name}.trace.json"))
-        self.summary, self.path = summary, path
+        self.path = path
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if self._recording is not None:  # the profiler must not outlive the step (nothing is written: it did not end)
@@ -395,7 +407,8 @@ class StepProfile(Callback):
             print(f"StepProfile: step {self.step} did not run (this fit ended after step "
                   f"{_steps_done(trainer, pl_module)}); nothing was profiled")
             return
-        print(markdown(self.summary, self._title(pl_module), details=False) + f"(the whole profile: {self.path})")
+        where = f"(the whole profile: {self.path})" if self.path else "(fast_dev_run: no profile written)"
+        print(markdown(self.summary, self._title(pl_module), details=False) + where)
 
     def _stop(self) -> None:
         recording_, self._recording = self._recording, None
@@ -515,9 +528,12 @@ def _as_made(ckpt: Callback) -> bool:
     """Whether ``ckpt`` is a ModelCheckpoint as ``ModelCheckpoint()`` makes it (Lightning's default), not one a user
     set up (a metric, a folder, a cadence, a file name)."""
     fresh = ModelCheckpoint()
-    keys = ("monitor", "dirpath", "filename", "save_last", "save_top_k", "save_weights_only", "mode",
-            "_every_n_train_steps", "_every_n_epochs", "_train_time_interval", "_save_on_train_epoch_end")
-    return type(ckpt) is ModelCheckpoint and all(getattr(ckpt, k, None) == getattr(fresh, k, None) for k in keys)
+    names = list(inspect.signature(ModelCheckpoint.__init__).parameters)[1:]  # every setting (save_on_exception…)
+
+    def setting(c: Callback, name: str) -> Any:
+        return getattr(c, name) if hasattr(c, name) else getattr(c, "_" + name, None)
+
+    return type(ckpt) is ModelCheckpoint and all(setting(ckpt, n) == setting(fresh, n) for n in names)
 
 
 class ConfiguredOptimiser(Callback):

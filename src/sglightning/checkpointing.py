@@ -31,13 +31,29 @@ from sglightning.files import atomic_write, fsync_dir
 
 
 def run_dir(trainer) -> Path:
-    """The run directory: the first logger's version folder, else ``default_root_dir``.  Reads the logger directly
-    (``trainer.log_dir`` broadcasts from rank 0, which deadlocks in code that only rank 0 runs)."""
-    path = None
-    if trainer.loggers:
-        logger = trainer.loggers[0]
-        path = getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None)
-    return Path(path or trainer.default_root_dir)
+    """The run directory: the first logger's version folder, else ``default_root_dir``.  A logger without a folder
+    of its own (W&B, MLflow: a save_dir, a project name, a run id) gets ``save_dir/name/version``, the folder
+    Lightning's ModelCheckpoint puts its ``checkpoints`` in (the save_dir alone was shared by every run).  Reads the
+    logger directly (``trainer.log_dir`` broadcasts from rank 0, which deadlocks in code that only rank 0 runs)."""
+    if not trainer.loggers:
+        return Path(trainer.default_root_dir)
+    logger = trainer.loggers[0]
+    path = getattr(logger, "log_dir", None)
+    if path is None:
+        version = getattr(logger, "version", None)
+        version = version if isinstance(version, str) else f"version_{version}"
+        path = Path(getattr(logger, "save_dir", None) or trainer.default_root_dir) / str(logger.name) / version
+    return Path(path)
+
+
+def readable_as_made(folder: Path) -> None:
+    """``folder`` and the files in it get the modes the umask gives a new folder and file (``tempfile.mkdtemp`` makes
+    0700 folders: an exported adapter other users could not read, beside a run folder they can)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def check_run_dir(trainer) -> None:

@@ -41,7 +41,7 @@ from sglightning.files import atomic_write_text, temp_path
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
 from sglightning.preemption import PreemptionCheckpoint, validation_pending
-from sglightning.report import run_settings, write_validation_report
+from sglightning.report import report_markdown, run_settings, write_validation_report
 from sglightning.strategies import LOOP_STATE_FILE, recover_swapped_checkpoints
 
 quiet()
@@ -720,8 +720,11 @@ class SGLightningCLI(LightningCLI):
         if report is None or self.trainer.global_rank != 0:
             return
         checkpoint = self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None
-        path, text = write_validation_report(dict(report, config=run_settings(self.model, checkpoint)),
-                                             run_dir(self.trainer))
+        report = dict(report, config=run_settings(self.model, checkpoint))
+        if self.trainer.fast_dev_run:  # a trial: shown, nothing written (as Lightning writes nothing then)
+            print(report_markdown(report))
+            return
+        path, text = write_validation_report(report, run_dir(self.trainer))
         print(text)
         print(f"report: {path}")
 

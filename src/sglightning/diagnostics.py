@@ -163,5 +163,6 @@ def episode_summary(ep: Episode) -> dict:
         "format_ok": [s.format_ok for s in ep.steps],
         "error": ep.error,
         "truncated": ep.truncated,
-        "patterns": [k for k, v in episode_patterns(ep).items() if v] if not ep.won else [],
+        # as the rates count them: an episode the env failed is not judged
+        "patterns": [k for k, v in episode_patterns(ep).items() if v] if not ep.won and ep.error is None else [],
     }

@@ -244,9 +244,15 @@ def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int
     return merged
 
 
-def first_failure(failure: str | None) -> str | None:
-    """The first rank's ``failure`` (rank order), on every rank; None when no rank failed.  One ``all_gather_object``
-    under several processes: a rank that raised alone would leave the others waiting at their next collective."""
+def rank() -> int:
+    """This process's rank (0 outside distributed runs)."""
+    return torch.distributed.get_rank() if is_distributed() else 0
+
+
+def first_failure(failure: Any | None) -> Any | None:
+    """The first rank's ``failure`` (rank order; any picklable description), on every rank; None when no rank failed.
+    One ``all_gather_object`` under several processes: a rank that raised alone would leave the others waiting at
+    their next collective."""
     if not is_distributed():
         return failure
     failures = gather_objects([failure] if failure is not None else [], torch.distributed.get_world_size())
