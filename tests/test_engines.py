@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -83,6 +84,20 @@ def test_an_engine_that_fails_to_start_is_one_line_with_its_log(tmp_path, capsys
     assert "model.engine: the vLLM server exited with code 1 before it was ready" in lines[0]
     assert "No module named 'vllm'" in lines[0] and "vllm-server.log" in lines[0]
     assert not any(tmp_path.rglob("*"))
+
+
+def test_a_stopped_servers_temporary_log_goes_unless_an_error_named_it():
+    """Every launch made a temporary log folder that was never removed (one per run, piling up in /tmp)."""
+    folders = []
+    for keep in (False, True):
+        server = VLLMServer([sys.executable, "-c", "import time; time.sleep(600)"], {}, "127.0.0.1", 9, 1)
+        server.proc = subprocess.Popen(server.command, start_new_session=True)
+        server.ready, server.keep_log = True, keep
+        server.log_path.write_text("INFO ready\n")
+        server.stop()
+        folders.append(server.log_path.parent)
+    assert not folders[0].exists() and folders[1].is_dir()  # the second's log was named in an error: kept
+    shutil.rmtree(folders[1])
 
 
 def test_stop_ends_the_whole_process_group(tmp_path):
@@ -437,6 +452,9 @@ class _FakeClient:
     def healthy(self, timeout=5.0):
         return self._healthy
 
+    def models(self):
+        return ["base"]  # the base model; a synced adapter's name once a test loads one
+
 
 def _fake_engine(client):
     import concurrent.futures
@@ -450,6 +468,84 @@ def _fake_engine(client):
 
 def _one_token(body):
     return {"choices": [{"token_ids": [5], "logprobs": {"token_logprobs": [-0.5]}}], "usage": {"prompt_tokens": 3}}
+
+
+def test_a_server_that_returns_raw_log_probs_is_refused_naming_its_key():
+    """A server given by engine.url started without --logprobs-mode processed_logprobs returns log π over the whole
+    vocabulary at temperature 1, not log q over the allowed set: wrong old log-probs, which no probe caught (prompt
+    log-probs are raw in every mode). One token drawn from one allowed token tells: its processed log q is 0."""
+    from sglightning.errors import ConfigError
+
+    def answer(logprob):
+        return lambda body: {"choices": [{"token_ids": body["allowed_token_ids"],
+                                          "logprobs": {"token_logprobs": [logprob]}}]}
+
+    client = _FakeClient(answer(0.0))
+    _fake_engine(client)._warm_up()  # the control: processed log-probs
+    assert client.bodies[0]["allowed_token_ids"] == [3] and client.bodies[0]["temperature"] == 0.5
+    with pytest.raises(ConfigError, match=r"^model\.engine\.url: the vLLM server returns raw log-probs .*"
+                                          r"--logprobs-mode processed_logprobs"):
+        _fake_engine(_FakeClient(answer(-6.2)))._warm_up()
+
+
+def test_a_broken_answer_fails_the_request_not_the_run():
+    """http.client's errors are no OSError: a port answering with another protocol raised from healthy() (a
+    traceback, not the one-line ConfigError), and an answer cut short escaped the request's failure handling."""
+    import socketserver
+    import threading
+
+    from sglightning.engines.server import RequestFailed, VLLMClient
+
+    replies = {"banner": b"SSH-2.0-OpenSSH_9.6\r\n", "cut": b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{\"ch"}
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(65536)
+            self.request.sendall(replies[self.server.kind])
+
+    for kind in replies:
+        with socketserver.TCPServer(("127.0.0.1", 0), Handler) as server:
+            server.kind = kind
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            client = VLLMClient(f"http://127.0.0.1:{server.server_address[1]}", timeout_s=5)
+            if kind == "banner":
+                assert client.healthy(timeout=5) is False
+            with pytest.raises(RequestFailed, match="a broken answer") as err:
+                client.completions({"prompt": [1]})
+            assert err.value.engine_side
+            server.shutdown()
+    engine = _fake_engine(_FakeClient(lambda body: {"object": "error"}))  # a 200 without choices: this request fails
+    session = engine.session(None, 0)
+    session.feed([[1, 2, 3]])
+    from sglightning.engines.program import Free
+
+    pieces = session.run([[Free(2, frozenset())]])[0]
+    assert "no token ids and log-probs" in pieces[-1].error
+
+
+def test_a_server_that_lost_the_adapter_stops_the_step():
+    """A server at engine.url that restarted no longer has the synced adapter: every request answered 404, each
+    counted as its own episode's failure, and the step trained on nothing until the next version's sync."""
+    from sglightning.engines.program import Free
+    from sglightning.engines.server import RequestFailed
+    from sglightning.errors import EngineError
+
+    def missing(body):
+        raise RequestFailed("HTTP 404 from /v1/completions: The model `policy-v3.x` does not exist.")
+
+    for served, stops in ((["base"], True), (["base", "policy-v3.x"], False)):  # the control: still served
+        client = _FakeClient(missing)
+        client.models = lambda served=served: served  # noqa: B023 (bound here)
+        engine = _fake_engine(client)
+        engine.adapter_name, engine.version = "policy-v3.x", 3
+        session = engine.session(None, 0)
+        session.feed([[1, 2, 3], [1, 2, 4]])
+        if stops:
+            with pytest.raises(EngineError, match="no longer serves policy-v3.x .*does not exist"):
+                session.run([[Free(2, frozenset())]] * 2)
+            assert engine.version is None  # the next rollout syncs again
+        else:
+            assert all(p[-1].error for p in session.run([[Free(2, frozenset())]] * 2))
 
 
 def test_every_vllm_request_names_neutral_sampling_settings():

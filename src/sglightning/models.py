@@ -704,12 +704,19 @@ def served_model(cfg: PolicyConfig, device: torch.device | str = "cpu") -> str:
     return str(target)
 
 
-def max_positions(model_path: str) -> int | None:
-    """The model's own context limit (``max_position_embeddings`` of a local folder's config), or None."""
+def max_positions(model_path: str, revision: str | None = None) -> int | None:
+    """The model's own context limit (``max_position_embeddings``) from a local folder's config, or a hub id's in
+    the local HF cache (nothing is downloaded), or None."""
     config = Path(model_path) / "config.json"
     try:
-        return int(json.loads(config.read_text()).get("max_position_embeddings"))
-    except (OSError, ValueError, TypeError):
+        if config.is_file():
+            return int(json.loads(config.read_text()).get("max_position_embeddings"))
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_path, revision=revision, local_files_only=True)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return int(cfg.max_position_embeddings)
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 

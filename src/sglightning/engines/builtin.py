@@ -484,7 +484,7 @@ class DecodeSession(Session):
         # contiguous [n, 1, H] for its LM head, where the slice `logits_to_keep=1` takes is strided and torch's matmul
         # falls back to a batched product over n copies of the [H, V] head weight (measured on SmolLM2: 250 ms per
         # fed block in fp32, 4 s in bf16)
-        keep = 1 if width == 1 else torch.tensor([width - 1], device=self.device)
+        keep = 1 if width == 1 else self._to_device(torch.tensor([width - 1]))
         out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=keep,
                          **{self._cache_arg: cache})
         self.forward_calls += 1
@@ -501,8 +501,10 @@ class DecodeSession(Session):
     def _forward_static(self, blocks: Sequence[Sequence[int]]) -> None:
         """One forward on the slot cache, at slots ``width … width+W-1``: a decode step (W = 1) runs every physical
         row (fixed shapes, the compiled step), or only the first ones while they hold every row that runs (after a
-        rewind, or :meth:`_front`); a wider block the physical rows up to the last one in use.  Rows without a block
-        there (and physical rows no row uses) see their own pads, so no query is fully masked."""
+        rewind, or :meth:`_front`); a wider block the physical rows up to the last one in use.  Physical rows no row
+        uses see their own pads.  A row's leading pads (a block shorter than the widest, in a row with no earlier
+        token) see nothing: their queries are fully masked, and SDPA gives them 0 (its math path's safe softmax; the
+        fused kernels do the same), nothing that any real token reads."""
         width = max(len(b) for b in blocks)
         if width == 1:
             rows = self._mask.shape[0]

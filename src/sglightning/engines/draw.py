@@ -38,7 +38,7 @@ class RestrictionTable:
         if t is None:
             if len(self._ids) >= self.limit:
                 self._ids.clear()
-            t = self._ids[key] = torch.tensor(r.ids, dtype=torch.long).to(device)  # [K] (once per set)
+            t = self._ids[key] = _h2d(r.ids, torch.long, device)  # [K] (once per set; no wait for the device)
         return t
 
     def stack(self, rs: Sequence[Restriction], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,7 +85,9 @@ def node_restriction(node: dict) -> Restriction:
     """A trie node's allowed continuations as a restriction (built once per node, kept under key -2)."""
     restriction = node.get(-2)
     if restriction is None:
-        restriction = node[-2] = Restriction(tuple(sorted(t for t in node if t >= 0)))
+        # list(node): one C-level copy under the GIL (vLLM rows run in threads over shared tries: iterating the dict
+        # while another row adds its -2 key raised "dictionary changed size during iteration")
+        restriction = node[-2] = Restriction(tuple(sorted(t for t in list(node) if t >= 0)))
     return restriction
 
 

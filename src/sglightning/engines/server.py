@@ -13,8 +13,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -61,7 +63,7 @@ class VLLMClient:
         try:
             self._request("GET", "/health", timeout=timeout)
             return True
-        except (urllib.error.URLError, OSError, TimeoutError):
+        except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException):  # a port that talks no HTTP
             return False
 
     def post(self, path: str, body: dict, timeout: float | None = None) -> dict:
@@ -74,6 +76,8 @@ class VLLMClient:
             raise RequestFailed(f"HTTP {err.code} from {path}: {_message(detail)}", err.code >= 500) from None
         except TimeoutError:
             raise RequestFailed(f"{path}: no answer within {timeout or self.timeout_s:g} s", True) from None
+        except http.client.HTTPException as err:  # an answer cut short or not HTTP: the engine's side
+            raise RequestFailed(f"{path}: a broken answer ({type(err).__name__}: {err})", True) from None
         except (urllib.error.URLError, ConnectionError, OSError) as err:
             reason = getattr(err, "reason", err)
             if isinstance(reason, (TimeoutError, socket.timeout)):
@@ -130,6 +134,9 @@ class VLLMServer:
         folder = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="sglightning-vllm-log-"))
         folder.mkdir(parents=True, exist_ok=True)
         self.log_path = folder / "vllm-server.log"
+        self._own_folder = None if log_dir else folder  # a temporary folder: removed when nobody needs the log
+        #: the server answered /health; ``keep_log``: an error named the log (it outlives the run then)
+        self.ready = self.keep_log = False
 
     @property
     def pid(self) -> int | None:
@@ -158,6 +165,7 @@ class VLLMServer:
                 raise ConfigError(f"model.engine: the vLLM server exited with code {self.proc.returncode} before "
                                   f"it was ready: {tail} (log: {self.log_path})")
             if client.healthy(timeout=2.0):
+                self.ready = True
                 return
             time.sleep(0.5)
         self.stop()
@@ -187,6 +195,9 @@ class VLLMServer:
             VLLMServer._live.discard(self)
         if proc is None:
             return
+        # a server that started and is still running has a log nobody needs (one that died, or whose log an error
+        # named, keeps it: the temporary folders piled up, one per run)
+        needless = self._own_folder is not None and self.ready and not self.keep_log and proc.poll() is None
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -199,6 +210,8 @@ class VLLMServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         _wait_group_gone(proc.pid, 10.0)  # a SIGKILL is delivered asynchronously: the children may still be running
+        if needless:
+            shutil.rmtree(self._own_folder, ignore_errors=True)
 
     @classmethod
     def stop_all(cls) -> None:

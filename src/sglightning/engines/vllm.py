@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import logging
 import math
@@ -140,6 +141,8 @@ class VLLMSession(Session):
             if len(out) > 1 and len(self.engine_failures) == len(out):
                 raise EngineError(f"every request of this turn failed on the engine's side ({len(out)} rows), e.g. "
                                   f"{self.engine_failures[0]} (log: {self.engine.server_log})")
+            if len(out) > 1 and all(pieces and pieces[-1].error for pieces in out):
+                self.engine.check_adapter_served(out[0][-1].error)
         return out
 
     def _run_row(self, row: int, program: list, seed: int) -> list[Piece]:
@@ -207,9 +210,13 @@ class VLLMSession(Session):
         if banned:
             body["logit_bias"] = {str(int(t)): -100 for t in banned}
         out = self.engine.client.completions(body)
-        choice = out["choices"][0]
-        toks = [int(t) for t in choice.get("token_ids") or []]
-        lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+        try:
+            choice = out["choices"][0]
+            toks = [int(t) for t in choice.get("token_ids") or []]
+            lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:  # an answer of another shape
+            raise RequestFailed(f"the engine's answer has no token ids and log-probs ({type(err).__name__}: {err})",
+                                True) from None
         if len(lps) != len(toks):
             raise RequestFailed(f"the engine returned {len(toks)} tokens and {len(lps)} log-probs")
         lps = [float(x) if x is not None else math.nan for x in lps]
@@ -301,7 +308,7 @@ class VLLMEngine(Engine):
         revision = ["--revision", policy.revision] if policy.revision and self.model_path == policy.name_or_path else []
         self.model_args = [*revision, *(["--trust-remote-code"] if policy.trust_remote_code else [])]
         longest = run.max_context_tokens + 2048
-        limit = max_positions(self.model_path)
+        limit = max_positions(self.model_path, policy.revision)
         self.max_model_len = self.cfg.max_model_len or (min(longest, limit) if limit else longest)
         self.log_dir = run.log_dir or self.log_dir
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.cfg.max_concurrency,
@@ -319,6 +326,7 @@ class VLLMEngine(Engine):
             self.client = VLLMClient(url, self.cfg.request_timeout_s)
             if not self.client.healthy(timeout=10):
                 raise ConfigError(f"model.engine.url: no vLLM server answers /health at {url}")
+            self._warm_up()  # it can run the model and returns the log-probs the trainer scores
         else:
             self._launch()
         self._make_adapter_root()
@@ -420,8 +428,9 @@ class VLLMEngine(Engine):
             env.pop(key, None)
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        binding = self.cfg.cpu_threads or _cores_spec()
-        if binding:
+        if self.cfg.cpu_threads:  # the config's, over the environment's
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cfg.cpu_threads
+        elif binding := _cores_spec():
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", binding)
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.update(self.cfg.env)
@@ -429,25 +438,51 @@ class VLLMEngine(Engine):
 
     def _warm_up(self) -> None:
         """One short request on the base model: a model the engine loads but cannot run (vLLM's CPU attention takes
-        head sizes of 32 and up) fails here, in one line, instead of in the first rollout."""
+        head sizes of 32 and up) fails here, in one line, instead of in the first rollout.  Its token is drawn from
+        one allowed token at temperature 0.5, so its log-prob says which the server returns: log q over the allowed
+        set (0 here; ``--logprobs-mode processed_logprobs``, what the trainer scores) or the raw log π (< 0).  A
+        server given by ``engine.url`` started without that flag would hand the update wrong old log-probs."""
+        key = "model.engine.url" if self.cfg.url else "model.engine"
         try:
-            self.client.completions({"model": self.served_name, "prompt": [0, 1, 2, 3], "max_tokens": 1,
-                                     "temperature": 1.0, "ignore_eos": True, "detokenize": False})
-        except (RequestFailed, EngineError) as err:
+            out = self.client.completions({"model": self.served_name, "prompt": [0, 1, 2, 3], "max_tokens": 1,
+                                           "temperature": 0.5, "ignore_eos": True, "detokenize": False,
+                                           "allowed_token_ids": [3], "logprobs": 0, "seed": 0})
+            lp = (out["choices"][0].get("logprobs") or {}).get("token_logprobs") or [None]
+        except (RequestFailed, EngineError, KeyError, IndexError, TypeError) as err:
             tail, log_path = (self.server.log_tail(), self.server_log) if self.server is not None else ("", "")
             self.close()
-            raise ConfigError(f"model.engine: the vLLM server started but cannot run {self.model_path}: {tail or err}"
+            raise ConfigError(f"{key}: the vLLM server cannot run {self.model_path}: {tail or err}"
                               f" (log: {log_path})") from None
+        if lp[0] is None or abs(float(lp[0])) > 1e-4:
+            self.close()
+            raise ConfigError(f"{key}: the vLLM server returns raw log-probs (a token drawn from one allowed token got "
+                              f"{lp[0]}, not 0): start it with --logprobs-mode processed_logprobs (docs/vllm.md)")
 
     @property
     def server_log(self) -> str:
-        return str(self.server.log_path) if self.server is not None else "on the server's machine"
+        if self.server is None:
+            return "on the server's machine"
+        self.server.keep_log = True  # named in an error: kept when the server is stopped
+        return str(self.server.log_path)
 
     def session(self, model, pad_id, temperature=1.0, generator=None, top_k=0, greedy=False) -> VLLMSession:
         if top_k:
             raise ConfigError("rollout.top_k: top-k sampling is not supported with model.engine.backend vllm")
         self.check_alive()
         return VLLMSession(self, temperature, generator, greedy)
+
+    def check_adapter_served(self, example: str) -> None:
+        """After every row of a turn failed on its own (a 4xx each): ``EngineError`` when the server no longer serves
+        the adapter the requests name (a server at ``engine.url`` restarted: every request answers 404 until the
+        next sync, and the step would train on nothing).  ``example``: one row's failure."""
+        try:
+            served = self.client.models()
+        except (OSError, ValueError, http.client.HTTPException):
+            served = []
+        if self.adapter_name not in served:
+            self.version = None  # the next rollout syncs again
+            raise EngineError(f"the vLLM engine no longer serves {self.adapter_name} (every request failed, e.g. "
+                              f"{example}); restarted? (log: {self.server_log})")
 
     def check_alive(self) -> None:
         if self.server is not None and not self.server.alive():
