@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from sglightning import grpo
 from sglightning.engines.builtin import BuiltinEngine
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Episode, Piece, RolloutBatch, Sample, StepRecord
 from sglightning.grpo import GRPOConfig, StepCounts
@@ -184,6 +185,43 @@ def test_the_microbatch_objective_by_hand_without_lightning():
     script = ("import sys, sglightning.update; "
               "sys.exit(any(m.startswith(('lightning', 'pytorch_lightning')) for m in sys.modules))")
     assert subprocess.run([sys.executable, "-c", script]).returncode == 0
+
+
+def test_the_configs_clip_kl_and_aggregation_reach_the_loss():
+    """The by-hand test runs at ratio 1 with the defaults: dropping clip_low, clip_high, kl_kind or loss_agg from the
+    loss call passed it. Ratios outside a narrow band, k2 against a reference and the sequence mean must each show."""
+    from sglightning.update import microbatch_objective
+
+    mb, logp, ent = _microbatch(calibrate=False)
+    mb["old_logp"] = mb["old_logp"] + torch.tensor([[0.0, 0.3, -0.3], [0.0, 0.25, 0.0]])  # ratios e^∓0.3, e^-0.25
+    ref = logp.detach() - 0.2  # [2, 3] a reference 0.2 below: k2 = 0.02 per token, k3 another value
+    totals = StepCounts(tokens=3.0, sequences=2.0, targets=0.0, per_label=(0.0, 0.0, 0.0))
+    cfg = GRPOConfig(clip_low=0.1, clip_high=0.1, kl_kind="k2", kl_coef=0.1, loss_agg="seq_mean_token_mean")
+    part = microbatch_objective(mb, logp, ent, ref, totals, cfg, first_epoch=False)
+    want, _ = grpo.grpo_loss(logp, mb["old_logp"], mb["adv"], mb["mask"], clip_low=0.1, clip_high=0.1, ref_logp=ref,
+                             kl_coef=0.1, kl_kind="k2", loss_agg="seq_mean_token_mean")
+    weight = grpo.microbatch_weight(mb["mask"], totals, "seq_mean_token_mean")
+    assert float(part.objective) == pytest.approx(float(want * weight), rel=1e-6)
+    for other in (dict(clip_low=0.2, clip_high=0.28), dict(kl_kind="low_var_kl"), dict(loss_agg="token_mean")):
+        base = dict(clip_low=0.1, clip_high=0.1, kl_kind="k2", kl_coef=0.1, loss_agg="seq_mean_token_mean")
+        moved = microbatch_objective(mb, logp, ent, ref, totals, GRPOConfig(**{**base, **other}), first_epoch=False)
+        assert float(moved.objective) != pytest.approx(float(part.objective), rel=1e-4), other  # each one counts
+
+
+def test_rollout_correction_statistics_by_hand():
+    """The statistics were checked against the same two calls that make them: weights [0.5, 1.5, 1.0] on the policy
+    tokens at cap 1.5 have mean 1, min 0.5, max 1.5 and one third truncated; a padded 9.0 is no token."""
+    from sglightning.update import rollout_correction_stats
+
+    weights = torch.tensor([[0.5, 1.5, 9.0], [1.0, 9.0, 9.0]])
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    assert rollout_correction_stats(weights, mask, 1.5, 0.125) == pytest.approx(
+        {"policy/engine_mismatch_kl": 0.125, "policy/is_weight_mean": 1.0, "policy/is_weight_min": 0.5,
+         "policy/is_weight_max": 1.5, "policy/is_weight_truncated": 1 / 3})
+    d = torch.tensor([[0.1, -0.2, 0.0], [0.3, 0.0, 0.0]])  # log π_old − log π_engine at the policy tokens
+    _, mismatch = grpo.rollout_correction_weights(d, torch.zeros_like(d), mask, "token", 2.0)
+    k3 = [math.exp(x) - x - 1 for x in (0.1, -0.2, 0.3)]
+    assert float(mismatch) == pytest.approx(sum(k3) / 3)
 
 
 def test_step_stats_average_by_tokens_and_keep_maxima_and_minima():

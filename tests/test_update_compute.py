@@ -160,7 +160,9 @@ def test_a_step_with_every_sample_skipped_moves_the_weights_as_the_computed_one(
     skip_mod, skip_grads, skip_rows = _fit(tmp_path / "skip", skip=True, term=_EveryGroupDegenerate(), steps=2)
     full_mod, _, full_rows = _fit(tmp_path / "full", skip=False, term=_EveryGroupDegenerate(), steps=2)
     assert skip_rows == 0 < full_rows
-    assert skip_grads and all(float(g.abs().max()) == 0 for step in skip_grads for g in step.values())
+    trainable = sum(p.requires_grad for p in skip_mod.parameters())
+    assert skip_grads and all(len(step) == trainable for step in skip_grads)  # a gradient each, none left None
+    assert all(float(g.abs().max()) == 0 for step in skip_grads for g in step.values())
     trained = {n: p for n, p in full_mod.named_parameters() if p.requires_grad}
     moved = 0
     for name, p in skip_mod.named_parameters():
@@ -432,3 +434,24 @@ def test_the_logged_update_positions_are_those_the_model_is_fed(tmp_path, monkey
     assert seen["positions"] == passes * h["tokens/update_positions"], (seen["positions"], h)
     if share:  # a shared prefix is fed once: fewer positions than the rows hold
         assert h["tokens/update_positions"] < h["tokens/total"]
+
+
+def test_the_kl_term_is_against_the_base_model_in_a_fit(tmp_path):
+    """The golden kl arm logs loss/kl 0 at every step (its adapters start at zero: policy = reference), so a reference
+    pass that forgot to switch the adapters off passed every test. With adapters that move the logits, the logged KL
+    is the mean k3 of the policy tokens against the base model, and it is 0 where the adapters change nothing."""
+    from tiny import tiny_module, tiny_trainer
+
+    def fit_with(scale: float) -> float:
+        module = tiny_module()
+        module.configure_model()
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for name, p in module.policy.named_parameters():
+                if "lora_B" in name:  # LoRA B starts at zero; drawn here, the adapters change the logits
+                    p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        tiny_trainer(tmp_path, steps=1).fit(module)
+        return module.history[0]["loss/kl"]
+
+    assert fit_with(0.0) == 0.0  # the control: the adapted model is the base model
+    assert fit_with(0.5) > 1e-3
