@@ -12,8 +12,11 @@ Arm ``kl`` was recorded again once, on purpose: a reason line cut at its cap is 
 ``Label:``, not two (31 fewer prompt tokens in its first step; nothing else moved: the arm passed with that line
 reverted).
 
-A change that alters what a step computes (returns, advantages, rows, weights, the loss) moves these numbers far past
-the tolerance, which only absorbs float rounding across CPUs (fp32)."""
+A change that alters what these steps compute moves these numbers far past the tolerance, which only absorbs float
+rounding across CPUs (fp32). What they do not exercise (read from the recorded numbers): the ``kl`` arm's adapters
+never leave the base model (its KL is 0: ``test_update_compute.py`` checks the KL against the base model), no episode
+wins, and the ``paths`` arm's actions are all invalid (its penalty is one constant per group, which the advantages
+cancel). The golden runs guard the plumbing; the maths has by-hand tests of its own."""
 
 from __future__ import annotations
 
