@@ -253,6 +253,8 @@ def test_free_single_stream_turn_splits_guidance_and_action_tokens_at_the_format
         assert guid == f"Reason: {reason}\nLabel: positive\n"
         assert act == answer.format(a=step.action)
         assert step.reason == reason
+        # the step's texts split there too (the action's text was empty, the guidance text the whole turn)
+        assert step.action_text.strip() == act.strip() and step.guidance_text == f"Reason: {reason}\nLabel: positive"
 
 
 @pytest.mark.parametrize("fmt", ["json", "think_tags"])
@@ -362,6 +364,40 @@ def test_rate_prompt_keeps_the_whole_trajectory_until_the_context_limit_then_cut
         assert ("Step 5 action" in last_rate and "Step 1 action" not in last_rate
                 and "earlier steps not shown" in last_rate)
         assert _episode_values(ep)["guidance/rate_history_truncated"] == ep.rate_truncations / 6
+    # the actor prompts too: their history was never cut, so they grew past the cap (5 296 tokens at a 300 cap)
+    assert all(ep.actor_truncations == 0 and ep.actor_calls == 6 for ep in roomy.episodes)
+    longest = max(s.policy.index(True) for s in roomy.episodes[0].samples[1::2])  # the last step's, 5 steps shown
+    limit = longest + 16 + 8 - 1  # one token short for it
+    tight = Rollout(lm, tok, ENV, gc, RolloutConfig(group_size=2, max_steps=6, max_context_tokens=limit)).run([1])
+    for ep in tight.episodes:
+        assert max(s.policy.index(True) for s in ep.samples[1::2]) <= limit - 16 - 8
+        assert 0 < ep.actor_truncations < 6 and ep.actor_calls == 6
+        assert _episode_values(ep)["rollout/actor_history_truncated"] == ep.actor_truncations / 6
+
+
+class _LongPageEnv(FreeFormEnv):
+    """Its second observation is a 400-word page."""
+
+    def step(self, action):
+        res = super().step(action)
+        res.observation = "word " * 400
+        return res
+
+
+@pytest.mark.parametrize("max_steps", [1, 3])
+def test_a_single_stream_episode_never_feeds_past_its_context_cap(tok, max_steps):
+    """The cap was checked after a turn: a long observation was fed, and a whole turn generated, past it (a sample of
+    485 tokens at a 300 cap). Checked before feeding now; and the last step's observation, which no action follows,
+    is not fed at all."""
+    gc = GuidanceConfig(max_guidance_tokens=16, max_action_tokens=16)
+    lm = ScriptedLM(tok, scripted_reply(action=lambda ctx: "wait"))
+    batch = Rollout(lm, tok, _LongPageEnv, gc, RolloutConfig(group_size=2, max_steps=max_steps,
+                                                            max_context_tokens=300)).run([0])
+    for ep in batch.episodes:
+        sample = ep.samples[0]
+        assert len(sample.ids) <= 300 and ep.truncated and len(ep.steps) == 1
+        last_written = max(i for i, p in enumerate(sample.policy) if p)
+        assert len(sample.ids) - last_written < 10  # it ends with the turn: the 400-word page was not fed
 
 
 class _HeadStartEnv(FreeFormEnv):

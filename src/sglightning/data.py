@@ -43,8 +43,8 @@ class RolloutConfig:
     top_k: int = 0
     """sample among the k most likely tokens only (0 = off); the set is recorded and scored like any restriction"""
     max_context_tokens: int = 4096
-    """context cap: a single-stream episode whose context grows past it is truncated (counted); a two_call rate
-    prompt drops its oldest steps to fit (counted)"""
+    """context cap: a single-stream episode that would grow past it is truncated (counted); two_call prompts drop
+    their oldest steps to fit (counted)"""
     reuse_prefix: bool = True
     """two_call: each call keeps its KV cache across env steps, so a row computes only what its new prompt adds (two
     caches held)"""

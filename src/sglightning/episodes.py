@@ -174,6 +174,8 @@ class Episode:
     guided: bool = True
     rate_calls: int = 0  # two_call rate prompts built
     rate_truncations: int = 0  # ... whose trajectory had to be cut to fit rollout.max_context_tokens
+    actor_calls: int = 0  # two_call actor prompts built
+    actor_truncations: int = 0  # ... whose recent history had to be cut to fit rollout.max_context_tokens
     # runtime only
     admissible: list[str] | None = None
     observation: str = ""

@@ -37,12 +37,13 @@ EPISODE_KEYS = (
     "guidance/label_negative",
     "guidance/label_unparsed",
     "guidance/rate_history_truncated",
+    "rollout/actor_history_truncated",
 )
 LABEL_KEYS = frozenset(k for k in EPISODE_KEYS if k.startswith("guidance/label_"))
 #: shares over an episode's steps or rate calls: NaN where it has none (a failed reset, no guidance), left out of the
 #: means (a 0 there read as "never invalid", "no label"; where no episode has any, the key is not logged)
 PER_STEP_KEYS = LABEL_KEYS | {"rollout/invalid_action_rate", "rollout/format_error_rate",
-                              "guidance/rate_history_truncated"}
+                              "guidance/rate_history_truncated", "rollout/actor_history_truncated"}
 
 
 #: logged numbers that are counts or rates of the whole run (summed over ranks); everything else is averaged over
@@ -74,6 +75,7 @@ def _episode_values(ep: Episode) -> dict[str, float]:
         # could still be recovered from it
         "rollout/format_error_rate": sum(not s.format_ok for s in ep.steps) / n if n else math.nan,
         "guidance/rate_history_truncated": ep.rate_truncations / ep.rate_calls if ep.rate_calls else math.nan,
+        "rollout/actor_history_truncated": ep.actor_truncations / ep.actor_calls if ep.actor_calls else math.nan,
         "rollout/truncated_rate": float(ep.truncated),
         "rollout/env_error_rate": float(ep.error is not None),
         "reward/internal_sum": sum(ep.internal_rewards),

@@ -299,6 +299,8 @@ class Rollout:
             blocks.append(s.ids)
         with phase("rollout/prefill"):
             session.feed(blocks)
+        # the most a turn writes: its guidance and action caps, and a few forced tokens (markers, label, newlines)
+        turn_tokens = (self.guidance.max_guidance_tokens if guided else 0) + self.guidance.max_action_tokens + 16
         for t in range(self.cfg.max_steps):
             self._check_stop()
             programs = []
@@ -325,17 +327,23 @@ class Rollout:
                 if guided and not constrained and not oracle:
                     _split_free_turn(ep.samples[0], pieces, self.tok)
             self._apply_turns(*self._engine_failures(live, results), guided)
-            # next turn: observation for the survivors, drop finished rows from the cache
+            # next turn: observation for the survivors, drop finished rows from the cache.  A row whose next
+            # observation and turn would pass the context cap ends here, truncated (checked before feeding: a long
+            # observation would otherwise be fed, and a whole turn generated, past the cap)
             keep, blocks = [], []
+            last = t == self.cfg.max_steps - 1  # no action follows: nothing more is fed (the survivors end below)
             for row, ep in enumerate(live):
                 if ep.done:
                     continue
-                if session.length(row) > self.cfg.max_context_tokens:
-                    ep.truncated, ep.done = True, True
+                if last:
+                    keep.append(row)
                     continue
                 ids = self.chat.next_turn_ids(
                     stream_next_user(ep.observation, ep.admissible, env_help[ep.index] if repeat_help else ""),
                     closed_with=ep.samples[0].ids[-1])
+                if session.length(row) + len(ids) + turn_tokens > self.cfg.max_context_tokens:
+                    ep.truncated, ep.done = True, True
+                    continue
                 ep.samples[0].extend_context(ids, t + 1)  # the observation that opens step t + 1
                 keep.append(row)
                 blocks.append(ids)
@@ -343,7 +351,7 @@ class Rollout:
             stats["prefill"] = getattr(session, "fed_positions", 0)
             stats["engine"] = dict(session.engine_stats)
             live = [live[r] for r in keep]
-            if not live:
+            if not live or last:
                 break
             session.select(keep)
             with phase("rollout/prefill"):
@@ -389,9 +397,7 @@ class Rollout:
                 g = None
                 if guided:
                     g = self._oracle(ep) if oracle else _guidance_from_pieces(guid[ep.index], self.tok)
-                messages = actor_messages(ep.task, ep.observation, ep.admissible, ep.action_help,
-                                          views[ep.index], hist, g, fmt)
-                prompts.append(self.chat.prompt_ids(messages))
+                prompts.append(self._actor_prompt(ep, views[ep.index], hist, g, fmt))
                 free_actor = self.guidance.action_decoding == "free"
                 programs.append(self._action_program(ep, force_prefix=not free_actor or constrained))
             results = self._call(prompts, programs, temperature, generator, greedy, stats, act_call,
@@ -423,6 +429,32 @@ class Rollout:
         ep.rate_truncations += 1
         lo, hi = 0, (len(steps) if window is None else min(window, len(steps))) - 1  # the longest window that fits
         best = render(0)
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            cand = render(mid)
+            if len(cand) <= budget:
+                best, lo = cand, mid + 1
+            else:
+                hi = mid - 1
+        return best
+
+    def _actor_prompt(self, ep: Episode, steps: list[StepView], hist: int, guidance, fmt: str) -> list[int]:
+        """The actor prompt's ids: ``guidance.history_length`` recent steps, fewer (the oldest cut, counted) when the
+        prompt would leave less than ``max_action_tokens`` of ``rollout.max_context_tokens``.  The observation
+        itself is never cut: a prompt too long without history goes as it is."""
+        budget = self.cfg.max_context_tokens - self.guidance.max_action_tokens - 8
+
+        def render(h: int) -> list[int]:
+            return self.chat.prompt_ids(actor_messages(ep.task, ep.observation, ep.admissible, ep.action_help, steps,
+                                                       h, guidance, fmt))
+
+        ep.actor_calls += 1
+        ids = render(hist)
+        shown = min(hist, len(steps))
+        if len(ids) <= budget or shown == 0:
+            return ids
+        ep.actor_truncations += 1
+        lo, hi, best = 1, shown - 1, render(0)  # the most recent steps that fit
         while lo <= hi:
             mid = (lo + hi) // 2
             cand = render(mid)
@@ -540,6 +572,9 @@ class Rollout:
             rec.format_ok = parsed.source == self.guidance.format.source
             if ep.admissible is not None:
                 action = match_admissible(action, ep.admissible) or action
+        if guided and not actor and (start := action_part_start(g_text)) is not None:
+            # a free single-stream turn is one guidance piece: its answer part is the action's text, not guidance
+            a_text, rec.guidance_text = g_text[start:], g_text[:start].rstrip()
         rec.action_text = a_text
         rec.action = action
         ep.steps.append(rec)
