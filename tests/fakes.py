@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Literal
 
 import torch
+from lightning.pytorch.loggers import Logger
 
 from sglightning.engines.builtin import BuiltinEngine
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
@@ -212,3 +213,29 @@ class ModeEnv(HouseholdEnv):
 
     def __init__(self, mode: Literal["easy", "hard"] = "easy", **kw):
         super().__init__(difficulty=0 if mode == "easy" else 2, **kw)
+
+
+class RunIdLogger(Logger):
+    """A logger shaped like W&B's and MLflow's: a save_dir, a project name and a run id, no log_dir of its own."""
+
+    def __init__(self, save_dir: str, run_id: str = "run1", project: str = "project"):
+        super().__init__()
+        self._save_dir, self.run_id, self.project = save_dir, run_id, project
+
+    @property
+    def name(self):
+        return self.project
+
+    @property
+    def version(self):
+        return self.run_id
+
+    @property
+    def save_dir(self):
+        return self._save_dir
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass

@@ -386,6 +386,26 @@ def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
     time.sleep(0.01)
     (own / "last.ckpt").write_bytes(b"own")
     assert find_last_checkpoint(cfg) == ((own / "last.ckpt").resolve(), None)
+    # trainer.logger null is Lightning's default logger, as true is (it was searched as no logger: every requeue
+    # started fresh); a version the config fixes is looked for in that folder; a TensorBoard name "" has its
+    # versions in the save_dir itself
+    default = tmp_path / "dflt"
+    (default / "lightning_logs" / "version_3" / "checkpoints").mkdir(parents=True)
+    (default / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt").write_bytes(b"default")
+    for logger in (None, True):
+        assert find_last_checkpoint({"trainer": {"default_root_dir": str(default), "logger": logger}}) == (
+            (default / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt").resolve(), "version_3")
+    runs = tmp_path / "runs"
+    (runs / "arm_b" / "myrun" / "checkpoints").mkdir(parents=True)
+    (runs / "arm_b" / "myrun" / "checkpoints" / "last.ckpt").write_bytes(b"named version")
+    fixed = {"logger": {"init_args": {"save_dir": str(runs), "name": "arm_b", "version": "myrun"}}}
+    assert find_last_checkpoint({"trainer": fixed}) == (
+        (runs / "arm_b" / "myrun" / "checkpoints" / "last.ckpt").resolve(), "myrun")
+    (runs / "version_0" / "checkpoints").mkdir(parents=True)
+    (runs / "version_0" / "checkpoints" / "last.ckpt").write_bytes(b"no name")
+    unnamed = {"logger": {"init_args": {"save_dir": str(runs), "name": ""}}}
+    assert find_last_checkpoint({"trainer": unnamed}) == (
+        (runs / "version_0" / "checkpoints" / "last.ckpt").resolve(), "version_0")
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_point(tmp_path):

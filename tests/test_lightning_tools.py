@@ -73,6 +73,16 @@ def test_a_run_without_a_logger_does_not_overwrite_an_earlier_one(tmp_path, caps
     assert f"trainer.default_root_dir: {tmp_path} holds an earlier run" in line and "--ckpt_path last" in line
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file()} == before  # nothing touched
     assert cli_main([*args[:-1], "--trainer.max_steps=2", "--ckpt_path=last"]).model.rollouts_done == 2
+    config = (tmp_path / "config.yaml").read_text()  # a validate of that run keeps the fit's config beside its own
+    cli_main(["validate", *args[1:-1], "--ckpt_path=last"])
+    assert (tmp_path / "config.yaml").read_text() == config and (tmp_path / "validate_config.yaml").is_file()
+    # a folder that holds a config.yaml alone (the user's own config, say) is refused too: the run overwrote it
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "config.yaml").write_text("# my config\n")
+    capsys.readouterr()
+    line = refused(capsys, *args[:4], f"--trainer.default_root_dir={own}", "--trainer.max_steps=1")
+    assert "holds an earlier run or a config.yaml" in line and (own / "config.yaml").read_text() == "# my config\n"
 
 
 def test_a_csv_logger_resumed_keeps_its_earlier_metrics_and_no_tensorboard_line_is_printed(tmp_path, capsys):
@@ -165,38 +175,31 @@ def test_any_setting_makes_a_model_checkpoint_ones_own():
         assert not _as_made(ModelCheckpoint(**own)), own
 
 
-def test_a_logger_without_a_folder_of_its_own_gets_one_run_folder_per_run(tmp_path):
+def test_a_logger_without_a_folder_of_its_own_gets_one_run_folder_per_run(tmp_path, monkeypatch):
     """W&B and MLflow loggers have a save_dir, a project name and a run id, no log_dir: every run's adapter, reports
-    and profiles went to the shared save_dir (the next run overwrote them), apart from its last.ckpt."""
+    and profiles went to the shared save_dir (the next run overwrote them), apart from its last.ckpt; its config.yaml
+    was never written, and a temporary copy was left in the save_dir."""
+    from fakes import RunIdLogger
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lightning.pytorch.loggers import Logger
 
     from sglightning.checkpointing import checkpoint_dir, run_dir
-
-    class RunIdLogger(Logger):
-        def __init__(self, run_id):
-            super().__init__()
-            self.run_id = run_id
-
-        name = property(lambda self: "project")
-        version = property(lambda self: self.run_id)
-        save_dir = property(lambda self: str(tmp_path))
-
-        def log_metrics(self, *args, **kwargs):
-            pass
-
-        def log_hyperparams(self, *args, **kwargs):
-            pass
 
     folders = []
     for run_id in ("run1", "run2"):
         keeper = ModelCheckpoint(save_last=True, save_top_k=0)
-        trainer = Trainer(logger=RunIdLogger(run_id), callbacks=[keeper], enable_progress_bar=False)
+        trainer = Trainer(logger=RunIdLogger(str(tmp_path), run_id), callbacks=[keeper], enable_progress_bar=False)
         keeper.setup(trainer, None, "fit")  # where Lightning puts the checkpoints
         folders.append(run_dir(trainer))
         assert checkpoint_dir(trainer) == run_dir(trainer) / "checkpoints" == Path(keeper.dirpath)
     assert folders == [tmp_path / "project" / "run1", tmp_path / "project" / "run2"]
+    monkeypatch.chdir(tmp_path)  # W&B's default save_dir is the working directory
+    cli_main(["fit", "--config", TINY, "--trainer.logger.class_path=fakes.RunIdLogger", "--trainer.max_steps=1",
+              f"--trainer.logger.init_args.save_dir={tmp_path / 'wb'}", "--trainer.logger.init_args.run_id=abc"])
+    run = tmp_path / "wb" / "project" / "abc"
+    assert (run / "config.yaml").is_file() and (run / "adapter").is_dir()
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert sorted(p.name for p in (tmp_path / "wb").iterdir()) == ["project"]  # no temporary config left
 
 
 def test_one_callback_given_alone_in_a_config_file(tmp_path):

@@ -230,7 +230,9 @@ def test_a_resumed_runs_config_starts_fresh_when_run_again(resumed):
     _, out, _ = resumed
     text = (out / "tiny" / "version_0" / "config.yaml").read_text()
     assert yaml.safe_load(text)["ckpt_path"] is None
-    assert "# resumed from " in text and "last.ckpt" in text
+    assert "# resumed from " in text and "last.ckpt" in text and " in version_0 " in text
+    # nor the version folder the resume continued in: a fresh fit of the file wrote into this run's folder
+    assert yaml.safe_load(text)["trainer"]["logger"]["init_args"]["version"] is None
 
 
 def test_a_resume_trains_with_the_configs_optimiser_settings(tmp_path, capsys):

@@ -88,14 +88,25 @@ class VersionedSaveConfig(SaveConfigCallback):
         """The checkpoint a run resumed from is noted as a comment, not kept as ``ckpt_path``: a fit of the saved
         config would otherwise resume that checkpoint again, in a new folder, or find nothing left to train."""
         self._resumed_from = self.config.get("ckpt_path") if "ckpt_path" in self.config else None
-        if self._resumed_from:
+        self._pinned = None
+        if self._resumed_from and stage == "fit":
             self.config = self.config.clone()
             self.config.ckpt_path = None
+            trainer_cfg = self.config.get("trainer") or {}
+            for init in resumed_logger_inits(trainer_cfg.get("logger") if hasattr(trainer_cfg, "get") else None):
+                # the version folder the resume continued in: pinned in the saved file, a fresh fit of it would
+                # write into this run's folder (over its last.ckpt, adapter and reports)
+                self._pinned, init["version"] = init.get("version") or self._pinned, None
         # Lightning writes a temp file; save_config (rank 0, within this call) completes it and swaps it in, so a kill
         # keeps the previous config.yaml whole (a resume rewrites the run's only copy).  Run folders are local
         # (checkpointing.check_run_dir refuses a remote one)
         self._final = self.config_filename
+        if stage == "validate" and not trainer.loggers:  # the run folder is the fit's: its config.yaml stays
+            self._final = "validate_config.yaml"
         self.config_filename = temp_path(Path(self._final)).name
+        # where Lightning writes it: trainer.log_dir, a logger's save_dir where it has no log_dir (W&B, MLflow); the
+        # config goes to the run folder (run_dir) all the same.  Every rank is here (log_dir is a broadcast)
+        self._written_in = Path(trainer.log_dir) if trainer.log_dir is not None else None
         try:
             super().setup(trainer, pl_module, stage)
         finally:
@@ -104,18 +115,20 @@ class VersionedSaveConfig(SaveConfigCallback):
     def save_config(self, trainer, pl_module, stage: str) -> None:
         if not self.save_to_log_dir:
             return
-        tmp = run_dir(trainer) / self.config_filename  # rank 0 only: no trainer.log_dir (a broadcast)
+        tmp = (getattr(self, "_written_in", None) or run_dir(trainer)) / self.config_filename  # rank 0 only
         if not tmp.is_file():
             return
         text = tmp.read_text()
-        if self._resumed_from:
-            text += f"# resumed from {self._resumed_from} (give --ckpt_path to resume again)\n"
+        if self._resumed_from and stage == "fit":
+            where = f" in {self._pinned}" if self._pinned else ""
+            text += f"# resumed from {self._resumed_from}{where} (give --ckpt_path to resume again)\n"
         versions = pl_module.package_versions() if hasattr(pl_module, "package_versions") else {}
         if versions:
             text += "# package versions of this run (written by sglightning):\n"
             text += "".join(f"#   {k}: {v}\n" for k, v in versions.items())
         tmp.unlink(missing_ok=True)
-        self._pending = (tmp.with_name(self._final), text)
+        run_dir(trainer).mkdir(parents=True, exist_ok=True)
+        self._pending = (run_dir(trainer) / self._final, text)
         if not (self._resumed_from and stage == "fit"):
             self.on_train_start(trainer, pl_module)
 
@@ -563,9 +576,9 @@ class SGLightningCLI(LightningCLI):
             # report; Lightning itself discards what a sanity check logs)
             cfg["trainer"]["num_sanity_val_steps"] = -1
         if not cfg.get("ckpt_path") and (earlier := earlier_run_without_logger(cfg.get("trainer") or {})):
-            self._error(f"trainer.default_root_dir: {earlier} holds an earlier run, which this one would overwrite "
-                        "(without a logger every run uses that folder): resume it with --ckpt_path last, or give "
-                        "another trainer.default_root_dir")
+            self._error(f"trainer.default_root_dir: {earlier} holds an earlier run or a config.yaml, which this one "
+                        "would overwrite (without a logger every run uses that folder): resume it with --ckpt_path "
+                        "last, or give another trainer.default_root_dir")
         if cfg.get("ckpt_path") != "last":
             if cfg.get("ckpt_path"):
                 nothing_left_to_train(cfg["ckpt_path"], cfg.get("trainer") or {})
@@ -583,7 +596,7 @@ class SGLightningCLI(LightningCLI):
         cfg["ckpt_path"] = str(ckpt)
         if version is not None:
             trainer = cfg.get("trainer")
-            if trainer is not None and trainer.get("logger") is True:  # Lightning's default logger, made explicit
+            if trainer is not None and trainer.get("logger") in (True, None):  # Lightning's default, made explicit
                 where = Namespace(save_dir=str(trainer.get("default_root_dir") or "."), name="lightning_logs")
                 trainer["logger"] = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=where)
             for init in resumed_logger_inits(cfg.get("trainer", {}).get("logger")):
@@ -806,12 +819,14 @@ def first_process() -> bool:
 
 def earlier_run_without_logger(trainer) -> Path | None:
     """With no logger (``trainer.logger: false``) a run's folder is ``trainer.default_root_dir`` itself, the same for
-    every run: that folder when it holds an earlier run's checkpoint or adapter, else None."""
+    every run: that folder when it holds an earlier run's checkpoint, adapter or ``config.yaml`` (which the run would
+    overwrite, and remove if it failed before its first step), else None."""
     logger = trainer.get("logger")
     if (logger is not False and logger != []) or trainer.get("fast_dev_run"):
         return None
     folder = Path(str(trainer.get("default_root_dir") or "."))
-    return folder if any((folder / "checkpoints").glob("last*.ckpt")) or (folder / "adapter").is_dir() else None
+    earlier = any((folder / "checkpoints").glob("last*.ckpt")) or (folder / "adapter").is_dir()
+    return folder if earlier or (folder / "config.yaml").is_file() else None
 
 
 def resumed_logger_inits(logger) -> list:
@@ -838,12 +853,16 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
     inits = resumed_logger_inits(trainer.get("logger"))
     init = inits[0] if inits else None  # the first logger's folder is the run's (checkpoints, adapter, reports)
     if init is not None and init.get("save_dir") is not None:
-        root = Path(str(init.get("save_dir"))) / str(init.get("name") or "lightning_logs")
-        patterns = [("version_*/checkpoints", True)]
-    else:  # no logger: Lightning's checkpoints/; Lightning's default logger (true): lightning_logs/version_*/
+        name = init.get("name")
+        name = "lightning_logs" if name is None else str(name)  # "": the versions sit in save_dir itself
+        root = Path(str(init.get("save_dir"))) / name if name else Path(str(init.get("save_dir")))
+        version = init.get("version")  # a version the config fixes: that folder alone
+        folder = "version_*" if version is None else version if isinstance(version, str) else f"version_{version}"
+        patterns = [(f"{folder}/checkpoints", True)]
+    else:  # no logger: Lightning's checkpoints/; Lightning's default logger (true or null): lightning_logs/version_*/
         root = Path(str(trainer.get("default_root_dir") or "."))
         logger = trainer.get("logger")
-        patterns = [("checkpoints", False)] + ([] if logger in (False, None, []) else
+        patterns = [("checkpoints", False)] + ([] if logger in (False, []) else
                                                [("lightning_logs/version_*/checkpoints", True)])
     folders = [(folder, versioned) for pattern, versioned in patterns for folder in root.glob(pattern)]
     folders += [(folder, False) for folder in checkpoint_dirpaths(trainer)]  # where a stop saves, if a callback says
