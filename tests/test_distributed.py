@@ -367,6 +367,12 @@ def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
     mine.mkdir(parents=True)
     (mine / "last.ckpt").write_bytes(b"arm b")
     assert find_last_checkpoint({"trainer": named}) == ((mine / "last.ckpt").resolve(), "version_1")
+    # a run's checkpoint given by its path is resumed in its own folder too (it started a new version_N)
+    from sglightning.cli import version_of_checkpoint
+
+    assert version_of_checkpoint(mine / "epoch=0-step=3.ckpt", {"trainer": named}) == "version_1"
+    assert version_of_checkpoint(other / "last.ckpt", {"trainer": named}) is None  # another arm's: no folder pinned
+    assert version_of_checkpoint(tmp_path / "loose.ckpt", {"trainer": named}) is None
     # no logger: default_root_dir's own checkpoints/ (Lightning's folder when logger=False), not deeper
     plain = tmp_path / "plain"
     (plain / "deep" / "x" / "y" / "checkpoints").mkdir(parents=True)

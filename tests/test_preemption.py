@@ -308,6 +308,11 @@ def test_resume_extends_a_finished_run(tmp_path):
     assert "the trust schedule keeps its horizon of 2 steps" in out.stderr  # λ is not rescaled by the new max_steps
     state = load_checkpoint_file(tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt")
     assert state["sglightning"]["rollouts_done"] == 3 and state["global_step"] == 3
+    # the saved config says the horizon it kept (a fresh fit of it scheduled λ over 3 steps: other weights)
+    import yaml
+
+    text = (tmp_path / "tiny" / "version_0" / "config.yaml").read_text()
+    assert yaml.safe_load(text)["model"]["grpo"]["total_steps"] == 2 and "# resumed from " in text
 
 
 STOPPED_AT = """

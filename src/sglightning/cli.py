@@ -118,17 +118,17 @@ class VersionedSaveConfig(SaveConfigCallback):
         tmp = (getattr(self, "_written_in", None) or run_dir(trainer)) / self.config_filename  # rank 0 only
         if not tmp.is_file():
             return
-        text = tmp.read_text()
+        body, notes = tmp.read_text(), ""
         if self._resumed_from and stage == "fit":
             where = f" in {self._pinned}" if self._pinned else ""
-            text += f"# resumed from {self._resumed_from}{where} (give --ckpt_path to resume again)\n"
+            notes += f"# resumed from {self._resumed_from}{where} (give --ckpt_path to resume again)\n"
         versions = pl_module.package_versions() if hasattr(pl_module, "package_versions") else {}
         if versions:
-            text += "# package versions of this run (written by sglightning):\n"
-            text += "".join(f"#   {k}: {v}\n" for k, v in versions.items())
+            notes += "# package versions of this run (written by sglightning):\n"
+            notes += "".join(f"#   {k}: {v}\n" for k, v in versions.items())
         tmp.unlink(missing_ok=True)
         run_dir(trainer).mkdir(parents=True, exist_ok=True)
-        self._pending = (run_dir(trainer) / self._final, text)
+        self._pending = (run_dir(trainer) / self._final, body, notes)
         if not (self._resumed_from and stage == "fit"):
             self.on_train_start(trainer, pl_module)
 
@@ -136,8 +136,16 @@ class VersionedSaveConfig(SaveConfigCallback):
         """A resume's config replaces the run's once the checkpoint restored: a refused one (another
         ``model.policy``, a corrupt file) leaves the run's config.yaml as it was, as its error line advises."""
         pending, self._pending = getattr(self, "_pending", None), None
-        if pending:
-            atomic_write_text(*pending)
+        if not pending:
+            return
+        path, body, notes = pending
+        horizon = getattr(getattr(pl_module, "trust", None), "saved_horizon", None)
+        if horizon is not None and self.config.get("model.grpo.total_steps") is None:
+            # the resume kept the checkpoint's trust horizon: said in the file, so a fit of it schedules λ as this run
+            config = self.config.clone()
+            config["model.grpo.total_steps"] = int(horizon)
+            body = self.parser.dump(config, skip_none=False)
+        atomic_write_text(path, body + notes)
 
 
 # field docs are attribute docstrings (below each dataclass field): --help shows them
@@ -582,6 +590,7 @@ class SGLightningCLI(LightningCLI):
         if cfg.get("ckpt_path") != "last":
             if cfg.get("ckpt_path"):
                 nothing_left_to_train(cfg["ckpt_path"], cfg.get("trainer") or {})
+                _pin_version(cfg, version_of_checkpoint(cfg["ckpt_path"], cfg))  # a run's own checkpoint: its folder
                 quiet_resume()
                 self._announce = f"sglightning: resuming from {cfg['ckpt_path']}"
             return
@@ -594,13 +603,7 @@ class SGLightningCLI(LightningCLI):
         ckpt, version = found
         nothing_left_to_train(ckpt, cfg.get("trainer") or {})
         cfg["ckpt_path"] = str(ckpt)
-        if version is not None:
-            trainer = cfg.get("trainer")
-            if trainer is not None and trainer.get("logger") in (True, None):  # Lightning's default, made explicit
-                where = Namespace(save_dir=str(trainer.get("default_root_dir") or "."), name="lightning_logs")
-                trainer["logger"] = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=where)
-            for init in resumed_logger_inits(cfg.get("trainer", {}).get("logger")):
-                init["version"] = version
+        _pin_version(cfg, version)
         quiet_resume()
         self._announce = f"sglightning: resuming from {ckpt}"
 
@@ -843,12 +846,34 @@ def resumed_logger_inits(logger) -> list:
                          and (init.get("save_dir"), init.get("name")) == key]
 
 
-def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
-    """The newest ``last.ckpt`` of this config's runs, with the version folder name to continue in: with a logger
-    that has a ``save_dir``, only under ``save_dir/name/version_*/checkpoints/`` (another run's checkpoints — another
-    logger name in the same folder — are never taken); without one, under ``trainer.default_root_dir`` (its
-    ``checkpoints/``, and with Lightning's default logger its ``lightning_logs/version_*/checkpoints/``).  A
-    ModelCheckpoint's own ``dirpath`` is searched too."""
+def _pin_version(cfg, version: str | None) -> None:
+    """A resume continues in the run's version folder ``version`` (None: nothing to pin): the loggers that share the
+    run's folder are given it (Lightning's default logger made explicit first)."""
+    if version is None:
+        return
+    trainer = cfg.get("trainer")
+    if trainer is not None and trainer.get("logger") in (True, None):  # Lightning's default, made explicit
+        where = Namespace(save_dir=str(trainer.get("default_root_dir") or "."), name="lightning_logs")
+        trainer["logger"] = Namespace(class_path="lightning.pytorch.loggers.TensorBoardLogger", init_args=where)
+    for init in resumed_logger_inits(cfg.get("trainer", {}).get("logger")):
+        init["version"] = version
+
+
+def version_of_checkpoint(path, cfg) -> str | None:
+    """The version folder of a checkpoint given by path when it is one of this config's runs
+    (``<root>/<version>/checkpoints/<file>``, the root as :func:`find_last_checkpoint` searches), else None."""
+    path = Path(str(path)).absolute()
+    if path.parent.name != "checkpoints":
+        return None
+    for root, pattern in _run_roots(cfg):
+        if pattern and path.parent.parent.parent == root.absolute() and path.parent.parent.match(pattern):
+            return path.parent.parent.name
+    return None
+
+
+def _run_roots(cfg) -> list[tuple[Path, str | None]]:
+    """Where this config's runs keep their checkpoints: (root, the version folders' pattern there; None: the root's
+    own ``checkpoints``)."""
     trainer = cfg.get("trainer") or {}
     inits = resumed_logger_inits(trainer.get("logger"))
     init = inits[0] if inits else None  # the first logger's folder is the run's (checkpoints, adapter, reports)
@@ -857,14 +882,22 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
         name = "lightning_logs" if name is None else str(name)  # "": the versions sit in save_dir itself
         root = Path(str(init.get("save_dir"))) / name if name else Path(str(init.get("save_dir")))
         version = init.get("version")  # a version the config fixes: that folder alone
-        folder = "version_*" if version is None else version if isinstance(version, str) else f"version_{version}"
-        patterns = [(f"{folder}/checkpoints", True)]
-    else:  # no logger: Lightning's checkpoints/; Lightning's default logger (true or null): lightning_logs/version_*/
-        root = Path(str(trainer.get("default_root_dir") or "."))
-        logger = trainer.get("logger")
-        patterns = [("checkpoints", False)] + ([] if logger in (False, []) else
-                                               [("lightning_logs/version_*/checkpoints", True)])
-    folders = [(folder, versioned) for pattern, versioned in patterns for folder in root.glob(pattern)]
+        return [(root, "version_*" if version is None else version if isinstance(version, str)
+                 else f"version_{version}")]
+    # no logger: Lightning's checkpoints/; Lightning's default logger (true or null): lightning_logs/version_*/
+    root = Path(str(trainer.get("default_root_dir") or "."))
+    return [(root, None)] + ([] if trainer.get("logger") in (False, []) else [(root / "lightning_logs", "version_*")])
+
+
+def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
+    """The newest ``last.ckpt`` of this config's runs, with the version folder name to continue in: with a logger
+    that has a ``save_dir``, only under ``save_dir/name/version_*/checkpoints/`` (another run's checkpoints — another
+    logger name in the same folder — are never taken); without one, under ``trainer.default_root_dir`` (its
+    ``checkpoints/``, and with Lightning's default logger its ``lightning_logs/version_*/checkpoints/``).  A
+    ModelCheckpoint's own ``dirpath`` is searched too."""
+    trainer = cfg.get("trainer") or {}
+    folders = [(folder, pattern is not None) for root, pattern in _run_roots(cfg)
+               for folder in root.glob(f"{pattern}/checkpoints" if pattern else "checkpoints")]
     folders += [(folder, False) for folder in checkpoint_dirpaths(trainer)]  # where a stop saves, if a callback says
     best: tuple[float, Path, str | None] | None = None
     for folder, versioned in folders:
