@@ -370,7 +370,8 @@ def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
     # a run's checkpoint given by its path is resumed in its own folder too (it started a new version_N)
     from sglightning.cli import version_of_checkpoint
 
-    assert version_of_checkpoint(mine / "epoch=0-step=3.ckpt", {"trainer": named}) == "version_1"
+    assert version_of_checkpoint(mine / "last.ckpt", {"trainer": named}) == "version_1"
+    assert version_of_checkpoint(mine / "step=50.ckpt", {"trainer": named}) is None  # an older one: a branch
     assert version_of_checkpoint(other / "last.ckpt", {"trainer": named}) is None  # another arm's: no folder pinned
     assert version_of_checkpoint(tmp_path / "loose.ckpt", {"trainer": named}) is None
     # no logger: default_root_dir's own checkpoints/ (Lightning's folder when logger=False), not deeper
@@ -409,9 +410,10 @@ def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
         (runs / "arm_b" / "myrun" / "checkpoints" / "last.ckpt").resolve(), "myrun")
     (runs / "version_0" / "checkpoints").mkdir(parents=True)
     (runs / "version_0" / "checkpoints" / "last.ckpt").write_bytes(b"no name")
-    unnamed = {"logger": {"init_args": {"save_dir": str(runs), "name": ""}}}
-    assert find_last_checkpoint({"trainer": unnamed}) == (
-        (runs / "version_0" / "checkpoints" / "last.ckpt").resolve(), "version_0")
+    for name in ("", None):  # Lightning's TensorBoard and CSV loggers read a null name as ""
+        unnamed = {"logger": {"init_args": {"save_dir": str(runs), "name": name}}}
+        assert find_last_checkpoint({"trainer": unnamed}) == (
+            (runs / "version_0" / "checkpoints" / "last.ckpt").resolve(), "version_0")
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_the_same_point(tmp_path):

@@ -193,6 +193,14 @@ def test_a_logger_without_a_folder_of_its_own_gets_one_run_folder_per_run(tmp_pa
         folders.append(run_dir(trainer))
         assert checkpoint_dir(trainer) == run_dir(trainer) / "checkpoints" == Path(keeper.dirpath)
     assert folders == [tmp_path / "project" / "run1", tmp_path / "project" / "run2"]
+    # such a logger knows its run id on rank 0 alone: every rank takes rank 0's folder, pinned at setup
+    from sglightning.checkpointing import pin_run_dir
+
+    logger = RunIdLogger(str(tmp_path), "run3")
+    trainer = Trainer(logger=logger, enable_progress_bar=False)
+    pin_run_dir(trainer)
+    logger.run_id = None  # what another rank's logger says
+    assert run_dir(trainer) == tmp_path / "project" / "run3"
     monkeypatch.chdir(tmp_path)  # W&B's default save_dir is the working directory
     cli_main(["fit", "--config", TINY, "--trainer.logger.class_path=fakes.RunIdLogger", "--trainer.max_steps=1",
               f"--trainer.logger.init_args.save_dir={tmp_path / 'wb'}", "--trainer.logger.init_args.run_id=abc"])

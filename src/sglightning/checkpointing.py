@@ -37,6 +37,8 @@ def run_dir(trainer) -> Path:
     logger directly (``trainer.log_dir`` broadcasts from rank 0, which deadlocks in code that only rank 0 runs)."""
     if not trainer.loggers:
         return Path(trainer.default_root_dir)
+    if getattr(trainer, "sglightning_run_dir", None) is not None:  # pin_run_dir: rank 0's, on every rank
+        return trainer.sglightning_run_dir
     logger = trainer.loggers[0]
     path = getattr(logger, "log_dir", None)
     if path is None:
@@ -44,6 +46,15 @@ def run_dir(trainer) -> Path:
         version = version if isinstance(version, str) else f"version_{version}"
         path = Path(getattr(logger, "save_dir", None) or trainer.default_root_dir) / str(logger.name) / version
     return Path(path)
+
+
+def pin_run_dir(trainer) -> None:
+    """On every rank, at setup: a first logger without a folder of its own (W&B, MLflow) knows its run id on rank 0
+    alone (the others would make ``version_None``), so :func:`run_dir` takes rank 0's folder from here on.  A
+    collective under several processes; nothing to do for a logger with a ``log_dir``."""
+    trainer.sglightning_run_dir = None
+    if trainer.loggers and getattr(trainer.loggers[0], "log_dir", None) is None:
+        trainer.sglightning_run_dir = Path(trainer.strategy.broadcast(str(run_dir(trainer))))
 
 
 def readable_as_made(folder: Path) -> None:

@@ -860,10 +860,11 @@ def _pin_version(cfg, version: str | None) -> None:
 
 
 def version_of_checkpoint(path, cfg) -> str | None:
-    """The version folder of a checkpoint given by path when it is one of this config's runs
-    (``<root>/<version>/checkpoints/<file>``, the root as :func:`find_last_checkpoint` searches), else None."""
+    """The version folder of a checkpoint given by path when it is the ``last*.ckpt`` of one of this config's runs
+    (``<root>/<version>/checkpoints/last.ckpt``, the root as :func:`find_last_checkpoint` searches), else None: an
+    older checkpoint of a run starts a branch, in a folder of its own."""
     path = Path(str(path)).absolute()
-    if path.parent.name != "checkpoints":
+    if path.parent.name != "checkpoints" or not path.name.startswith("last"):  # an older one: a branch, its own folder
         return None
     for root, pattern in _run_roots(cfg):
         if pattern and path.parent.parent.parent == root.absolute() and path.parent.parent.match(pattern):
@@ -878,8 +879,8 @@ def _run_roots(cfg) -> list[tuple[Path, str | None]]:
     inits = resumed_logger_inits(trainer.get("logger"))
     init = inits[0] if inits else None  # the first logger's folder is the run's (checkpoints, adapter, reports)
     if init is not None and init.get("save_dir") is not None:
-        name = init.get("name")
-        name = "lightning_logs" if name is None else str(name)  # "": the versions sit in save_dir itself
+        # TensorBoard's and CSV's name: absent = "lightning_logs"; null or "" = the versions sit in save_dir itself
+        name = str(init.get("name") or "") if "name" in init else "lightning_logs"
         root = Path(str(init.get("save_dir"))) / name if name else Path(str(init.get("save_dir")))
         version = init.get("version")  # a version the config fixes: that folder alone
         return [(root, "version_*" if version is None else version if isinstance(version, str)
@@ -937,8 +938,9 @@ def _remove_unstarted_run(trainer) -> None:
     folder = run_dir(trainer)
     if not folder.is_dir() or (folder / "checkpoints").exists():
         return
+    own = "validate_config.yaml" if trainer.state.fn == "validate" and not trainer.loggers else "config.yaml"
     for f in folder.iterdir():
-        if f.is_file() and (f.name in ("config.yaml", "hparams.yaml") or f.name.startswith("events.out.tfevents")):
+        if f.is_file() and (f.name in (own, "hparams.yaml") or f.name.startswith("events.out.tfevents")):
             f.unlink()
     if not any(folder.iterdir()):
         folder.rmdir()

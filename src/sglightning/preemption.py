@@ -18,7 +18,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sglightning import distributed
-from sglightning.checkpointing import CheckpointError, checkpoint_dir, checkpoint_keeper, load_checkpoint_file
+from sglightning.checkpointing import (
+    CheckpointError,
+    checkpoint_dir,
+    checkpoint_keeper,
+    load_checkpoint_file,
+    pin_run_dir,
+)
 
 
 def sigterm_check(trainer: Trainer | None):
@@ -120,6 +126,7 @@ class PreemptionCheckpoint(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         install_sigterm_notifier(trainer)
+        pin_run_dir(trainer)  # every rank writes to rank 0's run folder
 
     @classmethod
     def last_path(cls, trainer: Trainer) -> Path:

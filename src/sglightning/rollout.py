@@ -299,8 +299,11 @@ class Rollout:
             blocks.append(s.ids)
         with phase("rollout/prefill"):
             session.feed(blocks)
-        # the most a turn writes: its guidance and action caps, and a few forced tokens (markers, label, newlines)
-        turn_tokens = (self.guidance.max_guidance_tokens if guided else 0) + self.guidance.max_action_tokens + 16
+        # about the most a turn writes: its guidance, thought and action caps, a few forced tokens (markers, label,
+        # newlines); a longer admissible action can pass it, which the check after the turn catches
+        g = self.guidance
+        think = g.max_think_tokens if g.format.closer else 0
+        turn_tokens = (g.max_guidance_tokens if guided else 0) + think + g.max_action_tokens + 16
         for t in range(self.cfg.max_steps):
             self._check_stop()
             programs = []
@@ -334,6 +337,9 @@ class Rollout:
             last = t == self.cfg.max_steps - 1  # no action follows: nothing more is fed (the survivors end below)
             for row, ep in enumerate(live):
                 if ep.done:
+                    continue
+                if session.length(row) > self.cfg.max_context_tokens:  # this turn passed the cap
+                    ep.truncated, ep.done = True, True
                     continue
                 if last:
                     keep.append(row)
