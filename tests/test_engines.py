@@ -679,12 +679,8 @@ def test_a_plain_trainer_fit_checks_the_engine_like_the_cli(tmp_path):
     assert module.policy is None  # refused before the model loaded
 
 
-@pytest.mark.parametrize("scenario,raised", [("sync", "EngineError: the vLLM engine refused adapter"),
-                                              ("rollout", "EngineError: every request of this turn failed")])
-def test_an_engine_failing_on_rank_0_fails_every_rank_at_once(tmp_path, scenario, raised):
-    """Rank 0 loads the adapter into the shared server and broadcasts its name: when it raised before the broadcast,
-    the other ranks waited there until the process group timed out (30 min by default).  The same for a rollout
-    whose engine failed on one rank only: the others went on to the update's collectives."""
+def _engine_ranks(tmp_path: Path, scenario: str) -> tuple[dict, dict]:
+    """What each of two gloo ranks raised in ``scenario`` (tests/engine_ranks.py), and after how long."""
     import json
 
     here = Path(__file__).resolve().parent
@@ -692,7 +688,16 @@ def test_an_engine_failing_on_rank_0_fails_every_rank_at_once(tmp_path, scenario
     res = subprocess.run([sys.executable, str(here / "engine_ranks.py"), str(tmp_path), scenario], env=env,
                          capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    return tuple(json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+
+
+@pytest.mark.parametrize("scenario,raised", [("sync", "EngineError: the vLLM engine refused adapter"),
+                                              ("rollout", "EngineError: every request of this turn failed")])
+def test_an_engine_failing_on_rank_0_fails_every_rank_at_once(tmp_path, scenario, raised):
+    """Rank 0 loads the adapter into the shared server and broadcasts its name: when it raised before the broadcast,
+    the other ranks waited there until the process group timed out (30 min by default).  The same for a rollout
+    whose engine failed on one rank only: the others went on to the update's collectives."""
+    r0, r1 = _engine_ranks(tmp_path, scenario)
     assert r0["raised"].startswith(raised)
     assert r1["raised"] == r0["raised"] and r1["s"] < 20, r1
 
@@ -704,14 +709,7 @@ def test_any_error_in_one_ranks_rollout_ends_every_ranks(tmp_path, scenario, own
     """Only an EngineError was exchanged: an out-of-memory error (or a bug) on one rank left the others waiting in
     their next collective until the process group timed out. The failing rank raises its own error; the others say it
     (out of memory as out of memory: their line names the keys that shrink it)."""
-    import json
-
-    here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(here / "engine_ranks.py"), str(tmp_path), scenario], env=env,
-                         capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stderr[-3000:]
-    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    r0, r1 = _engine_ranks(tmp_path, scenario)
     assert r1["raised"].startswith(own) and r0["raised"].startswith(other), (r0, r1)
     assert r0["s"] < 20, r0
 

@@ -433,16 +433,7 @@ class Rollout:
         if len(ids) <= budget:
             return ids
         ep.rate_truncations += 1
-        lo, hi = 0, (len(steps) if window is None else min(window, len(steps))) - 1  # the longest window that fits
-        best = render(0)
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            cand = render(mid)
-            if len(cand) <= budget:
-                best, lo = cand, mid + 1
-            else:
-                hi = mid - 1
-        return best
+        return _longest_that_fits(render, budget, (len(steps) if window is None else min(window, len(steps))) - 1)
 
     def _actor_prompt(self, ep: Episode, steps: list[StepView], hist: int, guidance, fmt: str) -> list[int]:
         """The actor prompt's ids: ``guidance.history_length`` recent steps, fewer (the oldest cut, counted) when the
@@ -460,15 +451,7 @@ class Rollout:
         if len(ids) <= budget or shown == 0:
             return ids
         ep.actor_truncations += 1
-        lo, hi, best = 1, shown - 1, render(0)  # the most recent steps that fit
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            cand = render(mid)
-            if len(cand) <= budget:
-                best, lo = cand, mid + 1
-            else:
-                hi = mid - 1
-        return best
+        return _longest_that_fits(render, budget, shown - 1)
 
     def _check_stop(self) -> None:
         if self._should_stop is not None and self._should_stop():
@@ -615,6 +598,20 @@ class Rollout:
             ep.won = bool(res.won)
             # the env's own step limit ended it (info["truncated"], the TextEnv convention): a truncation too
             ep.truncated = ep.truncated or (not ep.won and bool(rec.info.get("truncated")))
+
+
+def _longest_that_fits(render: Callable[[int], list[int]], budget: int, most: int) -> list[int]:
+    """``render(w)`` for the most recent steps ``w`` (at most ``most``) whose ids fit ``budget``, found by bisection;
+    ``render(0)`` when none does (the prompt without history goes as it is)."""
+    lo, hi, best = 1, most, render(0)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        cand = render(mid)
+        if len(cand) <= budget:
+            best, lo = cand, mid + 1
+        else:
+            hi = mid - 1
+    return best
 
 
 #: the task type of an episode whose reset failed and no episode of its seed says what the task was
