@@ -351,3 +351,16 @@ def test_ctrl_c_before_the_run_starts_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["sglightning", "fit", "--config", TINY])
     assert entry.main() == 130
     assert capsys.readouterr().err == "sglightning: interrupted before the run started; nothing was written\n"
+
+
+def test_a_resume_from_a_model_checkpoints_own_folder_continues_in_its_run_folder(tmp_path):
+    """`--ckpt_path last` finds last.ckpt in a ModelCheckpoint's own dirpath, but that folder says nothing of the
+    run's version folder: the resume started version_1, splitting the curve, the adapter and the reports in two."""
+    own = ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+           f"--trainer.callbacks.dirpath={tmp_path / 'mine'}", "--trainer.callbacks.save_last=true",
+           "--trainer.callbacks.save_top_k=0"]
+    first = Path(fit(tmp_path, *own, steps=1).trainer.log_dir)
+    assert (tmp_path / "mine" / "last.ckpt").is_file() and first.name == "version_0"
+    second = fit(tmp_path, *own, "--ckpt_path=last", steps=2)
+    assert Path(second.trainer.log_dir) == first and second.model.rollouts_done == 2
+    assert not (first.parent / "version_1").exists()

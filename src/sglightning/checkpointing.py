@@ -48,6 +48,11 @@ def run_dir(trainer) -> Path:
     return Path(path)
 
 
+#: the checkpoint key naming the version folder of the run that wrote it (a logger's run folder): a checkpoint kept in
+#: a ModelCheckpoint's own ``dirpath`` says where ``--ckpt_path last`` continues
+RUN_VERSION_KEY = "sglightning_run_version"
+
+
 def pin_run_dir(trainer) -> None:
     """On every rank, at setup: a first logger without a folder of its own (W&B, MLflow) knows its run id on rank 0
     alone (the others would make ``version_None``), so :func:`run_dir` takes rank 0's folder from here on.  A

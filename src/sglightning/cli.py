@@ -34,7 +34,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger
 
 from sglightning import distributed, threads
-from sglightning.checkpointing import CheckpointError, check_run_dir, load_checkpoint_file, run_dir
+from sglightning.checkpointing import RUN_VERSION_KEY, CheckpointError, check_run_dir, load_checkpoint_file, run_dir
 from sglightning.console import StepProgressBar, quiet, quiet_resume, quiet_validate
 from sglightning.errors import ConfigError, EngineError, OutOfMemory
 from sglightning.files import atomic_write_text, temp_path
@@ -895,11 +895,13 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
     that has a ``save_dir``, only under ``save_dir/name/version_*/checkpoints/`` (another run's checkpoints — another
     logger name in the same folder — are never taken); without one, under ``trainer.default_root_dir`` (its
     ``checkpoints/``, and with Lightning's default logger its ``lightning_logs/version_*/checkpoints/``).  A
-    ModelCheckpoint's own ``dirpath`` is searched too."""
+    ModelCheckpoint's own ``dirpath`` is searched too (its checkpoint names the version folder its run wrote to:
+    :data:`RUN_VERSION_KEY`)."""
     trainer = cfg.get("trainer") or {}
     folders = [(folder, pattern is not None) for root, pattern in _run_roots(cfg)
                for folder in root.glob(f"{pattern}/checkpoints" if pattern else "checkpoints")]
-    folders += [(folder, False) for folder in checkpoint_dirpaths(trainer)]  # where a stop saves, if a callback says
+    dirpaths = checkpoint_dirpaths(trainer)  # where a stop saves, if a callback says
+    folders += [(folder, False) for folder in dirpaths]
     best: tuple[float, Path, str | None] | None = None
     for folder, versioned in folders:
         recover_swapped_checkpoints(folder)  # a distributed save killed between its two renames
@@ -907,6 +909,10 @@ def find_last_checkpoint(cfg) -> tuple[Path, str | None] | None:
             mtime = path.stat().st_mtime
             if best is None or mtime > best[0]:
                 best = (mtime, path.resolve(), path.parent.parent.name if versioned else None)
+    if best is not None and best[2] is None and best[1].parent in {d.resolve() for d in dirpaths}:
+        with contextlib.suppress(CheckpointError):  # a folder, or an older file: a new version folder, as before
+            version = load_checkpoint_file(best[1], mmap=True).get(RUN_VERSION_KEY)
+            best = (best[0], best[1], version if isinstance(version, str) else None)
     return None if best is None else (best[1], best[2])
 
 

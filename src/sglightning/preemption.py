@@ -19,11 +19,13 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from sglightning import distributed
 from sglightning.checkpointing import (
+    RUN_VERSION_KEY,
     CheckpointError,
     checkpoint_dir,
     checkpoint_keeper,
     load_checkpoint_file,
     pin_run_dir,
+    run_dir,
 )
 
 
@@ -151,6 +153,8 @@ class PreemptionCheckpoint(Callback):
             self._save_last(trainer)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
+        if trainer.loggers and not trainer.fast_dev_run:  # the run's version folder, for a resume from a
+            checkpoint[RUN_VERSION_KEY] = run_dir(trainer).name  # ModelCheckpoint's own dirpath
         if self._validating_in_fit:
             _validation_pending(checkpoint)
 
