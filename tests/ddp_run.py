@@ -25,7 +25,8 @@ from tiny import tiny_module
 
 from sglightning.callbacks import AdapterExport
 from sglightning.data import RolloutConfig
-from sglightning.distributed import exit_process, release_process_group
+from sglightning.distributed import release_process_group
+from sglightning.errors import exit_process
 from sglightning.models import PolicyConfig
 from sglightning.module import EvalConfig
 from sglightning.update import UpdateConfig

@@ -148,6 +148,40 @@ def test_ctrl_c_before_the_first_step_leaves_no_run_folder(tmp_path):
     assert not (tmp_path / "tiny").exists(), list(tmp_path.rglob("*"))
 
 
+INTERRUPT_IN_EXEC = """
+import sys
+from sglightning import callbacks
+def interrupted(*args, **kwargs):  # a Ctrl-C that lands while a module imports, inside a dataclass being made
+    exec("raise KeyboardInterrupt")
+callbacks.RolloutCallback.on_train_batch_start = interrupted
+from sglightning.cli import main
+sys.argv = ["sglightning", *sys.argv[1:]]
+raise SystemExit(main())
+"""
+
+ENTRY_INTERRUPT_IN_EXEC = """
+import sys, types
+cli = types.ModuleType("sglightning.cli")  # Ctrl-C while the CLI imports, inside an exec of source text
+cli.main = lambda: exec("raise KeyboardInterrupt")
+sys.modules["sglightning.cli"] = cli
+from sglightning.entry import main
+raise SystemExit(main())
+"""
+
+
+@pytest.mark.parametrize("script", ["INTERRUPT_IN_EXEC", "ENTRY_INTERRUPT_IN_EXEC"])
+def test_ctrl_c_inside_an_exec_of_source_text_still_exits_130(tmp_path, script):
+    """CPython ends a ``python -m`` process by SIGINT (-2), whatever status it exits with, once a KeyboardInterrupt
+    has left an ``exec`` of source text. CI met it: Ctrl-C landed while a module imported."""
+    (tmp_path / "ctrl_c_run.py").write_text(globals()[script])
+    env = dict(_env(), PYTHONPATH=os.pathsep.join([str(tmp_path), _env()["PYTHONPATH"]]))
+    out = subprocess.run([sys.executable, "-m", "ctrl_c_run", *_fit_cmd(tmp_path, 3)[3:]], env=env,
+                         capture_output=True, text=True, timeout=600)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 130 and len(lines) == 1 and lines[0].startswith("sglightning: interrupted"), out.stderr
+    assert not (tmp_path / "tiny").exists(), list(tmp_path.rglob("*"))
+
+
 def test_resume_after_sigkill_equals_the_straight_run(tmp_path, straight):
     ckpt = tmp_path / "tiny" / "version_0" / "checkpoints" / "last.ckpt"
     proc = subprocess.Popen(_fit_cmd(tmp_path, 6), env=_env(), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,

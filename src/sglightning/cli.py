@@ -43,7 +43,7 @@ from sglightning.checkpointing import (
     version_folder,
 )
 from sglightning.console import StepProgressBar, quiet, quiet_resume, quiet_validate
-from sglightning.errors import ConfigError, EngineError, OutOfMemory
+from sglightning.errors import ConfigError, EngineError, OutOfMemory, exit_process
 from sglightning.files import atomic_write_text, temp_path
 from sglightning.models import check_environment as check_model_environment
 from sglightning.module import SelfGuideModule
@@ -1121,15 +1121,16 @@ def cli_main(args: list[str] | None = None, callbacks: Sequence[Callback] = ()) 
 
 def main() -> int:
     """Console-script entry point (``sglightning``): exit code 0 on success.  A process that ran a process group
-    (DDP, FSDP) ends through :func:`~sglightning.distributed.exit_process`, which skips interpreter teardown."""
+    (DDP, FSDP), and a run stopped by Ctrl-C (130), end through :func:`~sglightning.errors.exit_process`, which skips
+    interpreter teardown."""
     try:
         cli_main()  # LightningCLI reads sys.argv itself (passing it again triggers a warning)
     except BaseException as err:
-        if distributed.group_was_released():
-            distributed.exit_process(_report_exit(err))
+        if distributed.group_was_released() or (isinstance(err, SystemExit) and err.code == 130):
+            exit_process(_report_exit(err))
         raise
     if distributed.group_was_released():
-        distributed.exit_process(0)
+        exit_process(0)
     return 0
 
 

@@ -10,22 +10,19 @@
   of the token-weighted gradients, since ranks run different numbers of micro-batches), :func:`dummy_microbatches`
   (FSDP: every rank runs as many forward/backward passes), :func:`reduce_logs` (counts summed, the rest averaged).
 * **The adapter as full tensors** — :func:`adapter_state_dict` (gathered under FSDP: a collective).
-* **The end of a distributed process** — :func:`release_process_group`, then :func:`exit_process`: a normal exit's
-  work, but no interpreter teardown (where gloo's threads can abort a run that succeeded).
+* **The end of a distributed process** — :func:`release_process_group`, then
+  :func:`sglightning.errors.exit_process`: a normal exit's work, but no interpreter teardown (where gloo's threads
+  can abort a run that succeeded).
 
 Rule: every collective here runs on every rank in the same order.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import os
-import sys
-import threading
 from collections.abc import Callable, Iterable
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -73,28 +70,6 @@ def release_process_group() -> None:
 def group_was_released() -> bool:
     """This process ran a process group, now destroyed (:func:`release_process_group`)."""
     return _GROUP_RELEASED
-
-
-def exit_process(code: int) -> NoReturn:
-    """End a process that ran a process group: what a normal exit does, then ``os._exit`` instead of teardown.
-
-    Destroying a group frees nothing while something still holds it: FSDP1 modules after a backward, and DTensor's
-    sharding cache under FSDP2, keep theirs alive.  Its gloo threads then meet interpreter teardown, where a run that
-    succeeded can abort (SIGABRT, "terminate called without an active exception"; a race, seen on slow machines).
-    So: threading's exit hooks run and non-daemon threads joined, then exit hooks run, as ``sys.exit`` would, then logs
-    and streams flushed, then exit before teardown.
-
-    Args:
-        code: the process's exit status.
-    """
-    # as the interpreter's exit does: the threading exit hooks (concurrent.futures' among them, which tells idle
-    # pool workers, e.g. inductor's compile threads, to stop), then every non-daemon thread joined
-    threading._shutdown()
-    atexit._run_exitfuncs()  # every hook, last registered first, as at interpreter exit (logging's included)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 def all_reduce(x: torch.Tensor, op=None) -> torch.Tensor:

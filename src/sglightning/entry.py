@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from sglightning.errors import ConfigError
+from sglightning.errors import ConfigError, exit_process
 from sglightning.threads import check_environment
 
 
@@ -30,4 +30,4 @@ def main() -> int:
         return cli_main()
     except KeyboardInterrupt:  # Ctrl-C before the trainer runs (importing torch, parsing, loading the model)
         print("sglightning: interrupted before the run started; nothing was written", file=sys.stderr)
-        return 130
+        exit_process(130)  # not `return`: CPython may end the process by SIGINT instead (see exit_process)

@@ -1,11 +1,16 @@
-"""Errors the CLI turns into one line (no traceback wall)."""
+"""Errors the CLI turns into one line (no traceback wall), and how a process ends after one (:func:`exit_process`)."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import math
 import os
+import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import NoReturn
 
 
 class ConfigError(ValueError):
@@ -114,3 +119,28 @@ def check_number(key: str, value: float | None, low: float, strict: bool = False
             and (value > low if strict else value >= low)):
         bound = "" if low == -math.inf else f" {'>' if strict else '>='} {low:g}"
         raise ValueError(f"{key}: must be a finite number{bound}{' or null' if null else ''}, got {value!r}")
+
+
+def exit_process(code: int) -> NoReturn:
+    """End the process with status ``code``: what a normal exit does, then ``os._exit`` instead of teardown.
+
+    Two endings need it.  A process that ran a process group: destroying a group frees nothing while something still
+    holds it (FSDP1 modules after a backward, DTensor's sharding cache under FSDP2).  Its gloo threads then meet
+    interpreter teardown, where a run that succeeded can abort (SIGABRT, "terminate called without an active
+    exception"; a race, seen on slow machines).  And a Ctrl-C: once a ``KeyboardInterrupt`` has left an ``exec`` of
+    source text (``dataclasses`` makes methods so, while a module imports), CPython ends a ``python -m`` process by
+    SIGINT at teardown, whatever status it exits with (-2, not 130).
+    So: threading's exit hooks run and non-daemon threads joined, then exit hooks run, as ``sys.exit`` would, then logs
+    and streams flushed, then exit before teardown.
+
+    Args:
+        code: the process's exit status.
+    """
+    # as the interpreter's exit does: the threading exit hooks (concurrent.futures' among them, which tells idle
+    # pool workers, e.g. inductor's compile threads, to stop), then every non-daemon thread joined
+    threading._shutdown()
+    atexit._run_exitfuncs()  # every hook, last registered first, as at interpreter exit (logging's included)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
