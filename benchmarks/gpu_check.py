@@ -392,5 +392,6 @@ def row(o: dict) -> str:
 if __name__ == "__main__":
     main()
     from sglightning import distributed
+    from sglightning.errors import exit_process
     if distributed.group_was_released():  # FSDP: end as `sglightning` does, before teardown (gloo/NCCL threads)
-        distributed.exit_process(0)
+        exit_process(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # Imported up front, not at the end of the session: CPython 3.11's `ast` module keeps one process-wide recursion
@@ -10,6 +11,21 @@ from pathlib import Path
 # with "SystemError: AST constructor recursion depth mismatch" (seen with `pytest tests/test_faults.py` alone).
 import hypothesis  # noqa: F401
 import pytest
+
+_SUITE_PID = os.getpid()
+_real_exit = os._exit
+
+
+def _exit_outside_the_suite(code: int) -> None:
+    """``os._exit`` in the test process itself ends the whole session with that status and no report (CI once ended
+    with 130 at 58 %: an in-process test reached the CLI's Ctrl-C ending).  Here it fails that one test instead;
+    forked children and subprocesses exit as usual."""
+    if os.getpid() == _SUITE_PID:
+        raise RuntimeError(f"os._exit({code}) called in the pytest process: run this path in a subprocess")
+    _real_exit(code)
+
+
+os._exit = _exit_outside_the_suite
 
 
 @pytest.fixture(scope="session")

@@ -347,9 +347,15 @@ def test_ctrl_c_before_the_run_starts_is_one_line(monkeypatch, capsys):
     def interrupted():
         raise KeyboardInterrupt
 
+    def exit_process(code):  # the real one ends this process (pytest's) by os._exit
+        raise SystemExit(code)
+
     monkeypatch.setattr(sglightning.cli, "main", interrupted)
+    monkeypatch.setattr(entry, "exit_process", exit_process)
     monkeypatch.setattr("sys.argv", ["sglightning", "fit", "--config", TINY])
-    assert entry.main() == 130
+    with pytest.raises(SystemExit) as ended:
+        entry.main()
+    assert ended.value.code == 130
     assert capsys.readouterr().err == "sglightning: interrupted before the run started; nothing was written\n"
 
 
