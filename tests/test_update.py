@@ -233,6 +233,40 @@ def test_step_stats_average_by_tokens_and_keep_maxima_and_minima():
     assert s.result() == {"a": 1.5, "b_max": 4.0, "c_min": 1.0, "loss/calibration": pytest.approx(0.3)}
 
 
+def test_ranks_pool_step_stats_as_one_rank_holding_every_micro_batch(monkeypatch):
+    """Under DDP each rank's means were averaged alike: a rank of 1 token weighed as one of 9, and loss/calibration
+    was the mean of the ranks' means.  Pooled, two ranks give what one rank with all their micro-batches gives."""
+    from sglightning import distributed
+    from sglightning.update import MicrobatchObjective, StepStats
+
+    parts = [MicrobatchObjective(torch.zeros(()), {"loss/policy": 1.0, "policy/ratio_max": 2.0}, 9.0, 0.9, 3.0,
+                                 {"policy/entropy_guidance": 0.0}),
+             MicrobatchObjective(torch.zeros(()), {"loss/policy": 5.0, "policy/ratio_max": 7.0, "policy/ratio_min": 0.5,
+                                                   "policy/entropy_guidance": 4.0}, 1.0, 2.0, 1.0)]
+    one = StepStats()
+    for p in parts:
+        one.add(p)
+    sent = []  # what rank 1 puts into the gather
+    ranks = [StepStats(distributed.pool_weighted), StepStats(lambda sums, weights: sent.append((sums, weights))
+                                                             or (sums, weights))]
+    for rank, p in zip(ranks, parts):
+        rank.add(p)
+    ranks[1].result()
+    monkeypatch.setattr(distributed, "is_distributed", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, obj: out.__setitem__(slice(None),
+                                                                                                 [obj, *sent]))
+    pooled = ranks[0].result()
+    assert pooled == pytest.approx(one.result())
+    assert pooled["loss/policy"] == pytest.approx(1.4)  # (9·1 + 1·5) / 10, where the ranks' mean said 3.0
+    assert pooled["loss/calibration"] == pytest.approx(2.9 / 4)  # Σ −log q(y*) / Σ targets, not (0.3 + 2.0) / 2
+    assert pooled["policy/ratio_max"] == 7.0 and pooled["policy/ratio_min"] == 0.5  # extremes over ranks
+    assert pooled["policy/entropy_guidance"] == 4.0  # the rank without guidance tokens adds nothing
+    alone = StepStats()
+    alone.add(parts[0])
+    assert alone.result() == pytest.approx({"loss/policy": 1.0, "policy/ratio_max": 2.0, "loss/calibration": 0.3})
+
+
 def test_a_statistic_of_one_token_kind_weighs_micro_batches_by_that_kind():
     """In two_call a row holds guidance tokens or action tokens: a micro-batch of action rows logged a guidance
     entropy of 0 (the mean over none), weighted by its policy tokens, so the step's value moved with the batch size."""

@@ -219,6 +219,35 @@ def reduce_logs(logs: dict[str, float], sum_keys: Iterable[str], world_size: int
     return merged
 
 
+def pool_weighted(sums: dict[str, float], weights: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Weighted means pooled over ranks: each key's weighted sum and weight summed over the ranks that have it (maxima
+    and minima, :func:`extreme`: the extreme value, weight 1).  So Σ_r s_r / Σ_r w_r weighs a rank by its tokens; an
+    average of the ranks' means weighs a rank of 10 tokens as one of 1 000.  One ``all_gather_object``; the inputs
+    themselves outside distributed runs.
+
+    Args:
+        sums: a key's weighted sum Σ v·w on this rank (for a maximum or minimum: the value).
+        weights: the same key's Σ w on this rank.
+    """
+    if not is_distributed():
+        return sums, weights
+    gathered: list[tuple[dict, dict] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, (sums, weights))
+    pooled_sums: dict[str, float] = {}
+    pooled_weights: dict[str, float] = {}
+    for rank_sums, rank_weights in (g for g in gathered if g is not None):
+        for key, value in rank_sums.items():
+            pick = extreme(key)
+            if key not in pooled_sums:
+                pooled_sums[key], pooled_weights[key] = value, rank_weights[key]
+            elif pick:
+                pooled_sums[key] = pick(pooled_sums[key], value)
+            else:
+                pooled_sums[key] += value
+                pooled_weights[key] += rank_weights[key]
+    return pooled_sums, pooled_weights
+
+
 def rank() -> int:
     """This process's rank (0 outside distributed runs)."""
     return torch.distributed.get_rank() if is_distributed() else 0

@@ -372,7 +372,7 @@ class SelfGuideModule(LightningModule):
         ``rows``: the micro-batches; ``pad``: the zero-weight dummy ones this rank adds under FSDP; ``totals``: the
         step's counts over ranks; ``skipped``: zero-advantage rows were left out; ``correct``: the rollout
         correction taken from this pass (its ``data`` is ``step_data``).  Returns the step's statistics."""
-        c, temp, stats = self.grpo_cfg, self.rollout_cfg.temperature, StepStats()
+        c, temp, stats = self.grpo_cfg, self.rollout_cfg.temperature, StepStats(distributed.pool_weighted)
         finite, sharded = True, self.sharding is not None
         opt.zero_grad()
         distributed.dummy_microbatches(pad, lambda i, a, m: self.token_logprobs(i, a, m, temp),

@@ -28,7 +28,7 @@ rows, when to stop on non-finite updates: settings that change speed or robustne
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -255,7 +255,14 @@ class StepStats:
     0); ``…_max`` the maximum and ``…_min`` the minimum; ``loss/calibration`` the mean −log q(y*) over the step's
     hindsight targets."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: Callable[[dict, dict], tuple[dict, dict]] | None = None) -> None:
+        """A step's statistics, empty.
+
+        Args:
+            pool: merges the weighted sums and weights over ranks (:func:`sglightning.distributed.pool_weighted`),
+                so every mean is over the step's tokens on all ranks; None: this rank's alone.
+        """
+        self._pool = pool
         self._sums: dict[str, float] = {}
         self._weights: dict[str, float] = {}
         self._nll = self._targets = 0.0
@@ -273,10 +280,14 @@ class StepStats:
         self._targets += part.calibration_targets
 
     def result(self) -> dict[str, float]:
-        out = {k: self._sums[k] / max(self._weights[k], 1e-9) for k in self._sums}
-        if self._targets:
-            out["loss/calibration"] = self._nll / self._targets  # mean −log q(y*) over this rank's hindsight targets
-        return out
+        """The step's statistics (over every rank's tokens where pooled: a collective, every rank calls it)."""
+        sums, weights = dict(self._sums), dict(self._weights)
+        if self._targets:  # a rank without hindsight targets adds nothing to their mean
+            sums["loss/calibration"], weights["loss/calibration"] = self._nll, self._targets
+        if self._pool is not None:
+            sums, weights = self._pool(sums, weights)
+        # loss/calibration: the mean −log q(y*) over the step's hindsight targets
+        return {k: sums[k] / max(weights[k], 1e-9) for k in sums}
 
 
 # ----------------------------------------------------------------------------------------------------------------------
