@@ -12,6 +12,8 @@ from pathlib import Path
 import hypothesis  # noqa: F401
 import pytest
 
+from sglightning import errors
+
 _SUITE_PID = os.getpid()
 _real_exit = os._exit
 
@@ -26,6 +28,20 @@ def _exit_outside_the_suite(code: int) -> None:
 
 
 os._exit = _exit_outside_the_suite
+
+# exit_process runs the exit hooks (atexit, threading's: ThreadPoolExecutor refuses work after them) before os._exit:
+# reached in the pytest process, the guard above would fire too late, every later test broken.  Patched before
+# anything imports it by name (cli, entry), so it fails that one test at once.
+_real_exit_process = errors.exit_process
+
+
+def _exit_process_outside_the_suite(code: int) -> None:
+    if os.getpid() == _SUITE_PID:
+        raise RuntimeError(f"exit_process({code}) called in the pytest process: run this path in a subprocess")
+    _real_exit_process(code)
+
+
+errors.exit_process = _exit_process_outside_the_suite
 
 
 @pytest.fixture(scope="session")
@@ -51,12 +67,28 @@ def _same_random_start():
 
 
 @pytest.fixture(autouse=True)
+def _no_released_group_left():
+    """A test that releases a process group in-process (``distributed.release_process_group``) must not leave the
+    flag set: ``cli.main`` would then end every later in-process run through ``exit_process``."""
+    yield
+    import sys
+
+    if "sglightning.distributed" in sys.modules:
+        sys.modules["sglightning.distributed"]._GROUP_RELEASED = False
+
+
+@pytest.fixture(autouse=True)
 def _keep_torch_threads():
-    """The CLI sets torch's thread count for its process (``--threads``); tests that run it in-process must not leave
-    the rest of the session on another count than it started with."""
+    """The CLI sets torch's thread count for its process (``--threads``), and ``OMP_NUM_THREADS`` for ranks it starts;
+    tests that run it in-process must not leave the rest of the session (and every later subprocess) on another
+    count than it started with.  (``monkeypatch.delenv`` of an absent variable records nothing to undo.)"""
     import torch
 
-    before = torch.get_num_threads()
+    before, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     yield
     if torch.get_num_threads() != before:
         torch.set_num_threads(before)
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp

@@ -236,7 +236,7 @@ def test_cli_rejects_tensor_parallel_mesh(tmp_path):
     which this trainer does not implement: one line naming trainer.strategy, exit 2 — not a silently replicated run —
     before any process is launched or run folder written."""
     res = _cli(tmp_path, "--trainer.strategy.class_path=lightning.pytorch.strategies.ModelParallelStrategy",
-               timeout=300)
+               timeout=900)
     assert res.returncode == 2
     assert "trainer.strategy: tensor_parallel_size=2" in res.stderr and "FSDP2Strategy" in res.stderr
     assert "Traceback" not in res.stderr
@@ -266,7 +266,7 @@ def test_cli_rejects_qlora_under_fsdp(tmp_path):
     """4-bit base + FSDP fails deep inside bitsandbytes/FSDP (seen on CPU for both FSDP versions): refused up front,
     before the model loads, with one line naming model.policy.quantization."""
     res = _cli(tmp_path, *SHARDED_CLI["fsdp2"], "--trainer.accelerator=cpu", "--model.policy.quantization=4bit",
-               timeout=300)
+               timeout=900)
     assert res.returncode == 2
     assert "model.policy.quantization: 4bit under FSDP2Strategy" in res.stderr and "Traceback" not in res.stderr
 
@@ -275,7 +275,7 @@ def test_cli_validate_under_ddp_reports_every_episode_once(tmp_path):
     """`sglightning validate` on 2 processes: 5 evaluation tasks split over the ranks (one rank gets a padding batch),
     one report with all 5 episodes per mode, printed once, written once."""
     res = _cli(tmp_path, "--trainer.strategy=ddp", "--model.evaluation.num_tasks=5",
-               "--model.evaluation.tasks_per_batch=2", command="validate", timeout=300)
+               "--model.evaluation.tasks_per_batch=2", command="validate", timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     assert res.stdout.count("| self-guidance | episodes |") == 1
     reports = list(tmp_path.rglob("validation_report.json"))
@@ -285,7 +285,7 @@ def test_cli_validate_under_ddp_reports_every_episode_once(tmp_path):
         assert sorted(e["seed"] for e in report["episodes"][mode]) == [1_000_000 + i for i in range(5)]
     # one process plays the same draws: validation is seeded per batch of tasks, not per rank
     one = _cli(tmp_path / "one", "--model.evaluation.num_tasks=5", "--model.evaluation.tasks_per_batch=2",
-               command="validate", timeout=300, devices=1)
+               command="validate", timeout=900, devices=1)
     assert one.returncode == 0, one.stderr[-4000:]
     single = json.loads(next((tmp_path / "one").rglob("validation_report.json")).read_text())
     for mode in ("sg", "nosg"):
@@ -312,7 +312,7 @@ def test_checkpoint_swap_cut_in_half_is_undone(tmp_path):
 def test_cli_rejects_unsharded_fsdp1_with_tied_embeddings(tmp_path):
     """FSDP1 on one process switches to NO_SHARD, and torch's FSDP1 then fails on tied embeddings (the tiny model,
     Qwen2-0.5B): one line naming trainer.strategy instead of an assertion deep inside FSDP."""
-    res = _cli(tmp_path, *SHARDED_CLI["fsdp1"], "--trainer.accelerator=cpu", devices=1, timeout=300)
+    res = _cli(tmp_path, *SHARDED_CLI["fsdp1"], "--trainer.accelerator=cpu", devices=1, timeout=900)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "trainer.strategy: FSDPStrategy without sharding" in res.stderr and "Traceback" not in res.stderr
 

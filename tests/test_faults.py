@@ -29,7 +29,10 @@ def _faulty_module(kind: str, inner=HOUSE, policy: str = "keep"):
     # the first group of the first training step
     seed = task_seeds(probe.rollout_cfg.seed, 0, probe.rollout_cfg.groups_per_step, 0, 1, probe.eval_cfg.seed_offset)[0]
     env = functools.partial(FaultyEnv, env=inner, faults={seed: kind}, hang_s=30)
-    rollout = RolloutConfig(groups_per_step=2, group_size=2, max_steps=2, env_step_timeout_s=1, failed_episodes=policy)
+    # a 1 s step limit only where a step hangs: a real JVM's step on a loaded box may take longer
+    timeout = 1 if kind == "hang" else 60
+    rollout = RolloutConfig(groups_per_step=2, group_size=2, max_steps=2, env_step_timeout_s=timeout,
+                            failed_episodes=policy)
     return tiny_module(env=env, rollout=rollout)
 
 

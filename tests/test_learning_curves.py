@@ -224,11 +224,14 @@ def test_sigterm_to_the_runner_reaches_the_command_and_stops_the_study(tmp_path)
              "signal.signal(signal.SIGTERM, lambda *a: (print('saved', flush=True), sys.exit(0)))\n"
              "print('ready', flush=True)\ntime.sleep(20)\n")
 
+    done = threading.Event()  # set when the run has ended: a late SIGTERM would land on pytest's default handler
+
     def stop_when_ready():
         deadline = time.time() + 15
-        while time.time() < deadline and not (log.exists() and "ready" in log.read_text()):
+        while time.time() < deadline and not done.is_set() and not (log.exists() and "ready" in log.read_text()):
             time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGTERM)
+        if not done.is_set() and log.exists() and "ready" in log.read_text():
+            os.kill(os.getpid(), signal.SIGTERM)
 
     seen = []  # the test's own handler: without the runner's, the signal would land here and the child run on
 
@@ -245,6 +248,7 @@ def test_sigterm_to_the_runner_reaches_the_command_and_stops_the_study(tmp_path)
         assert "saved" in log.read_text() and not seen
         assert signal.getsignal(signal.SIGTERM) is ours  # the handler before run_cli is back
     finally:
+        done.set()
         signal.signal(signal.SIGTERM, previous)
 
 

@@ -111,14 +111,15 @@ def test_steps_of_different_slots_run_concurrently():
 
 
 def test_concurrency_limit_and_timeouts_count_from_the_start_of_a_call():
-    # 4 calls of 0.3 s through 2 permits take two waves (~0.6 s); the second wave must not time out although it
-    # finishes 0.6 s after submission, because its 0.45 s timeout runs from when it got a permit
-    with EnvPool(functools.partial(SleepyEnv, 0.3), max_concurrency=2, step_timeout_s=0.45) as pool:
+    # 4 calls of 0.6 s through 2 permits take two waves (~1.2 s); the second wave must not time out although it
+    # finishes 1.2 s after submission, because its 0.9 s timeout runs from when it got a permit (0.3 s to spare
+    # for a loaded box's thread wake-ups)
+    with EnvPool(functools.partial(SleepyEnv, 0.6), max_concurrency=2, step_timeout_s=0.9) as pool:
         pool.reset_many([(i, i, "train") for i in range(4)])
         t0 = time.perf_counter()
         out = pool.step_many([(i, "wait") for i in range(4)])
         took = time.perf_counter() - t0
-        assert all(o.ok for o in out) and 0.55 <= took < 1.1
+        assert all(o.ok for o in out) and 1.15 <= took < 3.0
     with pytest.raises(ValueError, match="max_concurrency"):
         EnvPool(SleepyEnv, max_concurrency=0)
 
@@ -210,11 +211,18 @@ def test_an_env_built_after_its_slot_was_given_up_is_closed():
 
     with EnvPool(SlowStart, reset_timeout_s=0.2) as pool:
         assert pool.reset_many([(0, 1, "train")])[0].error == "reset: timeout after 0.2 s"
-        time.sleep(0.6)  # the slow env is built now, after its slot was retired
+        _wait_for(lambda: len(closed) == 1)  # the slow env is built now, after its slot was retired
         assert len(built) == 1 and closed == built
         pool.reset_many([(1, 2, "train")])  # a second slot, still being built when the pool closes
-    time.sleep(0.6)
+    _wait_for(lambda: len(closed) == 2)
     assert len(built) == 2 and closed == built
+
+
+def _wait_for(condition, seconds: float = 10.0) -> None:
+    """Until ``condition()`` holds or ``seconds`` pass (a loaded box wakes threads late; a fixed sleep guessed)."""
+    deadline = time.perf_counter() + seconds
+    while not condition() and time.perf_counter() < deadline:
+        time.sleep(0.02)
 
 
 def test_failing_envs_leave_no_thread_behind_and_count_none_as_abandoned():

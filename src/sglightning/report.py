@@ -311,7 +311,8 @@ def _phase_time_lines(hist: list[dict[str, float]], mean) -> list[str]:
 
 def run_settings(module, checkpoint: str | None = None) -> dict[str, Any]:
     """What a validation report records of the run that played it: the environment, the model and adapter, the
-    ``checkpoint`` validated (None: the weights in memory), the episodes per mode and how they were played.
+    ``checkpoint`` validated (None: the weights in memory), the episodes per mode asked for (each mode's
+    ``episodes`` counts those played: fewer where ``limit_val_batches`` cut the run) and how they were played.
     ``module``: the :class:`~sglightning.module.SelfGuideModule`."""
     return {
         "env": module.env_name(),
