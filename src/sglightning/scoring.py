@@ -219,20 +219,21 @@ def restricted_log_mass(logp_sel: Tensor, valid: Tensor, exclude: Tensor) -> Ten
 
 
 def heavy_banned_mass(log_z: Tensor, logp: Tensor, rows: Tensor, ids: Tensor, valid: Tensor, exclude: Tensor
-                      ) -> Tensor:
+                      ) -> tuple[Tensor, Tensor, Tensor | None]:
     """``log_z`` [R] (:func:`restricted_log_mass`) again, summed over A itself, where A is everything but banned ids
     and holds under half the mass.  There log Z = log(1 − e^lse) loses digits as 1/Z (lse's rounding near 0: an
     error of 1e-5 at Z ≈ 0.01, a positive log q below Z ≈ 1e-8), and its clamp cuts the gradient.  Elsewhere it is
     exact to rounding, and costs no [R, V] copy.
 
     ``logp`` [M, V]: log π; ``rows`` [R]: the rows of ``logp`` restricted; ``ids``, ``valid`` [R, K]: their listed ids;
-    ``exclude`` [R].  Returns [R]."""
+    ``exclude`` [R].  Returns (log Z [R]; ``heavy`` [H], the rows summed over A; their banned ids as a [H, V] mask,
+    None where H = 0: the entropy of those rows reads it)."""
     heavy = heavy_banned_rows(log_z, exclude)  # [H]
     if not heavy.numel():
-        return log_z
+        return log_z, heavy, None
     part = logp[rows[heavy]]  # [H, V]
     banned = listed_mask(ids[heavy], valid[heavy], part.shape[-1])  # [H, V]
-    return log_z.index_put((heavy,), torch.logsumexp(part.masked_fill(banned, float("-inf")), dim=-1))  # [R]
+    return log_z.index_put((heavy,), torch.logsumexp(part.masked_fill(banned, float("-inf")), dim=-1)), heavy, banned
 
 
 def heavy_banned_rows(log_z: Tensor, exclude: Tensor) -> Tensor:
@@ -271,10 +272,10 @@ def logprobs_from_logits(
             table_ids = restrict["ids"].to(ids.device)[u]  # [R, K]
             listed = logp_all[rows[:, None], table_ids]  # [R, K] log π of the listed ids
             valid, exclude = restrict["valid"].to(ids.device)[u], restrict["exclude"].to(ids.device)[u]  # [R, K], [R]
-            log_z = heavy_banned_mass(restricted_log_mass(listed, valid, exclude), logp_all, rows, table_ids, valid,
-                                      exclude)  # [R]
+            log_z, heavy, banned = heavy_banned_mass(restricted_log_mass(listed, valid, exclude), logp_all, rows,
+                                                     table_ids, valid, exclude)  # [R], [H], [H, V] or None
             logp_sel = logp_sel.index_add(0, rows, -log_z)  # [M] log q(y) = log π(y) − log Z(A)
-            restricted = (rows, listed, valid, exclude, log_z)
+            restricted = (rows, listed, valid, exclude, log_z, heavy, banned)
     logp = torch.zeros(ids.shape, dtype=logp_sel.dtype, device=ids.device)  # [B, L]
     logp[:, 1:][sel] = logp_sel
     extras = {}
@@ -286,12 +287,11 @@ def logprobs_from_logits(
         h_pi = entropy_from_logits(logits.detach())  # [M] H(π)
         h_q = h_pi.clone()  # [M] H of the sampling distribution
         if restricted is not None:
-            rows, listed, valid, exclude, log_z = (t.detach() for t in restricted)
+            rows, listed, valid, exclude, log_z, heavy, banned = restricted
+            listed, log_z = listed.detach(), log_z.detach()
             h_q[rows] = restricted_entropy(listed.float(), valid, exclude, log_z.float(), h_pi[rows])
-            heavy = heavy_banned_rows(log_z, exclude)  # [H] banned ids hold most of π
-            if heavy.numel():  # (H(π) + Σ_B π log π) / Z cancels there: H(q) summed over A itself
-                r = rows[heavy]
-                banned = listed_mask(restrict["ids"].to(ids.device)[ridx[r]], valid[heavy], logp_all.shape[-1])
+            if banned is not None:  # banned ids hold most of π: (H(π) + Σ_B π log π) / Z cancels there,
+                r = rows[heavy]  # so H(q) is summed over A itself, with the mask log Z was summed with
                 logq = logp_all[r].detach().float().masked_fill(banned, float("-inf")) - log_z[heavy, None].float()
                 h_q[r] = -torch.where(torch.isfinite(logq), logq.exp() * logq, 0.0).sum(-1)  # [H]
     out = dict(extras)
@@ -310,7 +310,7 @@ def _target_logq(ids: Tensor, sel: Tensor, logp_all: Tensor, target: Tensor, res
     tgt = target[:, 1:][sel]  # [M] the target at each scored position (−1 = none)
     if restricted is None or not bool((tgt >= 0).any()):
         return out
-    rows, _, _, _, log_z = restricted
+    rows, log_z = restricted[0], restricted[4]
     has = tgt[rows] >= 0  # [R] restricted positions with a target
     vals_sel = torch.zeros_like(tgt, dtype=logp_all.dtype)  # [M]
     r = rows[has]
