@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import run_whole
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,8 +26,7 @@ pytestmark = pytest.mark.slow
 def _run(out: Path, strategy: str, *extra: str) -> tuple[dict, dict, dict]:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false",
                PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(HERE / "ddp_run.py"), str(out), strategy, *extra], env=env,
-                         capture_output=True, text=True, timeout=900)
+    res = run_whole([sys.executable, str(HERE / "ddp_run.py"), str(out), strategy, *extra], 900, env=env)
     assert res.returncode == 0, res.stderr[-4000:]
     r0 = torch.load(out / "rank0.pt", weights_only=False)
     r0["exported"] = _adapter(out)
@@ -137,7 +137,7 @@ def _cli(tmp_path: Path, *args: str, command: str = "fit", timeout: int = 600, d
          ) -> subprocess.CompletedProcess:
     """Run ``_cli_cmd`` to the end."""
     cmd, env = _cli_cmd(tmp_path, *args, command=command, devices=devices)
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_whole(cmd, timeout, env=env)
 
 
 def test_cli_fit_under_ddp_writes_one_run_folder(tmp_path):
@@ -172,7 +172,7 @@ def test_cli_ends_a_distributed_run_before_interpreter_teardown(tmp_path, strate
     CI, twice). `sglightning` runs the exit hooks, then ends each rank before teardown, output flushed."""
     cmd, env = _cli_cmd(tmp_path, *SHARDED_CLI[strategy], "--trainer.accelerator=cpu", "--trainer.max_steps=1")
     cmd[1:3] = [str(HERE / "exit_probe.py")]  # `python -m sglightning.cli` -> the probe around the same entry point
-    res = subprocess.run(cmd, env=dict(env, SGL_EXIT_PROBE=str(tmp_path)), capture_output=True, text=True, timeout=600)
+    res = run_whole(cmd, 900, env=dict(env, SGL_EXIT_PROBE=str(tmp_path)))
     assert res.returncode == 0, res.stderr[-4000:]
     assert "validation [self-guidance on] success" in res.stdout  # the last printed line survived the early exit
     marks = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("hooks"))
@@ -421,8 +421,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_point(tmp_path):
     — Lightning's own handler broadcasts from inside the signal handler, which collides with whatever collective the
     other rank is in and hangs the run — and every rank learns it at the next agreement point, together."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(HERE / "sigterm_ranks.py"), str(tmp_path), "1"], env=env,
-                         capture_output=True, text=True, timeout=120)
+    res = run_whole([sys.executable, str(HERE / "sigterm_ranks.py"), str(tmp_path), "1"], 300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["before"] is r1["before"] is False  # no signal yet: nobody stops

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import run_whole
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -202,9 +203,9 @@ def test_the_check_as_a_script_ends_its_processes_on_their_own(tmp_path, strateg
 
     env = dict(os.environ, PYTHONPATH=str(BENCH.parent / "src"))
     env.pop("SGL_GPU_CHECK_ROOT", None)
-    res = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--cpu-smoke", "--steps", "2", "--strategy",
-                          strategy, "--devices", str(devices), "--json", str(tmp_path / "f.json")],
-                         capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    res = run_whole([sys.executable, str(BENCH / "gpu_check.py"), "--cpu-smoke", "--steps", "2", "--strategy",
+                     strategy, "--devices", str(devices), "--json", str(tmp_path / "f.json")], 900,
+                    env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip().splitlines()[-1].startswith(f"| tiny | {2 * devices} | ")
     out = json.loads((tmp_path / "f.json").read_text())
