@@ -20,6 +20,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
+from sglightning.distributed import release_process_group
+from sglightning.errors import exit_process
 from sglightning.preemption import agree_on_sigterm, install_sigterm_notifier
 
 
@@ -44,7 +46,8 @@ def _rank(rank: int, port: int, out: str, noted: int) -> None:
     seen["flag_after_agreement"] = bool(conn.received_sigterm)
     conn.teardown()
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
-    dist.destroy_process_group()
+    release_process_group()
+    exit_process(0)  # as `sglightning` ends a rank: gloo's threads left to teardown can abort the process
 
 
 if __name__ == "__main__":
