@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -249,6 +250,18 @@ def listed_mask(ids: Tensor, valid: Tensor, vocab: int) -> Tensor:
     return listed[:, :vocab]
 
 
+class _RestrictedRows(NamedTuple):
+    """The scored positions sampled from a restricted set A, as :func:`logprobs_from_logits` reads them again."""
+
+    rows: Tensor  # [R] their rows of the [M, V] log-probs
+    listed: Tensor  # [R, K] log π of each row's listed ids
+    valid: Tensor  # [R, K]
+    exclude: Tensor  # [R] A = everything but the listed ids
+    log_z: Tensor  # [R] log Z(A)
+    heavy: Tensor  # [H] the rows whose log Z was summed over A itself (:func:`heavy_banned_mass`)
+    banned: Tensor | None  # [H, V] their banned ids; None where H = 0
+
+
 def logprobs_from_logits(
     ids: Tensor, sel: Tensor, logits: Tensor, restrict: dict[str, Tensor] | None = None, entropy: bool = False
 ) -> tuple[Tensor, Tensor | None]:
@@ -275,7 +288,7 @@ def logprobs_from_logits(
             log_z, heavy, banned = heavy_banned_mass(restricted_log_mass(listed, valid, exclude), logp_all, rows,
                                                      table_ids, valid, exclude)  # [R], [H], [H, V] or None
             logp_sel = logp_sel.index_add(0, rows, -log_z)  # [M] log q(y) = log π(y) − log Z(A)
-            restricted = (rows, listed, valid, exclude, log_z, heavy, banned)
+            restricted = _RestrictedRows(rows, listed, valid, exclude, log_z, heavy, banned)
     logp = torch.zeros(ids.shape, dtype=logp_sel.dtype, device=ids.device)  # [B, L]
     logp[:, 1:][sel] = logp_sel
     extras = {}
@@ -302,7 +315,8 @@ def logprobs_from_logits(
     return logp, out
 
 
-def _target_logq(ids: Tensor, sel: Tensor, logp_all: Tensor, target: Tensor, restricted) -> Tensor:
+def _target_logq(ids: Tensor, sel: Tensor, logp_all: Tensor, target: Tensor, restricted: _RestrictedRows | None
+                 ) -> Tensor:
     """Log q_θ(y*) at the positions with a hindsight target y* (``target`` [B, L], −1 = none): the target token's
     log-prob under the distribution the token there was drawn from (π renormalised over its restriction A; y* ∈ A),
     with gradient.  [B, L], 0 where there is no target."""
@@ -310,7 +324,7 @@ def _target_logq(ids: Tensor, sel: Tensor, logp_all: Tensor, target: Tensor, res
     tgt = target[:, 1:][sel]  # [M] the target at each scored position (−1 = none)
     if restricted is None or not bool((tgt >= 0).any()):
         return out
-    rows, log_z = restricted[0], restricted[4]
+    rows, log_z = restricted.rows, restricted.log_z
     has = tgt[rows] >= 0  # [R] restricted positions with a target
     vals_sel = torch.zeros_like(tgt, dtype=logp_all.dtype)  # [M]
     r = rows[has]
