@@ -12,36 +12,29 @@ from pathlib import Path
 import hypothesis  # noqa: F401
 import pytest
 
-from sglightning import errors
+from sglightning import distributed, errors
 
 _SUITE_PID = os.getpid()
-_real_exit = os._exit
 
 
-def _exit_outside_the_suite(code: int) -> None:
-    """``os._exit`` in the test process itself ends the whole session with that status and no report (CI once ended
-    with 130 at 58 %: an in-process test reached the CLI's Ctrl-C ending).  Here it fails that one test instead;
-    forked children and subprocesses exit as usual."""
-    if os.getpid() == _SUITE_PID:
-        raise RuntimeError(f"os._exit({code}) called in the pytest process: run this path in a subprocess")
-    _real_exit(code)
+def _only_outside_the_suite(name: str, real):
+    """``real`` (an exit) as it is in forked children and subprocesses, and a ``RuntimeError`` in the pytest process
+    itself, where it would end the whole session with that status and no report (CI once ended with 130 at 58 %: an
+    in-process test reached the CLI's Ctrl-C ending).  So that one test fails instead."""
+
+    def guarded(code: int) -> None:
+        if os.getpid() == _SUITE_PID:
+            raise RuntimeError(f"{name}({code}) called in the pytest process: run this path in a subprocess")
+        real(code)
+
+    return guarded
 
 
-os._exit = _exit_outside_the_suite
-
+os._exit = _only_outside_the_suite("os._exit", os._exit)
 # exit_process runs the exit hooks (atexit, threading's: ThreadPoolExecutor refuses work after them) before os._exit:
-# reached in the pytest process, the guard above would fire too late, every later test broken.  Patched before
-# anything imports it by name (cli, entry), so it fails that one test at once.
-_real_exit_process = errors.exit_process
-
-
-def _exit_process_outside_the_suite(code: int) -> None:
-    if os.getpid() == _SUITE_PID:
-        raise RuntimeError(f"exit_process({code}) called in the pytest process: run this path in a subprocess")
-    _real_exit_process(code)
-
-
-errors.exit_process = _exit_process_outside_the_suite
+# there the guard above would fire too late, every later test broken.  Patched before anything imports it by name
+# (cli, entry), so it fails that one test at once.
+errors.exit_process = _only_outside_the_suite("exit_process", errors.exit_process)
 
 
 @pytest.fixture(scope="session")
@@ -71,10 +64,7 @@ def _no_released_group_left():
     """A test that releases a process group in-process (``distributed.release_process_group``) must not leave the
     flag set: ``cli.main`` would then end every later in-process run through ``exit_process``."""
     yield
-    import sys
-
-    if "sglightning.distributed" in sys.modules:
-        sys.modules["sglightning.distributed"]._GROUP_RELEASED = False
+    distributed._GROUP_RELEASED = False
 
 
 @pytest.fixture(autouse=True)

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from processes import end_rank
 
-from sglightning.distributed import release_process_group
 from sglightning.engines import EngineConfig
 from sglightning.engines.vllm import VLLMEngine
-from sglightning.errors import EngineError, exit_process
+from sglightning.errors import EngineError
 
 
 class _Tokenizer:
@@ -90,8 +90,7 @@ def _rank(rank: int, port: int, out: str, scenario: str) -> None:
         raised = f"{type(err).__name__}: {err}"
     Path(out, f"rank{rank}.json").write_text(json.dumps({"raised": raised, "s": time.perf_counter() - t0}))
     dist.barrier()  # neither rank tears gloo down while the other still talks to it (an abort at exit otherwise)
-    release_process_group()
-    exit_process(0)  # as `sglightning` ends a rank: gloo's threads left to teardown can abort the process
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Running a command that starts processes of its own (Lightning's other ranks) to its end, from a test."""
+"""Processes of several ranks in tests: running a command that starts its own (Lightning's other ranks) to its end,
+and ending a rank a test spawned itself."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ def run_whole(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProce
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def end_rank() -> None:
+    """End a rank a test spawned (``mp.spawn``) as ``sglightning`` ends one: the group released, then no interpreter
+    teardown.  Left to teardown, gloo's threads can abort the process (SIGABRT, "terminate called without an active
+    exception"; an FSDP2 rank, whose modules still hold the group, did so once in a full run)."""
+    from sglightning.distributed import release_process_group
+    from sglightning.errors import exit_process
+
+    release_process_group()
+    exit_process(0)

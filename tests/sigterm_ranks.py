@@ -19,9 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from processes import end_rank
 
-from sglightning.distributed import release_process_group
-from sglightning.errors import exit_process
 from sglightning.preemption import agree_on_sigterm, install_sigterm_notifier
 
 
@@ -46,8 +45,7 @@ def _rank(rank: int, port: int, out: str, noted: int) -> None:
     seen["flag_after_agreement"] = bool(conn.received_sigterm)
     conn.teardown()
     Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
-    release_process_group()
-    exit_process(0)  # as `sglightning` ends a rank: gloo's threads left to teardown can abort the process
+    end_rank()
 
 
 if __name__ == "__main__":

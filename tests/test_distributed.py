@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from processes import run_whole
+from processes import end_rank, run_whole
 
 HERE = Path(__file__).resolve().parent
 
@@ -453,7 +453,7 @@ def _no_rows_anywhere(rank: int, port: int, out: str) -> None:
     moved = float((lin.weight - before).abs().max())
     Path(out, f"rank{rank}.json").write_text(json.dumps({"grads": grads, "moved": moved,
                                                          "bias_grad": lin.bias.grad.tolist()}))
-    _end_rank()
+    end_rank()
 
 
 def test_a_gradient_no_rank_has_stays_none_under_ddp(tmp_path):
@@ -494,18 +494,7 @@ def _fsdp2_after_a_rollout(rank: int, port: int, out: str) -> None:
     with generation_weights(model, "fsdp2"):
         model(torch.randn(2, 4))
     Path(out, f"rank{rank}.json").write_text(json.dumps({"first": first, "after": reshards()}))
-    _end_rank()
-
-
-def _end_rank() -> None:
-    """As `sglightning` ends a distributed process: the group released, then no interpreter teardown.  FSDP2's
-    modules still hold the group, and its gloo threads met teardown: SIGABRT ("terminate called without an active
-    exception"), seen once in a full run."""
-    from sglightning.distributed import release_process_group
-    from sglightning.errors import exit_process
-
-    release_process_group()
-    exit_process(0)
+    end_rank()
 
 
 def test_fsdp2_rollouts_leave_the_root_unsharded_after_forward(tmp_path):
