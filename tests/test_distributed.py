@@ -297,7 +297,7 @@ def test_checkpoint_swap_cut_in_half_is_undone(tmp_path):
     """FSDP2Strategy swaps a finished save in with two renames (last.ckpt -> .last.ckpt.old, partial -> last.ckpt); a
     kill between them leaves only .last.ckpt.old: `--ckpt_path last` puts it back and resumes from it, and ignores
     a half-written .last.ckpt.partial."""
-    from sglightning.cli import find_last_checkpoint
+    from sglightning.runs import find_last_checkpoint
 
     ckpts = tmp_path / "runs" / "x" / "version_0" / "checkpoints"
     (ckpts / ".last.ckpt.old").mkdir(parents=True)
@@ -355,7 +355,7 @@ def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
     """`--ckpt_path last` with a named logger looks only in that logger's run folders: a checkpoint of a run with
     another name — in the same save_dir, or anywhere under default_root_dir — is not taken (a study of several arms
     in one folder must not continue arm B from arm A's adapters)."""
-    from sglightning.cli import find_last_checkpoint
+    from sglightning.runs import find_last_checkpoint
 
     other = tmp_path / "runs" / "arm_a" / "version_0" / "checkpoints"
     other.mkdir(parents=True)
@@ -368,7 +368,7 @@ def test_ckpt_path_last_never_resumes_another_runs_checkpoint(tmp_path):
     (mine / "last.ckpt").write_bytes(b"arm b")
     assert find_last_checkpoint({"trainer": named}) == ((mine / "last.ckpt").resolve(), "version_1")
     # a run's checkpoint given by its path is resumed in its own folder too (it started a new version_N)
-    from sglightning.cli import version_of_checkpoint
+    from sglightning.runs import version_of_checkpoint
 
     assert version_of_checkpoint(mine / "last.ckpt", {"trainer": named}) == "version_1"
     assert version_of_checkpoint(mine / "step=50.ckpt", {"trainer": named}) is None  # an older one: a branch

@@ -296,7 +296,7 @@ def test_a_broken_last_checkpoint_found_by_last_is_one_line(tmp_path, capsys):
 def test_a_finished_run_whose_last_validation_did_not_finish_says_how_to_play_it(tmp_path, capsys, straight):
     """SIGTERM during the validation at the last step leaves it pending; a resume has no step to train and Lightning
     would skip that validation: the line says so and how to play it."""
-    from sglightning.cli import nothing_left_to_train
+    from sglightning.runs import nothing_left_to_train
     from sglightning.preemption import _validation_pending
 
     state = load_checkpoint_file(straight)
@@ -317,7 +317,7 @@ def test_a_finished_run_whose_last_validation_did_not_finish_says_how_to_play_it
 def test_a_finished_distributed_checkpoint_is_read_from_its_loop_state(tmp_path, capsys, straight):
     """A sharded ``last.ckpt/`` folder (FSDP) keeps its loop state in ``meta.pt``: a resume with no step left says so
     as for a file; a folder without that file is left to the run's own load."""
-    from sglightning.cli import nothing_left_to_train
+    from sglightning.runs import nothing_left_to_train
 
     folder = tmp_path / "last.ckpt"
     folder.mkdir()

@@ -1373,7 +1373,7 @@ def test_a_run_on_a_terminal_keeps_each_validation_result_above_the_bar(tmp_path
     assert last_bars and all(f.startswith("validation") and "DataLoader" not in f for f in last_bars), last_bars
 
 
-@pytest.mark.parametrize("path", __import__("sglightning.cli", fromlist=["SHIPPED_ENVS"]).SHIPPED_ENVS)
+@pytest.mark.parametrize("path", __import__("sglightning.commandline", fromlist=["SHIPPED_ENVS"]).SHIPPED_ENVS)
 def test_each_shipped_environment_has_help_by_its_bare_name_with_every_argument_described(path, capsys):
     """``--model.env.help TextWorldExpressEnv`` failed (its module was not imported: bare names resolve only among
     imported classes), ``fit --help`` listed only HouseholdEnv, and HouseholdEnv's arguments had no descriptions."""

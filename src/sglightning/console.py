@@ -44,7 +44,7 @@ _EXPECTED_WARNINGS = (
 
 #: warnings of a resumed fit only: it continues in its own run folder, which is not empty
 _RESUME_WARNINGS = (
-    # a CSVLogger: the earlier metrics.csv is kept as metrics.<n>.csv (sglightning.cli.keep_csv_metrics), not deleted
+    # a CSVLogger: the earlier metrics.csv is kept as metrics.<n>.csv (sglightning.runs.keep_csv_metrics), not deleted
     (r"Experiment logs directory .* exists and is not empty", UserWarning),
     # a user's own ModelCheckpoint: its folder is the resumed run's
     (r"Checkpoint directory .* exists and is not empty", UserWarning),
