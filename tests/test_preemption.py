@@ -296,8 +296,8 @@ def test_a_broken_last_checkpoint_found_by_last_is_one_line(tmp_path, capsys):
 def test_a_finished_run_whose_last_validation_did_not_finish_says_how_to_play_it(tmp_path, capsys, straight):
     """SIGTERM during the validation at the last step leaves it pending; a resume has no step to train and Lightning
     would skip that validation: the line says so and how to play it."""
-    from sglightning.runs import nothing_left_to_train
     from sglightning.preemption import _validation_pending
+    from sglightning.runs import nothing_left_to_train
 
     state = load_checkpoint_file(straight)
     _validation_pending(state)
