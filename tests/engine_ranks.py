@@ -8,16 +8,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from processes import end_rank
+from processes import end_rank, join_gloo
 
 from sglightning.engines import EngineConfig
 from sglightning.engines.vllm import VLLMEngine
@@ -62,9 +60,8 @@ class _RefusingClient:
         raise EngineError(f"the vLLM engine refused adapter {path}: HTTP 400")
 
 
-def _rank(rank: int, port: int, out: str, scenario: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+def _rank(rank: int, out: str, scenario: str) -> None:
+    join_gloo(rank, out, 60)
     engine = VLLMEngine(EngineConfig(backend="vllm", url=_RefusingClient.url))
     engine.rank, engine.client, engine._adapter_root = rank, _RefusingClient(), Path(out)
     t0 = time.perf_counter()
@@ -94,7 +91,4 @@ def _rank(rank: int, port: int, out: str, scenario: str) -> None:
 
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
-    mp.spawn(_rank, args=(free_port, sys.argv[1], sys.argv[2]), nprocs=2)
+    mp.spawn(_rank, args=(sys.argv[1], sys.argv[2]), nprocs=2)

@@ -1,5 +1,5 @@
 """Processes of several ranks in tests: running a command that starts its own (Lightning's other ranks) to its end,
-and ending a rank a test spawned itself."""
+and joining and ending the gloo group of ranks a test spawned itself."""
 
 from __future__ import annotations
 
@@ -29,6 +29,25 @@ def run_whole(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProce
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def join_gloo(rank: int, folder: str, seconds: float = 300) -> None:
+    """Join a gloo group of two ranks through a store file in ``folder`` (the test's own), not a TCP port. A port
+    picked free and released before use can be taken by another process in between; a file cannot.
+
+    Args:
+        rank: this process's rank (0 or 1).
+        folder: a folder both ranks see and no other group uses.
+        seconds: the group's timeout for any collective.
+    """
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    store = Path(folder) / "gloo_store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=seconds))
 
 
 def end_rank() -> None:

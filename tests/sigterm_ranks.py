@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -19,14 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
-from processes import end_rank
+from processes import end_rank, join_gloo
 
 from sglightning.preemption import agree_on_sigterm, install_sigterm_notifier
 
 
-def _rank(rank: int, port: int, out: str, noted: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+def _rank(rank: int, out: str, noted: int) -> None:
+    join_gloo(rank, out, 30)
     trainer = SimpleNamespace(world_size=2, local_rank=rank,
                               strategy=SimpleNamespace(launcher=None, root_device=torch.device("cpu")),
                               _accelerator_connector=SimpleNamespace(cluster_environment=None))
@@ -49,7 +46,4 @@ def _rank(rank: int, port: int, out: str, noted: int) -> None:
 
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        free_port = s.getsockname()[1]
-    mp.spawn(_rank, args=(free_port, sys.argv[1], int(sys.argv[2])), nprocs=2)
+    mp.spawn(_rank, args=(sys.argv[1], int(sys.argv[2])), nprocs=2)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from processes import end_rank, run_whole
+from processes import end_rank, join_gloo, run_whole
 
 HERE = Path(__file__).resolve().parent
 
@@ -430,14 +430,11 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_point(tmp_path):
     assert r0["agreed"] is r1["agreed"] is True and r0["flag_after_agreement"] is r1["flag_after_agreement"] is True
 
 
-def _no_rows_anywhere(rank: int, port: int, out: str) -> None:
+def _no_rows_anywhere(rank: int, out: str) -> None:
     """One rank of a DDP step in which no rank had rows: no backward ran, every gradient is None."""
-    import torch.distributed as dist
-
     from sglightning.distributed import finish_gradients
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, out)
     torch.manual_seed(0)
     lin = torch.nn.Linear(4, 4)
     opt = torch.optim.AdamW(lin.parameters(), lr=1e-2)
@@ -461,24 +458,20 @@ def test_a_gradient_no_rank_has_stays_none_under_ddp(tmp_path):
     on a step with no rows anywhere (one device leaves them)."""
     import torch.multiprocessing as mp
 
-    from sglightning.engines.server import free_port
-
-    mp.spawn(_no_rows_anywhere, args=(free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_no_rows_anywhere, args=(str(tmp_path),), nprocs=2)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["grads"] == [False, True] and got["moved"] == 0.0, got
         assert got["bias_grad"] == [1.0] * 4
 
 
-def _fsdp2_after_a_rollout(rank: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+def _fsdp2_after_a_rollout(rank: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from sglightning.distributed import generation_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    join_gloo(rank, out)
     mesh = init_device_mesh("cpu", (2,))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     for layer in model[:2]:
@@ -502,9 +495,7 @@ def test_fsdp2_rollouts_leave_the_root_unsharded_after_forward(tmp_path):
     reshard after forward too, for the rest of the run (1-2 more all-gathers of embeddings and head per micro-batch)."""
     import torch.multiprocessing as mp
 
-    from sglightning.engines.server import free_port
-
-    mp.spawn(_fsdp2_after_a_rollout, args=(free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_fsdp2_after_a_rollout, args=(str(tmp_path),), nprocs=2)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["first"] == [False, True, True] and got["after"] == got["first"], got
