@@ -199,6 +199,7 @@ def test_scienceworld_bad_task_name():
         ScienceWorldEnv(["boil-the-ocean"])
 
 
+@pytest.mark.slow
 def test_pool_closes_scienceworld_jvms():
     before = set(live_java_processes())
     pool = EnvPool(functools.partial(ScienceWorldEnv, ["find-plant"]))

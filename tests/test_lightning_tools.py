@@ -36,6 +36,7 @@ def refused(capsys, *args: str, before: str | None = None) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_users_own_model_checkpoint_keeps_its_top_k_and_the_run_still_resumes(tmp_path, capsys):
     """A ModelCheckpoint monitoring a metric keeps no last.ckpt: the run's own joins it (it used to be left out, so
     --ckpt_path last resumed an older run, and a SIGTERM saved nothing)."""
@@ -50,6 +51,7 @@ def test_a_users_own_model_checkpoint_keeps_its_top_k_and_the_run_still_resumes(
     assert cli.model.rollouts_done == 4 and Path(cli.trainer.log_dir).name == "version_1"
 
 
+@pytest.mark.slow
 def test_fast_dev_run_writes_nothing(tmp_path, capsys):
     """Lightning says logging and checkpointing are off in fast_dev_run: no checkpoint, adapter or report either."""
     fit(tmp_path, "--trainer.fast_dev_run=true", "--trainer.callbacks+=sglightning.callbacks.StepProfile",
@@ -64,6 +66,7 @@ def test_fast_dev_run_writes_nothing(tmp_path, capsys):
     assert "success" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_run_without_a_logger_does_not_overwrite_an_earlier_one(tmp_path, capsys):
     args = ["fit", "--config", TINY, "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}",
             "--trainer.max_steps=1"]

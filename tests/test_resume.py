@@ -172,6 +172,7 @@ def resumed(tmp_path_factory):
     return cli, out, terminal.getvalue()
 
 
+@pytest.mark.slow
 def test_the_progress_bar_after_a_resume_counts_on_from_the_restored_step(resumed):
     """After ``--ckpt_path last`` the bar reads ``fit: k/N`` (it read ``Training 4/?``: Lightning's label, no total)
     and its rate is over the steps this process ran (2 steps in 2 s: 1.00 s/step; the restored steps counted in gave

@@ -88,6 +88,7 @@ def test_the_budget_of_several_processes_is_not_replaced_by_lightnings(monkeypat
         torch.set_num_threads(before)
 
 
+@pytest.mark.slow
 def test_the_cli_applies_the_budget_before_the_run_and_saves_it_in_the_config(tmp_path):
     """In a fresh process: --threads=1 is in force when the model exists (torch.get_num_threads seen from the
     fitted module's process) and recorded in the saved config; a bad value is one line, exit 2."""

@@ -1160,6 +1160,7 @@ def test_paper_configs_are_one_per_table_row_and_differ_only_where_the_rows_do(b
                 in (PAPER / f"{bench}_{arm}.yaml").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--model.policy.gradient_checkpointing=true"]], ids=["plain", "checkpointing"])
 def test_a_tiny_fit_prints_only_its_progress_bar_and_summary(tmp_path, extra):
     """A plain run, and one with gradient checkpointing: nothing on stderr (no warning, tip or notice); on stdout the
@@ -1210,6 +1211,7 @@ cli.main()
 """
 
 
+@pytest.mark.slow
 def test_what_lightning_says_on_a_cuda_box_is_not_printed(tmp_path):
     """The Tensor Cores tip, ``LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [0]`` and the two "does not have many workers"
     warnings, each made by Lightning's own code in a real process, and inductor's TF32 tip, then a tiny fit: nothing on
@@ -1227,6 +1229,7 @@ def test_what_lightning_says_on_a_cuda_box_is_not_printed(tmp_path):
     assert "sglightning fit: 1 GRPO steps" in res.stdout or "sglightning fit: 1 GRPO step" in res.stdout
 
 
+@pytest.mark.slow
 def test_fsdp2_on_one_device_prints_what_a_plain_run_prints(tmp_path):
     """FSDP2 makes a process group on one device: Lightning's "Initializing distributed" line, its banner, and its
     advice to sync epoch-level logs would print (the validation's values are the same on every rank; they are now
@@ -1260,6 +1263,7 @@ def test_a_bpe_tokenizer_loaded_from_a_folder_never_cleans_up_spaces(tmp_path, c
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_a_run_logged_to_a_file_writes_one_plain_line_per_step_and_per_validation(tmp_path):
     """Output to files (not a terminal: a batch job's log, ``> run.log 2>&1``): no carriage returns or escape codes,
     no bar frames, no validation bars — one line per training step (its step k/N, s/step, success and λ) and one per
@@ -1334,6 +1338,7 @@ def test_validation_draws_do_not_depend_on_the_training_seed(tmp_path):
     assert played("--model.evaluation.seed=3") != base
 
 
+@pytest.mark.slow
 def test_a_run_on_a_terminal_keeps_each_validation_result_above_the_bar(tmp_path):
     """On a terminal (a pty of 120 columns): the fit bar, each validation's bar labelled "validation" (not
     Lightning's "Validation DataLoader 0" at the end), and each validation's result line, written above the bar."""

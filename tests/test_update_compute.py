@@ -266,6 +266,7 @@ def test_compiled_layers_give_the_same_update_and_the_rollout_runs_them_eager(tm
     assert all(callable(layer.__dict__.get("_sglightning_compiled_forward")) for layer in layers)  # made, kept
 
 
+@pytest.mark.slow
 def test_compiled_layers_with_shared_prefixes_give_the_same_update(tmp_path, monkeypatch):
     """update.compile with update.share_prefix: the continuations attend to their prefix through the KV cache, which
     each compiled layer sees as its own layer's tensors; the same losses and gradients as the eager shared update."""
