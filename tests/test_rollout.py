@@ -429,6 +429,29 @@ def test_score_gained_is_reported_beside_the_raw_score_and_format_errors_are_cou
         assert vals["rollout/format_error_rate"] == 1.0 and not ep.steps[0].invalid
 
 
+@pytest.mark.parametrize("mode", ["single_stream", "two_call"])
+def test_tokens_a_step_and_steps_that_ran_to_a_cap_are_counted(tok, mode):
+    """A reason longer than its cap runs to the cap on every step; a short one ends on its newline. The tokens a step
+    writes are the policy tokens of its samples, spread over the steps."""
+    from sglightning.metrics import _episode_values
+
+    def reply(long):
+        return lambda ctx: f"Reason: {'very ' * 30 if long else ''}ok\nLabel: positive\nAction: {first_admissible(ctx)}"
+
+    vals = {}
+    for long in (False, True):
+        gc = GuidanceConfig(prompt_mode=mode, decoding="constrained", max_guidance_tokens=12, max_action_tokens=24)
+        batch = Rollout(ScriptedLM(tok, reply(long)), tok, ENV, gc, RolloutConfig(group_size=2, max_steps=3)).run([4])
+        for ep in batch.episodes:
+            v = _episode_values(ep)
+            assert v["rollout/capped_step_rate"] == float(long), (long, [s.capped for s in ep.steps])
+            policy = sum(sum(s.policy) for s in ep.samples)
+            assert v["rollout/tokens_per_step"] == pytest.approx(policy / len(ep.steps))
+            assert all(s.written > 0 for s in ep.steps)
+            vals[long] = v["rollout/tokens_per_step"]
+    assert vals[True] > vals[False]  # the capped reason wrote 12 tokens, the short one fewer
+
+
 def test_unparsed_guidance_is_neutral_and_counted(tok):
     def reply(ctx):
         return f"I think things are fine.\nAction: {first_admissible(ctx)}"

@@ -32,7 +32,8 @@ TINY = str(ROOT / "configs" / "tiny.yaml")
 REQUIRED_SCALARS = [
     "rollout/success_rate", "rollout/env_return", "reward/internal_sum", "reward/lambda",
     "guidance/label_positive", "guidance/label_neutral", "guidance/label_negative", "guidance/label_unparsed",
-    "rollout/invalid_action_rate", "loss/policy", "loss/kl", "loss/clip_frac", "policy/entropy",
+    "rollout/invalid_action_rate", "rollout/format_error_rate", "rollout/tokens_per_step", "rollout/capped_step_rate",
+    "loss/policy", "loss/kl", "loss/clip_frac", "policy/entropy",
     "tokens/generated", "tokens/policy", "time/rollout_s", "time/update_s", "time/rollout_prefill_s",
     "time/rollout_decode_s", "time/rollout_draw_s", "time/rollout_env_s", "time/update_forward_s",
     "time/update_backward_s", "time/update_optimiser_s",

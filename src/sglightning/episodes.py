@@ -153,6 +153,8 @@ class StepRecord:
     #: the progress this step's action made, as the env measured it (``StepResult.progress``, else the score
     #: change); None = unknown
     progress: float | None = None
+    written: int = 0  # tokens the model sampled this step (guidance and action; forced tokens not counted)
+    capped: bool = False  # a free segment of this step ended at its token cap, not on a stop token
 
 
 @dataclass

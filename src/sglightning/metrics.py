@@ -29,6 +29,8 @@ EPISODE_KEYS = (
     "rollout/episode_length",
     "rollout/invalid_action_rate",
     "rollout/format_error_rate",
+    "rollout/tokens_per_step",
+    "rollout/capped_step_rate",
     "rollout/truncated_rate",
     "rollout/env_error_rate",
     "reward/internal_sum",
@@ -42,8 +44,9 @@ EPISODE_KEYS = (
 LABEL_KEYS = frozenset(k for k in EPISODE_KEYS if k.startswith("guidance/label_"))
 #: shares over an episode's steps or rate calls: NaN where it has none (a failed reset, no guidance), left out of the
 #: means (a 0 there read as "never invalid", "no label"; where no episode has any, the key is not logged)
-PER_STEP_KEYS = LABEL_KEYS | {"rollout/invalid_action_rate", "rollout/format_error_rate",
-                              "guidance/rate_history_truncated", "rollout/actor_history_truncated"}
+PER_STEP_KEYS = LABEL_KEYS | {"rollout/invalid_action_rate", "rollout/format_error_rate", "rollout/tokens_per_step",
+                              "rollout/capped_step_rate", "guidance/rate_history_truncated",
+                              "rollout/actor_history_truncated"}
 
 
 #: logged numbers that are counts or rates of the whole run (summed over ranks); everything else is averaged over
@@ -74,6 +77,10 @@ def _episode_values(ep: Episode) -> dict[str, float]:
         # the actor's answer did not have the configured shape (guidance.actor_format), whether or not an action
         # could still be recovered from it
         "rollout/format_error_rate": sum(not s.format_ok for s in ep.steps) / n if n else math.nan,
+        # what the model writes a step, and how often a free segment runs to its cap: a policy that collapses into
+        # long or endless output shows here first, not in tokens/generated (a total over more or longer episodes)
+        "rollout/tokens_per_step": sum(s.written for s in ep.steps) / n if n else math.nan,
+        "rollout/capped_step_rate": sum(s.capped for s in ep.steps) / n if n else math.nan,
         "guidance/rate_history_truncated": ep.rate_truncations / ep.rate_calls if ep.rate_calls else math.nan,
         "rollout/actor_history_truncated": ep.actor_truncations / ep.actor_calls if ep.actor_calls else math.nan,
         "rollout/truncated_rate": float(ep.truncated),

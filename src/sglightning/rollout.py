@@ -540,7 +540,8 @@ class Rollout:
         actor = pieces[last_g + 1 :]  # the actor's answer, forced parts (``Action:``, ``{"think": "``) included
         a_text = decode([t for p in actor if p.kind == KIND_ACTION for t in p.ids], skip_special_tokens=True)
         actor_text = decode([t for p in actor for t in p.ids], skip_special_tokens=True)
-        rec = StepRecord(observation=ep.observation)
+        rec = StepRecord(observation=ep.observation, written=sum(sum(p.policy) for p in pieces),
+                         capped=any(_capped(p) for p in pieces))
         if guided:
             oracle = self.guidance.source == "oracle"
             g = self._oracle(ep) if oracle else _guidance_from_pieces(pieces[: last_g + 1], self.tok)
@@ -668,6 +669,12 @@ def _written_as(action: str, fmt: ActorFormat) -> str:
     """An admissible action as the answer format writes it: escaped inside the JSON string (``search["red shoe"]``
     read back as ``search[``), as is elsewhere."""
     return json.dumps(action, ensure_ascii=False)[1:-1] if fmt.name == "json" else action
+
+
+def _capped(piece: Piece) -> bool:
+    """Whether ``piece`` is a free segment that the model wrote up to its token cap: sampled tokens, no stop token
+    among them, not a choice (whose options end it) and not cut short by an engine error."""
+    return any(piece.policy) and not piece.hit_stop and piece.choice_index is None and piece.error is None
 
 
 def _sample_of(episode: int, prompt: list[int], pieces: list[Piece], step: int) -> Sample:
