@@ -132,8 +132,9 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
         "reward/internal_return": float(prepared.internal.mean()),  # S_i as blended (sum, or mean over steps)
         **{f"reward/{name}": float(v.mean()) for name, v in prepared.terms.items()},
         "rollout/degenerate_groups": float(degenerate_groups(returns[:n], groups[:n])),
-        # the rollout must come from the weights being trained (0 = on-policy; a sampler that never received the
-        # trained adapter shows up here)
+        # the trainer's step minus the adapter version the engine holds (0 = on-policy). The shipped engines record a
+        # version only once it is in place (vLLM: after its probe matched), so it is 0 there by construction; a stale
+        # adapter stops the step at the probe instead. An engine of your own that skips a sync shows here
         "rollout/policy_lag": float(global_step - batch.policy_version),
         "rollout/groups": float(groups[:n].unique().numel()),
         "time/rollout_s": batch.seconds,
