@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from tiny import rollout, tiny_module, tiny_trainer
 
 import sglightning.grpo
@@ -21,6 +21,7 @@ from sglightning.chat import pad_token_id
 from sglightning.cli import cli_main
 from sglightning.data import RolloutConfig
 from sglightning.engines import EngineConfig
+from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import KIND_GUIDANCE
 from sglightning.guidance import GuidanceConfig
 from sglightning.module import GRPOConfig, SelfGuideModule
@@ -1422,3 +1423,40 @@ def test_a_finished_fit_unfreezes_what_its_first_rollout_froze(tmp_path):
     del module, trainer
     gc.collect()
     assert gone() is None
+
+
+class _CountedEnv(HouseholdEnv):
+    """A household env that counts how many were made and closed (class-wide: the pool makes them)."""
+
+    made = closed = 0
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        type(self).made += 1
+
+    def close(self) -> None:
+        type(self).closed += 1
+        super().close()
+
+
+class _FailAtStep(Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == 1:
+            raise RuntimeError("a failure after the first step")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["ends", "raises"])
+def test_every_env_a_fit_made_is_closed_when_it_ends_or_fails(tmp_path, fails):
+    """The rollout callback closes its env workers at the end of fit and on an exception (JVM envs hold processes)."""
+    import functools
+
+    _CountedEnv.made = _CountedEnv.closed = 0
+    module = tiny_module(env=functools.partial(_CountedEnv, difficulty=0, info_actions=False))
+    trainer = tiny_trainer(tmp_path, steps=2, callbacks=[_FailAtStep()] if fails else [])
+    if fails:
+        with pytest.raises(RuntimeError, match="a failure after the first step"):
+            trainer.fit(module)
+    else:
+        trainer.fit(module)
+    assert _CountedEnv.made >= 4  # 2 groups x 2 episodes
+    assert _CountedEnv.closed == _CountedEnv.made
