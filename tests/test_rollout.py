@@ -452,6 +452,30 @@ def test_tokens_a_step_and_steps_that_ran_to_a_cap_are_counted(tok, mode):
     assert vals[True] > vals[False]  # the capped reason wrote 12 tokens, the short one fewer
 
 
+@pytest.mark.parametrize("mode,most_sessions", [("single_stream", 1), ("two_call", 4)])
+def test_one_engine_session_serves_every_group_of_a_step(tok, mode, most_sessions):
+    """All live episodes of all groups decode together: every feed of a session holds all six rows (3 groups of 2),
+    and a step opens one session (single_stream) or one a call and turn (two_call: 2 calls x 2 turns), not one a
+    group."""
+    r = Rollout(ScriptedLM(tok, scripted_reply()), tok, ENV, GuidanceConfig(prompt_mode=mode),
+                RolloutConfig(group_size=2, max_steps=2))
+    opened, fed = [], []
+    real = r.engine.session
+
+    def counting(*args, **kw):
+        session = real(*args, **kw)
+        feed = session.feed
+        session.feed = lambda blocks: (fed.append(len(blocks)), feed(blocks))[1]
+        opened.append(session)
+        return session
+
+    r.engine.session = counting
+    batch = r.run([1, 2, 3])
+    assert all(len(ep.steps) == 2 for ep in batch.episodes)  # every episode lived through both turns
+    assert 1 <= len(opened) <= most_sessions
+    assert fed and set(fed) == {6}
+
+
 def test_unparsed_guidance_is_neutral_and_counted(tok):
     def reply(ctx):
         return f"I think things are fine.\nAction: {first_admissible(ctx)}"
