@@ -43,17 +43,12 @@ from sglightning.commandline import (
     check_config_files,
     check_options_follow_the_subcommand,
     check_something_configured,
-    class_in_words,
-    close_key_hint,
     fail,
     full_key,
     import_shipped_envs,
-    moved_key_hint,
+    in_words,
     one_line,
-    union_in_words,
-    unknown_init_arg,
     unknown_monitor,
-    value_in_words,
 )
 from sglightning.console import StepProgressBar, quiet, quiet_resume, quiet_validate
 from sglightning.errors import ConfigError, EngineError, OutOfMemory, exit_process
@@ -263,10 +258,7 @@ class OneLineParser(LightningArgumentParser):
                 for p in a.choices.values() if isinstance(p, argparse.ArgumentParser)]
         parser = subs[0] if len(subs) == 1 else parser  # a config file's key, reported by the root: its subcommand's
         prog = " ".join(["sglightning", *parser.prog.replace(" [options]", "").split()[1:]])
-        message = moved_key_hint(union_in_words(value_in_words(unknown_init_arg(class_in_words(message)))))
-        if " is now " not in message:
-            message = close_key_hint(message, parser)
-        sys.stderr.write(f"{prog}: error: {one_line(message)} (see: {prog} --help)\n")
+        sys.stderr.write(f"{prog}: error: {one_line(in_words(message, parser))} (see: {prog} --help)\n")
         self.exit(2)
 
 

@@ -364,3 +364,15 @@ def check_something_configured(argv: list[str], prog: str) -> None:
         return
     fail(prog, f"no --config: start from configs/quickstart.yaml (the embedded SmolLM2, minutes on CPU) or "
          f"configs/tiny.yaml (a tiny model, seconds), e.g. {prog} --config configs/tiny.yaml")
+
+
+def in_words(message: str, parser: argparse.ArgumentParser) -> str:
+    """A parse error as one sentence naming the key: each kind of the parser's dump put in words, a moved key's new
+    place, else the nearest real key for an unknown one.  A message none of them matches is returned unchanged.
+
+    Args:
+        message: the parser's error message.
+        parser: the (sub)command's parser, whose keys an unknown key is matched against.
+    """
+    message = moved_key_hint(union_in_words(value_in_words(unknown_init_arg(class_in_words(message)))))
+    return message if " is now " in message else close_key_hint(message, parser)
