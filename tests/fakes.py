@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import contextlib
 import re
 from types import SimpleNamespace
@@ -88,6 +90,16 @@ class RecordingEnv(HouseholdEnv):
     def reset(self, seed: int, split: str = "train") -> ResetResult:
         RecordingEnv.log.append(seed)
         return super().reset(seed, split)
+
+
+class OwnTaskEnv(HouseholdEnv):
+    """Household env that draws its own task in ``reset`` (the seed plus how many resets came before, class-wide):
+    the mistake that makes a group's members play different tasks."""
+
+    resets = itertools.count()
+
+    def reset(self, seed: int, split: str = "train") -> ResetResult:
+        return super().reset(seed + next(OwnTaskEnv.resets), split)
 
 
 class CrashingEnv(HouseholdEnv):

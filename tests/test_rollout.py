@@ -12,6 +12,7 @@ from fakes import (
     QWEN3_STYLE_TEMPLATE,
     CrashingEnv,
     FreeFormEnv,
+    OwnTaskEnv,
     RecordingEnv,
     ScriptedLM,
     first_admissible,
@@ -98,6 +99,45 @@ def test_group_members_get_the_groups_seed(tok):
     assert all(e is not None for e in envs)
     r.run([6, 7])
     assert [r.pool.peek(i) for i in range(6)] == envs
+
+
+def test_a_group_whose_members_reset_to_different_tasks_is_counted_and_said_once(tok):
+    """An env that draws its own task in ``reset`` breaks GRPO's group baseline without any error: the rollout
+    counts such groups (``rollout/split_groups``) and warns once a run, naming the env.  Control: the same env
+    keeping the seed gives 0 and says nothing."""
+    import warnings
+
+    from sglightning.metrics import batch_stats
+
+    lm = ScriptedLM(tok, scripted_reply())
+    cfg = RolloutConfig(group_size=3, max_steps=1)
+    r = Rollout(lm, tok, functools.partial(OwnTaskEnv, difficulty=0), GuidanceConfig(), cfg)
+    with pytest.warns(UserWarning, match=r"^model.env: OwnTaskEnv.reset gave members of one group different tasks"
+                                         r".*\(seed (5|9); 2 of 2 groups\)"):
+        batch = r.run([5, 9])
+    assert {len({ep.task for ep in batch.episodes if ep.group == k}) for k in (0, 1)} != {1}
+    assert batch_stats(batch)["rollout/split_groups"] == 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once a run, counted every step
+        assert batch_stats(r.run([5, 9]))["rollout/split_groups"] == 2.0
+        control = Rollout(lm, tok, functools.partial(HouseholdEnv, difficulty=0), GuidanceConfig(), cfg).run([5, 9])
+    assert batch_stats(control)["rollout/split_groups"] == 0.0
+
+
+def test_a_failed_reset_does_not_split_its_group(tok):
+    """An episode whose reset failed borrows its task's name from a twin and has no first observation: it is left
+    out of the comparison rather than counted as a split group.  A member with another first room is counted."""
+    from sglightning.episodes import split_groups
+
+    lm = ScriptedLM(tok, scripted_reply())
+    env = functools.partial(HouseholdEnv, difficulty=0)
+    batch = Rollout(lm, tok, env, GuidanceConfig(), RolloutConfig(group_size=2, max_steps=1)).run([5, 9])
+    assert split_groups(batch.episodes) == []
+    failed = batch.episodes[0]
+    failed.error, failed.initial_observation, failed.steps = "reset failed", "", []
+    assert split_groups(batch.episodes) == []
+    batch.episodes[3].initial_observation += " (a different room)"
+    assert split_groups(batch.episodes) == [1]
 
 
 def test_an_episode_the_envs_own_step_limit_ends_counts_as_truncated(tok):

@@ -260,3 +260,17 @@ class RolloutBatch:
         if self.first_round is None:
             return self
         return dataclasses.replace(self, episodes=self.episodes[: self.first_round], extra_groups=0, first_round=None)
+
+
+def split_groups(episodes: Sequence[Episode]) -> list[int]:
+    """The groups whose members reset to different tasks or first observations (episodes whose reset failed are
+    left out).  An env that draws its own task in ``reset`` makes them; the seed must fix both.
+
+    Args:
+        episodes: the episodes of one rollout, each with its ``group``.
+    """
+    seen: dict[int, set[tuple[str, str]]] = {}
+    for ep in episodes:
+        if ep.error is None or ep.steps:  # a reset that failed has no task of its own
+            seen.setdefault(ep.group, set()).add((ep.task, ep.initial_observation))
+    return sorted(g for g, starts in seen.items() if len(starts) > 1)

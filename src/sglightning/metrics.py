@@ -14,7 +14,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from sglightning.calibration import calibration_stats
-from sglightning.episodes import Episode, RolloutBatch
+from sglightning.episodes import Episode, RolloutBatch, split_groups
 from sglightning.grpo import degenerate_groups
 from sglightning.guidance import LABELS
 from sglightning.profiling import phase_logs
@@ -52,7 +52,8 @@ PER_STEP_KEYS = LABEL_KEYS | {"rollout/invalid_action_rate", "rollout/format_err
 #: logged numbers that are counts or rates of the whole run (summed over ranks); everything else is averaged over
 #: the ranks that have it
 SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups", "rollout/failed_groups",
-                      "rollout/dropped_groups", "rollout/degenerate_groups", "tokens/generated", "tokens/policy",
+                      "rollout/dropped_groups", "rollout/degenerate_groups", "rollout/split_groups", "tokens/generated",
+                      "tokens/policy",
                       "tokens/generated_per_s",
                       "tokens/forced_choice", "tokens/total", "tokens/update_positions", "tokens/prefill_positions",
                       "tokens/zero_advantage_samples", "tokens/skipped_zero_advantage_samples",
@@ -100,6 +101,8 @@ def batch_stats(batch: RolloutBatch) -> dict[str, float]:
     stats = {
         "rollout/env_errors": float(sum(e.error is not None for e in eps)),
         "rollout/episodes": float(len(eps)),
+        # groups whose members reset to different tasks: an env that draws its own task (should stay 0)
+        "rollout/split_groups": float(len(split_groups(eps))),
     }
     if not batch.guided:  # no labels: nothing below is measured
         return stats

@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -53,7 +54,16 @@ from sglightning.engines.base import Engine
 from sglightning.engines.program import Choice, Force, Free
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.pool import EnvPool
-from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Episode, Piece, RolloutBatch, Sample, StepRecord
+from sglightning.episodes import (
+    KIND_ACTION,
+    KIND_GUIDANCE,
+    Episode,
+    Piece,
+    RolloutBatch,
+    Sample,
+    StepRecord,
+    split_groups,
+)
 from sglightning.guidance import (
     LABELS,
     ActorFormat,
@@ -124,6 +134,7 @@ class Rollout:
         )
         self.env_errors = 0
         self._failures_logged: set[tuple[str, ...]] = set()
+        self._split_warned = False  # a group whose members reset to different tasks: said once a run
         self._should_stop: Callable[[], bool] | None = None
         self.eot_id = self.chat.turn_end_id  # what closes an admissible action: the template's end of turn
         self.eot = end_of_turn_ids(tokenizer) | {self.eot_id}
@@ -217,12 +228,29 @@ class Rollout:
             score = getattr(res, "score", None)
             ep.score = ep.initial_score = float(score) if score is not None else None
         _name_failed_tasks(episodes)
+        self._check_groups(episodes)
         stats = {"tokens": 0, "forward": 0, "prefill": 0}
         if self.guidance.prompt_mode == "single_stream":
             self._run_stream(episodes, temperature, guided, generator, greedy, stats)
         else:
             self._run_two_call(episodes, temperature, guided, generator, greedy, stats)
         return stats
+
+    def _check_groups(self, episodes: list[Episode]) -> None:
+        """Warn once a run when members of a group reset to different tasks or first observations: the env drew
+        its own task, so GRPO's group baseline compares different tasks.  Counted each step as
+        ``rollout/split_groups``."""
+        split = split_groups(episodes)
+        if not split or self._split_warned:
+            return
+        self._split_warned = True
+        first = next(ep for ep in episodes if ep.group == split[0])
+        env = self.pool.peek(first.index)
+        name = f"{type(env).__name__}.reset" if env is not None else "the env's reset"
+        groups = len({ep.group for ep in episodes})
+        warnings.warn(f"model.env: {name} gave members of one group different tasks or first observations "
+                      f"(seed {first.seed}; {len(split)} of {groups} groups). reset must fix the task by its seed, "
+                      "else GRPO compares different tasks (counted as rollout/split_groups)", stacklevel=2)
 
     # ------------------------------------------------------------------------------------------------------------------
     # programs
