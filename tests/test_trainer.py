@@ -313,6 +313,48 @@ def test_cli_fit_logs_everything_and_exports_the_adapter(cli_run, capsys):
     assert state and all("lora_" in k for k in state)
 
 
+def _documented_keys() -> set[str]:
+    """Every logged key ``docs/metrics.md`` names in backticks, braces expanded (``loss/{total,kl}``)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    keys: set[str] = set()
+    for name in re.findall(r"`([a-z_]+/[^`\s]+)`", text):
+        names = [name]
+        while any("{" in n for n in names):
+            n = next(n for n in names if "{" in n)
+            head, rest = n.split("{", 1)
+            options, tail = rest.split("}", 1)
+            names.remove(n)
+            names += [head + o + tail for o in options.split(",")]
+        keys.update(names)
+    return keys
+
+
+def test_tensorboard_gets_the_self_guide_dashboard_and_each_chart_shows_logged_keys(cli_run):
+    """The Custom Scalars layout a fit writes is :data:`DASHBOARD`; every chart draws at least one key the tiny fit
+    logged, and every line of it names a key this fit logged or ``docs/metrics.md`` documents (no typo draws
+    nothing)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from sglightning.metrics import DASHBOARD
+
+    _, run_dir = cli_run
+    acc = EventAccumulator(str(run_dir), size_guidance={"tensors": 0, "scalars": 0})
+    acc.Reload()
+    scalars = acc.Tags()["scalars"]
+    written = acc.Tensors("custom_scalars__config__")
+    assert len(written) == 1
+    layout = layout_pb2.Layout.FromString(written[0].tensor_proto.string_val[0])
+    charts = {(c.title, chart.title): list(chart.multiline.tag) for c in layout.category for chart in c.chart}
+    assert charts == {(c, t): tags for c, group in DASHBOARD.items() for t, tags in group.items()}
+    known = set(scalars) | _documented_keys()
+    assert len(known) > len(scalars) + 20  # the docs name keys this config does not log
+    for (category, title), tags in charts.items():
+        assert any(re.match(tag, key) for tag in tags for key in scalars), (category, title)
+        for tag in tags:
+            assert any(re.match(tag, key) for key in known), (title, tag)
+
+
 def test_cli_validate_reports_with_and_without_guidance(cli_run, tmp_path, capsys):
     _, run_dir = cli_run
     cli = cli_main([

@@ -39,6 +39,7 @@ from sglightning.errors import ConfigError, EngineError, memory_error_within, ou
 from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
+from sglightning.metrics import DASHBOARD
 from sglightning.models import PolicyConfig, base_signature
 from sglightning.preemption import PreemptionCheckpoint, agree_on_sigterm, sigterm_check
 from sglightning.profiling import markdown, phase, prepare_for_cuda_graphs, recording, summarise
@@ -326,6 +327,20 @@ class FitSummary(Callback):
                           pl_module.grpo_cfg.ppo_epochs))
 
 
+class Dashboard(Callback):
+    """Gives every TensorBoard logger the Custom Scalars layout :data:`sglightning.metrics.DASHBOARD` (rank 0, once a
+    run): success, trust, labels, collapse signs and cost, several keys to a chart, in TensorBoard's Custom Scalars
+    tab.  The Scalars tab keeps one chart a key, as before."""
+
+    @rank_zero_only
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                layout = {category: {title: ["Multiline", tags] for title, tags in charts.items()}
+                          for category, charts in DASHBOARD.items()}
+                logger.experiment.add_custom_scalars(layout)
+
+
 class StepProfile(Callback):
     """Profiles one training step, its rollout and its update, and says where the time went: per phase, the calls,
     the wall time and the device time (:mod:`sglightning.profiling`).  Add it to a run with
@@ -562,16 +577,16 @@ class ConfiguredOptimiser(Callback):
 
 def default_callbacks(trainer: Trainer | None, rollout: RolloutCallback) -> list[Callback]:
     """The callbacks every run gets (``SelfGuideModule.configure_callbacks``; the one list, for the CLI and for a
-    plain ``Trainer`` alike): ``rollout``, adapter export, preemption checkpoints, the summary and
-    :class:`ConfiguredOptimiser` — those the trainer does not have yet (e.g. ``validate`` after ``fit``: kept) — and
-    ``last.ckpt`` after every step (adapters, optimiser, counters: a killed or preempted run loses at most one step;
-    ``--ckpt_path last`` resumes): a
-    ModelCheckpoint in place of Lightning's default, or :class:`LastCheckpoint` beside a user's own that keeps no
-    ``last.ckpt``; none in ``fast_dev_run``.  (The CLI also gives the Trainer its one progress bar,
-    :class:`sglightning.console.StepProgressBar`, unless the user gives one.)"""
+    plain ``Trainer`` alike): ``rollout``, adapter export, preemption checkpoints, the summary,
+    :class:`ConfiguredOptimiser` and the TensorBoard :class:`Dashboard` — those the trainer does not have yet (e.g.
+    ``validate`` after ``fit``: kept) — and ``last.ckpt`` after every step (adapters, optimiser, counters: a killed or
+    preempted run loses at most one step; ``--ckpt_path last`` resumes): a ModelCheckpoint in place of Lightning's
+    default, or :class:`LastCheckpoint` beside a user's own that keeps no ``last.ckpt``; none in ``fast_dev_run``.
+    (The CLI also gives the Trainer its one progress bar, :class:`sglightning.console.StepProgressBar`, unless the
+    user gives one.)"""
     present = {type(c) for c in trainer.callbacks} if trainer is not None else set()
     callbacks: list[Callback] = [rollout] if RolloutCallback not in present else []
-    callbacks += [cb() for cb in (AdapterExport, PreemptionCheckpoint, FitSummary, ConfiguredOptimiser)
+    callbacks += [cb() for cb in (AdapterExport, PreemptionCheckpoint, FitSummary, ConfiguredOptimiser, Dashboard)
                   if cb not in present]
     ckpts = [c for c in trainer.callbacks if isinstance(c, ModelCheckpoint)] if trainer is not None else []
     if ckpts and not any(c.save_last for c in ckpts) and not trainer.fast_dev_run:  # fast_dev_run saves nothing

@@ -63,6 +63,46 @@ SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups"
                       "engine/caches_given_back", "guidance/calibration_targets"})
 
 
+#: TensorBoard's Custom Scalars tab: the charts that say whether Self-Guide is working, several keys to a chart.
+#: Category -> chart title -> anchored regexes of scalar tags.  Keys a config does not log leave their line empty
+DASHBOARD: dict[str, dict[str, list[str]]] = {
+    "self-guide: outcome": {
+        "success: training, validation with and without guidance": [
+            "^rollout/success_rate$", "^val/(sg|nosg)/success_rate$"],
+        "return: blended, internal, environment": [
+            "^reward/(blended_return|internal_return)$", "^rollout/env_return$"],
+        "trust: lambda paid, its schedule, the guide's reliability": [
+            "^reward/(lambda|lambda_schedule)$", "^guidance/reliability$"],
+    },
+    "self-guide: guidance": {
+        "label shares": ["^guidance/label_(positive|neutral|negative|unparsed)$"],
+        "calibration: accuracy against the best constant label": [
+            "^guidance/label_(accuracy|accuracy_constant|balanced_accuracy|auroc_success)$"],
+        "label shares in validation": ["^val/sg/label_(positive|neutral|negative|unparsed)$"],
+    },
+    "self-guide: collapse": {
+        "entropy": ["^policy/entropy(_guidance|_action)?$"],
+        "failures a step": ["^rollout/(invalid_action|format_error|capped_step)_rate$"],
+        "tokens written a step": ["^rollout/tokens_per_step$"],
+        "sampler against trainer": [
+            "^policy/logprob_gap_sampler_trainer$", "^policy/sampler_ratio_outside_0\\.9_1\\.1$",
+            "^rollout/policy_lag$"],
+        "groups without a gradient": ["^rollout/(degenerate|failed|split)_groups$"],
+    },
+    "self-guide: update": {
+        "loss": ["^loss/(total|policy|kl|calibration)$"],
+        "gradient and clipping": ["^train/grad_norm$", "^loss/(clip_frac|dual_clip_frac)$"],
+    },
+    "self-guide: cost": {
+        "seconds a step": ["^time/(rollout|update)_s$"],
+        "rollout phases": ["^time/rollout_(prefill|decode|draw|env)_s$"],
+        "update phases": ["^time/update_(correction|forward|backward|optimiser)_s$"],
+        "generated tokens a second": ["^tokens/generated_per_s$"],
+        "peak memory": ["^memory/.*_gb$"],
+    },
+}
+
+
 def _episode_values(ep: Episode) -> dict[str, float]:
     n = len(ep.steps)
     labels = Counter(s.label if s.label in LABELS else "unparsed" for s in ep.steps) if ep.guided else Counter()
