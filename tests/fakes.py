@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
-
 import contextlib
+import itertools
 import re
 from types import SimpleNamespace
 from typing import Literal

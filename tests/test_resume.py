@@ -255,3 +255,66 @@ def test_a_resume_trains_with_the_configs_optimiser_settings(tmp_path, capsys):
     other.fit(tiny_module(optimizer=adamw(1e-3)), ckpt_path=ckpt)
     assert other.optimizers[0].param_groups[0]["lr"] == 1e-3
     assert "resumed with the config's optimiser settings: lr 0.001 (the checkpoint's 0.01)" in capsys.readouterr().err
+
+
+def test_a_schedule_steps_once_an_optimiser_step_and_a_resume_continues_it(tmp_path, capsys):
+    """``model.lr_scheduler`` steps once an optimiser step (``train/lr`` is the rate a step took); a resume continues
+    the schedule where the checkpoint left it, and a new base rate in the config scales the schedule, not resets it.
+    Before the base rate was compared with the scheduled one, so every resume under a schedule reset the rate."""
+    import shutil
+
+    import torch
+    from tiny import tiny_module, tiny_trainer
+
+    def adamw(lr):
+        return lambda params: torch.optim.AdamW(params, lr=lr)
+
+    def warmup(opt):  # the factor goes 0.25 -> 0.625 -> 1.0 over the first two optimiser steps
+        return torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=2)
+
+    def lrs(module):
+        return [h["train/lr"] for h in module.history]
+
+    straight = tiny_module(optimizer=adamw(1e-2), lr_scheduler=warmup)
+    tiny_trainer(tmp_path / "a", steps=3).fit(straight)
+    assert lrs(straight) == pytest.approx([2.5e-3, 6.25e-3, 1e-2])
+    tiny_trainer(tmp_path / "b", steps=1, enable_checkpointing=True).fit(tiny_module(optimizer=adamw(1e-2),
+                                                                                  lr_scheduler=warmup))
+    ckpt = str(tmp_path / "step1.ckpt")  # kept: the resumes below write their own last.ckpt
+    shutil.copy(tmp_path / "b" / "checkpoints" / "last.ckpt", ckpt)
+    capsys.readouterr()
+    resumed = tiny_module(optimizer=adamw(1e-2), lr_scheduler=warmup)
+    tiny_trainer(tmp_path / "b", steps=3, enable_checkpointing=True).fit(resumed, ckpt_path=ckpt)
+    assert lrs(resumed) == pytest.approx(lrs(straight))
+    assert "optimiser settings" not in capsys.readouterr().err  # the base rate did not change: nothing said
+    rebased = tiny_module(optimizer=adamw(2e-2), lr_scheduler=warmup)
+    tiny_trainer(tmp_path / "b", steps=3, enable_checkpointing=True).fit(rebased, ckpt_path=ckpt)
+    assert lrs(rebased) == pytest.approx([2.5e-3, 1.25e-2, 2e-2])  # step 1 as trained; then 2e-2 × the factor
+    assert "lr 0.02 (the checkpoint's 0.01)" in capsys.readouterr().err
+
+
+def test_config_settings_under_a_schedule_move_its_base_and_keep_its_progress():
+    """:func:`take_config_settings` without Lightning: a constant rate is replaced; a scheduled one is compared by
+    its base and scaled, and the schedule's own base follows."""
+    import torch
+
+    from sglightning.optimisation import take_config_settings
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    plain = torch.optim.AdamW([p], lr=1e-2, weight_decay=0.0)
+    assert take_config_settings([plain], [], {"lr": 1e-2, "weight_decay": 0.0}) == {}
+    assert take_config_settings([plain], [], {"lr": 3e-3, "weight_decay": 0.1}) == {"lr": (1e-2, 3e-3),
+                                                                                   "weight_decay": (0.0, 0.1)}
+    assert plain.param_groups[0]["lr"] == 3e-3 and plain.param_groups[0]["weight_decay"] == 0.1
+    opt = torch.optim.AdamW([p], lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=4)
+    opt.step()
+    schedule.step()  # factor 0.4375
+    assert take_config_settings([opt], [schedule], {"lr": 1e-2}) == {}  # the scheduled rate is not the base
+    assert opt.param_groups[0]["lr"] == pytest.approx(4.375e-3)
+    assert take_config_settings([opt], [schedule], {"lr": 2e-2}) == {"lr": (1e-2, 2e-2)}
+    assert opt.param_groups[0]["lr"] == pytest.approx(8.75e-3) and schedule.base_lrs == [2e-2]
+    for _ in range(4):
+        opt.step()
+        schedule.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(2e-2)  # the warm-up ends at the new base

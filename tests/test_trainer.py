@@ -473,6 +473,16 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.env=fakes.ModeEnv", "--model.env.init_args.mode=hrd"],
          "model.env.init_args.mode: 'hrd' is not one of easy, hard (did you mean hard?)"),
         (["--model.optimizer.init_args.lr=-0.001"], "model.optimizer: Invalid learning rate: -0.001"),
+        # a learning-rate schedule: one that needs a metric, a bare name two classes have, a bad argument
+        (["--model.lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau"],
+         "model.lr_scheduler: ReduceLROnPlateau steps on a metric; a schedule here steps once an optimiser step"),
+        (["--model.lr_scheduler=ReduceLROnPlateau"], "model.lr_scheduler: ReduceLROnPlateau names several classes; "
+         "give one of torch.optim.lr_scheduler.ReduceLROnPlateau, lightning.pytorch.cli.ReduceLROnPlateau"),
+        (["--model.lr_scheduler=LinearLR", "--model.lr_scheduler.start_factor=0"],
+         "model.lr_scheduler: Starting multiplicative factor expected to be greater than 0"),
+        (["--model.lr_scheduler=LinearLR", "--model.lr_scheduler.start_factr=0.1"],
+         "model.lr_scheduler.init_args.start_factr: LinearLR takes no argument 'start_factr'; did you mean "
+         "model.lr_scheduler.init_args.start_factor?"),
         (["--trainer.max_steps=-5"], "`max_steps` must be a non-negative integer or -1"),
         (["--model.policy.name_or_path=my_models/smol2"],
          "'my_models/smol2' is not a local folder, not in the local Hugging Face cache"),

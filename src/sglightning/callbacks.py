@@ -41,6 +41,7 @@ from sglightning.guidance import GuidanceConfig
 from sglightning.memory import PhasePeak
 from sglightning.metrics import DASHBOARD
 from sglightning.models import PolicyConfig, base_signature
+from sglightning.optimisation import take_config_settings
 from sglightning.preemption import PreemptionCheckpoint, agree_on_sigterm, sigterm_check
 from sglightning.profiling import markdown, phase, prepare_for_cuda_graphs, recording, summarise
 from sglightning.report import fit_summary, run_settings, trajectory_markdown, write_validation_report
@@ -553,23 +554,17 @@ def _as_made(ckpt: Callback) -> bool:
 
 class ConfiguredOptimiser(Callback):
     """A resume trains with the config's optimiser settings: torch's ``load_state_dict`` puts back the checkpoint's
-    learning rate, weight decay, betas…, so a changed ``model.optimizer`` was silently ignored.  The moments stay the
-    checkpoint's; one line names each setting that changed."""
-
-    KEYS = ("lr", "weight_decay", "betas", "eps", "momentum", "alpha", "dampening")
+    learning rate, weight decay, betas…, so a changed ``model.optimizer`` was silently ignored.  The moments and a
+    schedule's progress stay the checkpoint's (:func:`sglightning.optimisation.take_config_settings`); one line names
+    each setting that changed."""
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         factory = getattr(pl_module, "optimizer_factory", None)
         if trainer.ckpt_path is None or factory is None:
             return
         wanted = factory([torch.nn.Parameter(torch.zeros(1))]).defaults
-        changed: dict[str, tuple[Any, Any]] = {}
-        for opt in trainer.optimizers:
-            for group in opt.param_groups:
-                for key in self.KEYS:
-                    if key in wanted and key in group and group[key] != wanted[key]:
-                        changed[key] = (group[key], wanted[key])
-                        group[key] = wanted[key]
+        schedules = [c.scheduler for c in trainer.lr_scheduler_configs]
+        changed = take_config_settings(trainer.optimizers, schedules, wanted)
         if changed and trainer.global_rank == 0:
             said = ", ".join(f"{k} {new} (the checkpoint's {old})" for k, (old, new) in changed.items())
             print(f"sglightning: resumed with the config's optimiser settings: {said}", file=sys.stderr, flush=True)

@@ -156,6 +156,11 @@ _CLASS_GIVEN = re.compile(r'^Parser key "(?P<key>[^"]+)":.*?(?:Problem with give
                           r"|Given value: (?P<value>[\w.]+)\s*$)", re.DOTALL)
 
 
+#: a bare class name that several importable classes have (``ReduceLROnPlateau``: torch's and Lightning's)
+_AMBIGUOUS = re.compile(r'^Parser key "(?P<key>[\w.]+)":.*?Multiple subclasses with name (?P<name>\w+)\. Give the '
+                        r"full class path to avoid ambiguity: (?P<paths>[\w., ]+?)\.(?:\s|$)", re.S)
+
+
 def class_in_words(message: str) -> str:
     """The parser's dump for a key that takes a class (``trainer.callbacks``, ``trainer.logger``, ``model.optimizer``)
     as one sentence: an init argument of the wrong type, a required one not given, or a class path that names
@@ -166,6 +171,8 @@ def class_in_words(message: str) -> str:
             return not_one_of(f"{m['key']}.init_args.{m['arg']}", m["lvalue"], m["choices"])
         value, kind = (m["value"], m["type"]) if m["type"] else (m["uvalue"], m["utype"])
         return f"{m['key']}.init_args.{m['arg']}: {value!r} is not {_TYPE_WORDS.get(kind, kind)}"
+    if m := _AMBIGUOUS.match(text):
+        return f"{m['key']}: {m['name']} names several classes; give one of {m['paths'].rstrip('.')}"
     if m := _REQUIRED.match(text):
         args = [a.strip() for a in m["args"].split(",")]
         return (f"{m['key']}: {m['cls'].rpartition('.')[2]} needs {', '.join(args)}: give --{m['key']}.{args[0]}="

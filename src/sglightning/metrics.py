@@ -92,6 +92,7 @@ DASHBOARD: dict[str, dict[str, list[str]]] = {
     "self-guide: update": {
         "loss": ["^loss/(total|policy|kl|calibration)$"],
         "gradient and clipping": ["^train/grad_norm$", "^loss/(clip_frac|dual_clip_frac)$"],
+        "learning rate": ["^train/lr$"],
     },
     "self-guide: cost": {
         "seconds a step": ["^time/(rollout|update)_s$"],

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.cli import OptimizerCallable
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from sglightning import data, distributed, models, report, rewards, scoring, strategies
+from sglightning import data, distributed, models, optimisation, report, rewards, scoring, strategies
 from sglightning.callbacks import RolloutCallback, default_callbacks
 from sglightning.chat import pad_token_id
 from sglightning.checkpointing import check_shapes, stop_nonfinite, use_atomic_io
@@ -67,10 +67,6 @@ from sglightning.update import (
 quiet()
 _COUNTERS = ("rollouts_done", "skipped_updates", "consecutive_skips")  # the run's counters a checkpoint keeps
 
-def default_optimizer(params):
-    """AdamW at lr 1e-5, used when the config names no ``model.optimizer``."""
-    return torch.optim.AdamW(params, lr=1e-5)
-
 
 class SelfGuideModule(LightningModule):
     def __init__(
@@ -86,6 +82,7 @@ class SelfGuideModule(LightningModule):
         adapter_path: str | None = None,
         reward_terms: list[RewardTerm] | None = None,
         engine: EngineConfig = EngineConfig(),
+        lr_scheduler: LRSchedulerCallable | None = None,
     ):
         """What is trained, on which environment, and how (each argument is a section of ``model``).
 
@@ -105,12 +102,15 @@ class SelfGuideModule(LightningModule):
             engine: where rollouts are generated: ``backend: builtin`` (batched forwards of the policy in this
                 process), ``vllm`` (a vLLM server launched from ``engine.python`` or reached at ``engine.url``; the
                 adapter is synced every step) or an engine class path.
+            lr_scheduler: learning-rate schedule, stepped once an optimiser step (skipped updates too); default:
+                none, a constant rate. E.g. ``torch.optim.lr_scheduler.LinearLR`` for a warm-up.
         """
         super().__init__()
-        self.save_hyperparameters(ignore=["optimizer", "reward_terms"])
+        self.save_hyperparameters(ignore=["optimizer", "lr_scheduler", "reward_terms"])
         self.policy_cfg, self.env_class, self.rollout_cfg = policy, env, rollout
         self.guidance_cfg, self.grpo_cfg, self.update_cfg, self.eval_cfg = guidance, grpo, update, evaluation
-        self.optimizer_factory = optimizer if optimizer is not None else default_optimizer
+        self.optimizer_factory = optimizer if optimizer is not None else optimisation.default_optimizer
+        self.lr_scheduler_factory = lr_scheduler
         self.adapter_path, self.engine_cfg = adapter_path, engine
         self.reward_terms = rewards.distinct_terms(reward_terms)
         self.automatic_optimization = False
@@ -150,10 +150,7 @@ class SelfGuideModule(LightningModule):
         check_adapter_folder(self.adapter_path)
         make_engine(self.engine_cfg).check(self.policy_cfg, self.rollout_cfg, self.grpo_cfg)  # what it cannot do
         check_calibration(self.grpo_cfg.calibration, self.guidance_cfg)
-        try:
-            self.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"model.optimizer: {err}") from None
+        optimisation.check(self.optimizer_factory, self.lr_scheduler_factory)
 
     def share_prefix(self, strategy=None) -> bool:
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
@@ -218,7 +215,7 @@ class SelfGuideModule(LightningModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         if not params:
             raise RuntimeError("no trainable parameters: check model.policy.lora_target_modules")
-        return self.optimizer_factory(params)
+        return optimisation.configure(params, self.optimizer_factory, self.lr_scheduler_factory)
 
     # data ---------------------------------------------------------------------------------------------------------
     def total_steps(self, max_steps: int | None = None) -> int:
@@ -332,6 +329,9 @@ class SelfGuideModule(LightningModule):
             out.update(self._optimiser_step(data, adv, rows, pad, totals, prepared.rows_left_out, self.optimizers(),
                                             first_epoch=epoch == 0, correct=correct))
             out["train/update_skipped"] = max(skipped, out["train/update_skipped"])
+            out["train/lr"] = float(self.optimizers().param_groups[0]["lr"])  # the rate this optimiser step took
+            if self.lr_schedulers() is not None:  # once an optimiser step, a skipped one too
+                self.lr_schedulers().step()
             if correct and correct.complete:  # else a skipped step: the next epoch, same weights, passes again
                 out.update(correct.stats())
                 correct = None
