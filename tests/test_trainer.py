@@ -37,7 +37,7 @@ REQUIRED_SCALARS = [
     "loss/policy", "loss/kl", "loss/clip_frac", "policy/entropy",
     "tokens/generated", "tokens/policy", "time/rollout_s", "time/update_s", "time/rollout_prefill_s",
     "time/rollout_decode_s", "time/rollout_draw_s", "time/rollout_env_s", "time/update_forward_s",
-    "time/update_backward_s", "time/update_optimiser_s",
+    "time/update_backward_s", "time/update_optimiser_s", "train/lr", "rollout/split_groups",
 ]
 
 
