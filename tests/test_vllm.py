@@ -179,6 +179,31 @@ def test_a_sync_after_an_update_gives_the_engine_the_trainers_weights(served, po
     assert not first_folder.exists() and served.loaded[-1][1] != first_folder
 
 
+def test_answers_from_another_model_than_the_adapter_stop_the_step(served, policy, monkeypatch):
+    """Each answer of vLLM names the adapter that served it.  Answers in another name (here a proxy that serves the
+    base model under the names it is asked for, as a router that maps names might) are not the policy's samples: the
+    turn raises ``EngineError`` naming both, rather than training on them.  Control: the same rollout, unproxied,
+    passes the check on every request."""
+    model, tok = policy
+    _sync(served, model, tok, version=next(_VERSIONS))
+    rollout = Rollout(model, tok, ENV, GuidanceConfig(max_guidance_tokens=4, max_action_tokens=4),
+                      RolloutConfig(group_size=2, max_steps=1), engine=served)
+    try:
+        batch = rollout.run([1], generator=torch.Generator().manual_seed(0))
+        assert batch.engine_counts["requests"] > 0 and not any(e.error for e in batch.episodes)
+        real = served.client.completions
+
+        def proxied(body):
+            return {**real({**body, "model": served.served_name}), "model": served.served_name}
+
+        monkeypatch.setattr(served.client, "completions", proxied)
+        with pytest.raises(EngineError, match=rf"answered requests for {served.adapter_name} as "
+                                              rf"{served.served_name}: the samples are not the trained adapter's"):
+            rollout.run([1], generator=torch.Generator().manual_seed(0))
+    finally:
+        rollout.close()
+
+
 @pytest.mark.smollm2
 def test_smollm2_through_vllm_samples_what_the_trainer_scores():
     """The real embedded model (SmolLM2-135M-Instruct, fp32) with a LoRA adapter that changes it: after a sync the

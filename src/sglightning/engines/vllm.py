@@ -112,6 +112,7 @@ class VLLMSession(Session):
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.engine_failures: list[str] = []  # this turn's requests that failed on the engine's side
+        self.answered_as: set[str] = set()  # models that answered this turn's requests for another one
         self._lock = threading.Lock()
 
     # --------------------------------------------------------------------------------------------------------------
@@ -143,10 +144,14 @@ class VLLMSession(Session):
         if len(programs) != len(self.rows):
             raise ValueError(f"run got {len(programs)} programs for {len(self.rows)} rows")
         seeds = row_seeds(self.generator, len(programs))
-        self.engine_failures = []
+        self.engine_failures, self.answered_as = [], set()
         pool = self.engine.pool
         futures = [pool.submit(self._run_row, i, list(p), s) for i, (p, s) in enumerate(zip(programs, seeds))]
         out = [f.result() for f in futures]
+        if self.answered_as:  # not the policy's samples: the step is abandoned, not trained on
+            raise EngineError(f"the vLLM engine answered requests for {self.engine.adapter_name} as "
+                              f"{', '.join(sorted(self.answered_as))}: the samples are not the trained adapter's (a "
+                              f"proxy or a server at model.engine.url that maps model names?)")
         if any(pieces and pieces[-1].error for pieces in out):
             # a dying engine answers its last requests with errors, a hung one times out: the step is abandoned, not
             # trained on.  A request's own failure (a 4xx, a context too long) fails its episode only
@@ -223,6 +228,11 @@ class VLLMSession(Session):
         if banned:
             body["logit_bias"] = {str(int(t)): -100 for t in banned}
         out = self.engine.client.completions(body)
+        answered = out.get("model") if isinstance(out, dict) else None
+        if answered is not None and answered != body["model"]:  # vLLM names the adapter that served the request
+            with self._lock:
+                self.answered_as.add(str(answered))
+            raise RequestFailed(f"answered as {answered}, not {body['model']}", True)
         toks, lps = answer_tokens(out)
         if len(lps) != len(toks):
             raise RequestFailed(f"the engine returned {len(toks)} tokens and {len(lps)} log-probs")
