@@ -291,6 +291,19 @@ def test_a_schedule_steps_once_an_optimiser_step_and_a_resume_continues_it(tmp_p
     tiny_trainer(tmp_path / "b", steps=3, enable_checkpointing=True).fit(rebased, ckpt_path=ckpt)
     assert lrs(rebased) == pytest.approx([2.5e-3, 1.25e-2, 2e-2])  # step 1 as trained; then 2e-2 × the factor
     assert "lr 0.02 (the checkpoint's 0.01)" in capsys.readouterr().err
+    # a schedule given up on the resume: the config's constant rate from there on
+    dropped = tiny_module(optimizer=adamw(1e-2))
+    tiny_trainer(tmp_path / "b", steps=3, enable_checkpointing=True).fit(dropped, ckpt_path=ckpt)
+    assert lrs(dropped) == pytest.approx([2.5e-3, 1e-2, 1e-2])
+    said = capsys.readouterr().err
+    assert "lr_scheduler none (the checkpoint's schedule), lr 0.01 (the checkpoint's 0.00625)" in said
+    # a schedule added on the resume of a run without one: it starts at the resumed step
+    tiny_trainer(tmp_path / "c", steps=1, enable_checkpointing=True).fit(tiny_module(optimizer=adamw(1e-2)))
+    added = tiny_module(optimizer=adamw(1e-2), lr_scheduler=warmup)
+    tiny_trainer(tmp_path / "c", steps=3, enable_checkpointing=True).fit(
+        added, ckpt_path=str(tmp_path / "c" / "checkpoints" / "last.ckpt"))
+    assert lrs(added) == pytest.approx([1e-2, 2.5e-3, 6.25e-3])
+    assert "lr_scheduler LinearLR (the checkpoint's none)" in capsys.readouterr().err
 
 
 def test_config_settings_under_a_schedule_move_its_base_and_keep_its_progress():

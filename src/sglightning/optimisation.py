@@ -67,7 +67,8 @@ def take_config_settings(optimizers: Sequence[torch.optim.Optimizer], schedules:
     for each setting that changed.  Torch's ``load_state_dict`` puts back the checkpoint's.
 
     Under a schedule the base rate is compared, not the scheduled one: the schedule keeps its progress and its
-    factor, and a new base rate scales the rate now and the schedule's base alike.
+    factor, and a new base rate scales the rate now and the schedule's base alike.  A schedule the checkpoint did
+    not have starts now; one it had and the config has not ends, and the config's rate applies.
 
     Args:
         optimizers: the optimisers the checkpoint restored.
@@ -75,6 +76,17 @@ def take_config_settings(optimizers: Sequence[torch.optim.Optimizer], schedules:
         wanted: the config's settings (a fresh optimiser's ``defaults``).
     """
     changed: dict[str, tuple[Any, Any]] = {}
+    groups = [g for opt in optimizers for g in opt.param_groups]
+    if not schedules and any("initial_lr" in g for g in groups):  # the checkpoint's schedule is not the config's
+        changed["lr_scheduler"] = ("schedule", "none")
+        for group in groups:
+            group.pop("initial_lr")  # the rate is compared and set as a constant one below
+    for schedule in schedules:
+        if hasattr(schedule, "get_last_lr") and any("initial_lr" not in g for g in schedule.optimizer.param_groups):
+            # the checkpoint ran without one: the schedule starts now, from the rate it set when it was made
+            changed["lr_scheduler"] = ("none", type(schedule).__name__)
+            for group, base, last in zip(schedule.optimizer.param_groups, schedule.base_lrs, schedule.get_last_lr()):
+                group["initial_lr"], group["lr"] = base, last
     for opt in optimizers:
         for group in opt.param_groups:
             for key in SETTINGS:
