@@ -120,3 +120,33 @@ def test_an_episode_the_env_failed_shows_no_pattern_in_the_report_either():
     broken.error = "env: step raised RuntimeError"
     assert episode_summary(broken)["patterns"] == [] and failure_pattern_rates([broken]) == {"failed_episodes": 0}
     assert episode_summary(ep(["look"] * 6))["patterns"] == ["looping"]  # the control: lost by the policy
+
+
+def test_pass_at_k_is_the_mean_over_every_k_subset_of_a_tasks_tries():
+    """The unbiased pass@k equals, per task, the share of its k-subsets of tries with a win, averaged over tasks; by
+    hand for three tasks of four tries, and against enumeration for random outcomes."""
+    import itertools
+    import random
+
+    from sglightning.episodes import Episode
+    from sglightning.report import pass_at_k
+
+    def episodes(outcomes):
+        eps = []
+        for seed, wins in enumerate(outcomes):
+            for w in wins:
+                ep = Episode(index=len(eps), group=seed, seed=seed)
+                ep.won = bool(w)
+                eps.append(ep)
+        return eps
+
+    assert pass_at_k(episodes([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])) == pytest.approx(
+        {"1": 5 / 12, "2": 0.5, "4": 2 / 3})
+    assert pass_at_k(episodes([[1], [0]])) == {}  # one try a task: the success rate says it
+    rng = random.Random(0)
+    outcomes = [[rng.random() < 0.3 for _ in range(6)] for _ in range(5)]
+    got = pass_at_k(episodes(outcomes))
+    assert set(got) == {"1", "2", "4", "6"}
+    for k in (1, 2, 4, 6):
+        subsets = [[any(c) for c in itertools.combinations(w, k)] for w in outcomes]
+        assert got[str(k)] == pytest.approx(sum(sum(s) / len(s) for s in subsets) / len(outcomes))

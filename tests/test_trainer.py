@@ -355,6 +355,27 @@ def test_tensorboard_gets_the_self_guide_dashboard_and_each_chart_shows_logged_k
             assert any(re.match(tag, key) for key in known), (title, tag)
 
 
+def test_validate_with_several_episodes_a_task_reports_pass_at_k(cli_run, tmp_path, capsys):
+    """With ``evaluation.episodes_per_task`` n > 1 the report, TensorBoard and the Markdown say the share of tasks
+    solved within k tries (k = 1, 2, …, n); pass@1 is the success rate.  With one episode a task there is none."""
+    _, run_dir = cli_run
+    cli = cli_main([
+        "validate", "--config", TINY, f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", f"--model.adapter_path={run_dir / 'adapter'}",
+        "--model.evaluation.episodes_per_task=2", "--model.evaluation.temperature=1.5",
+    ])
+    out = Path(cli.trainer.log_dir)
+    report = json.loads((out / "validation_report.json").read_text())
+    for stats in report["modes"].values():
+        assert set(stats["pass_at"]) == {"1", "2"}
+        assert stats["pass_at"]["1"] == pytest.approx(stats["rollout/success_rate"])
+        assert stats["pass_at"]["1"] <= stats["pass_at"]["2"] <= min(1.0, 2 * stats["pass_at"]["1"])
+    scalars, _ = _scalars(out)
+    assert {"val/sg/pass_at_1", "val/sg/pass_at_2", "val/nosg/pass_at_2"} <= scalars
+    assert "(pass@k): 1 " in (out / "validation_report.md").read_text()
+    assert "pass_at" not in json.loads((run_dir / "validation_report.json").read_text())["modes"]["sg"]
+
+
 def test_cli_validate_reports_with_and_without_guidance(cli_run, tmp_path, capsys):
     _, run_dir = cli_run
     cli = cli_main([

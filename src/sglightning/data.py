@@ -105,7 +105,7 @@ class EvalConfig:
     num_tasks: int = 16
     """evaluation tasks (seeds ``seed_offset + i``); every one is played in every guidance mode"""
     episodes_per_task: int = 1
-    """episodes per task"""
+    """episodes per task; above 1 the report adds pass@k, the share of tasks solved within k tries"""
     tasks_per_batch: int = 16
     """tasks per validation batch (all their episodes are played in lock-step)"""
     temperature: float = 0.4

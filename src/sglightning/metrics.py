@@ -68,7 +68,7 @@ SUM_KEYS = frozenset({"rollout/env_errors", "rollout/episodes", "rollout/groups"
 DASHBOARD: dict[str, dict[str, list[str]]] = {
     "self-guide: outcome": {
         "success: training, validation with and without guidance": [
-            "^rollout/success_rate$", "^val/(sg|nosg)/success_rate$"],
+            "^rollout/success_rate$", "^val/(sg|nosg)/(success_rate|pass_at_\\d+)$"],
         "return: blended, internal, environment": [
             "^reward/(blended_return|internal_return)$", "^rollout/env_return$"],
         "trust: lambda paid, its schedule, the guide's reliability": [

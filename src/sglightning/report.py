@@ -35,8 +35,33 @@ def mode_stats(means: dict[str, float], episodes: list[Episode]) -> dict[str, An
         stats.update(calibration_stats(episodes))
     stats["per_task_type_success"] = per_task_type_success(episodes)
     stats["failure_patterns"] = failure_pattern_rates(episodes)
+    tries = pass_at_k(episodes)
+    if tries:
+        stats["pass_at"] = tries
     stats["episodes"] = len(episodes)
     return stats
+
+
+def pass_at_k(episodes: list[Episode]) -> dict[str, float]:
+    r"""The share of tasks solved within k tries, for k = 1, 2, 4, … and the tries every task had (n, the fewest
+    episodes of one task seed).  Unbiased over all n tries (Chen et al., 2021):
+
+        pass@k = mean over tasks of 1 − C(n_i − c_i, k) / C(n_i, k)      c_i: the task's won episodes
+
+    Empty with one episode a task (``evaluation.episodes_per_task`` 1): pass@1 is the success rate.
+
+    Args:
+        episodes: one validation mode's episodes; a task is a seed.
+    """
+    wins: dict[int, list[bool]] = {}
+    for ep in episodes:
+        wins.setdefault(ep.seed, []).append(ep.won)
+    n = min((len(w) for w in wins.values()), default=0)
+    if n < 2:
+        return {}
+    ks = sorted({k for k in (2**i for i in range(n.bit_length())) if k <= n} | {n})
+    return {str(k): sum(1 - math.comb(len(w) - sum(w), k) / math.comb(len(w), k) for w in wins.values()) / len(wins)
+            for k in ks}
 
 
 def sign_test(a: int, b: int) -> float:
@@ -156,6 +181,8 @@ def scalars(report: dict[str, Any]) -> dict[str, float]:
                 out[f"val/{mode}/failure_{k}"] = float(v)
         for k, v in stats["per_task_type_success"].items():
             out[f"val/{mode}/success_{k}"] = float(v)
+        for k, v in (stats.get("pass_at") or {}).items():
+            out[f"val/{mode}/pass_at_{k}"] = float(v)
     for k, v in (report.get("paired") or {}).items():  # with both modes: on vs off on the same episodes
         out[f"val/paired/{k}"] = float(v)
     return out
@@ -207,6 +234,10 @@ def report_markdown(report: dict[str, Any]) -> str:
         lines += ["", f"The same {paired['pairs']} episodes with and without self-guidance: won only with it "
                       f"{paired['only_sg']}, only without it {paired['only_nosg']} (exact sign test p = "
                       f"{paired['sign_test_p']:.3f})."]
+    for mode, stats in modes.items():
+        if stats.get("pass_at"):
+            solved = ", ".join(f"{k} {v:.3f}" for k, v in stats["pass_at"].items())
+            lines += ["", f"Tasks solved within k tries, self-guidance {name.get(mode, mode)} (pass@k): {solved}."]
     types = sorted({t for st in modes.values() for t in (st.get("per_task_type_success") or {})})
     if types:  # also for a single task type: the table says which type the episodes were
         lines += ["", "Success per task type:", "", "| self-guidance | " + " | ".join(types) + " |",
