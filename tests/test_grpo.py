@@ -446,13 +446,33 @@ def test_grpo_loss_seq_mean_token_mean_differs_with_unequal_lengths():
     assert loss3.item() == pytest.approx(loss.item())
 
 
+def test_grpo_loss_seq_mean_token_sum_norm_weighs_every_token_alike_whatever_its_sequence_length():
+    """Dr. GRPO: each sequence's token sum over one constant T, then the mean over sequences.  With T = 4:
+    loss = (−2.78/4 + 2.3/4) / 2 = −0.06, and every policy token's gradient weight is 1/(T·2) = 1/8 in both sequences
+    (seq_mean_token_mean gave the 3-token one 1/6 and the 2-token one 1/4: a length bias)."""
+    logp = _logp()
+    loss, stats = grpo_loss(logp, OLD, ADV, MASK, loss_agg="seq_mean_token_sum_norm", loss_norm_tokens=4)
+    assert loss.item() == pytest.approx(-0.06) and stats["policy_loss"].item() == pytest.approx(-0.06)
+    loss.backward()
+    expected_grad = torch.tensor([[0.0, -1 / 8, -0.5 / 8], [0.0, 1.5 / 8, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(logp.grad, expected_grad)
+    for missing in (None, 0):
+        with pytest.raises(ValueError, match=r"grpo\.loss_norm_tokens"):
+            grpo_loss(_logp(), OLD, ADV, MASK, loss_agg="seq_mean_token_sum_norm", loss_norm_tokens=missing)
+    from sglightning.grpo import GRPOConfig
+
+    with pytest.raises(ValueError, match=r"^grpo\.loss_norm_tokens: seq_mean_token_sum_norm divides"):
+        GRPOConfig(loss_agg="seq_mean_token_sum_norm")
+    assert GRPOConfig(loss_agg="seq_mean_token_sum_norm", loss_norm_tokens=64).loss_norm_tokens == 64
+
+
 def test_grpo_loss_symmetric_clip_and_validation():
     # clip_high = clip_low = 0.2 -> band [0.8, 1.2]; seq0 tok0 now min(1.5, 1.2) = 1.2, seq1 tok1 still -1.5
     # token_mean = (-1.2 - 1.0 - 0.5 + 0.8 + 1.5) / 5 = -0.4 / 5 = -0.08
     loss, _ = grpo_loss(_logp(), OLD, ADV, MASK, clip_low=0.2, clip_high=0.2)
     assert loss.item() == pytest.approx(-0.08)
     with pytest.raises(ValueError, match=r"grpo\.loss_agg"):
-        grpo_loss(_logp(), OLD, ADV, MASK, loss_agg="seq_mean_token_sum_norm")
+        grpo_loss(_logp(), OLD, ADV, MASK, loss_agg="seq_sum")
     with pytest.raises(ValueError, match=r"grpo\.kl_kind"):
         grpo_loss(_logp(), OLD, ADV, MASK, kl_kind="k9")
     with pytest.raises(ValueError):
@@ -461,11 +481,11 @@ def test_grpo_loss_symmetric_clip_and_validation():
         grpo_loss(_logp(), OLD[:, :2], ADV, MASK)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
 def test_grpo_loss_empty_mask_zero_and_backward(agg):
     logp = _logp()
     empty = torch.zeros_like(MASK)
-    loss, stats = grpo_loss(logp, OLD, ADV, empty, ref_logp=OLD, kl_coef=0.1, loss_agg=agg)
+    loss, stats = grpo_loss(logp, OLD, ADV, empty, ref_logp=OLD, kl_coef=0.1, loss_agg=agg, loss_norm_tokens=8)
     assert loss.item() == 0.0 and loss.grad_fn is not None
     loss.backward()
     assert torch.equal(logp.grad, torch.zeros_like(logp))
@@ -525,7 +545,7 @@ def test_microbatch_weights_make_one_global_token_mean():
     mask = torch.rand(5, 6) > 0.4
     mask[2] = False  # a sequence without policy tokens
     totals = StepCounts(*policy_counts(mask).tolist())
-    for agg in ("token_mean", "seq_mean_token_mean"):
+    for agg in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
         whole = grpo_loss_like(vals, mask, agg)
         parts = sum(float(microbatch_weight(mask[a:b], totals, agg)) * grpo_loss_like(vals[a:b], mask[a:b], agg)
                     for a, b in ((0, 2), (2, 3), (3, 5)))
@@ -535,7 +555,7 @@ def test_microbatch_weights_make_one_global_token_mean():
 def grpo_loss_like(vals, mask, agg):
     if agg == "token_mean":
         return float(vals[mask].sum() / mask.sum().clamp(min=1))
-    per_seq = [(v[m].sum() / m.sum()) for v, m in zip(vals, mask) if m.any()]
+    per_seq = [(v[m].sum() / (m.sum() if agg == "seq_mean_token_mean" else 8)) for v, m in zip(vals, mask) if m.any()]
     return float(sum(per_seq) / max(len(per_seq), 1))
 
 

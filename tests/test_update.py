@@ -202,10 +202,16 @@ def test_the_configs_clip_kl_and_aggregation_reach_the_loss():
                              kl_coef=0.1, kl_kind="k2", loss_agg="seq_mean_token_mean")
     weight = grpo.microbatch_weight(mb["mask"], totals, "seq_mean_token_mean")
     assert float(part.objective) == pytest.approx(float(want * weight), rel=1e-6)
-    for other in (dict(clip_low=0.2, clip_high=0.28), dict(kl_kind="low_var_kl"), dict(loss_agg="token_mean")):
+    for other in (dict(clip_low=0.2, clip_high=0.28), dict(kl_kind="low_var_kl"), dict(loss_agg="token_mean"),
+                  dict(loss_agg="seq_mean_token_sum_norm", loss_norm_tokens=16)):
         base = dict(clip_low=0.1, clip_high=0.1, kl_kind="k2", kl_coef=0.1, loss_agg="seq_mean_token_mean")
         moved = microbatch_objective(mb, logp, ent, ref, totals, GRPOConfig(**{**base, **other}), first_epoch=False)
         assert float(moved.objective) != pytest.approx(float(part.objective), rel=1e-4), other  # each one counts
+    # Dr. GRPO's constant reaches the loss: T = 16 against 32 halves it
+    normed = [microbatch_objective(mb, logp, ent, ref, totals, GRPOConfig(
+        clip_low=0.1, clip_high=0.1, kl_kind="k2", kl_coef=0.1, loss_agg="seq_mean_token_sum_norm",
+        loss_norm_tokens=t), first_epoch=False).objective for t in (16, 32)]
+    assert float(normed[1]) == pytest.approx(float(normed[0]) / 2, rel=1e-6) and float(normed[0]) != 0.0
 
 
 def test_rollout_correction_statistics_by_hand():

@@ -28,6 +28,8 @@ Clipped surrogate with KL (paper eq. 9), per policy token k::
     l_k      = -min(rho_k * A_k, clip(rho_k, 1 - eps_low, 1 + eps_high) * A_k) + beta * KL_k
     loss     = \sum_k m_k l_k / \sum_k m_k                        (loss_agg="token_mean", DAPO / paper)
              = mean_{s: n_s > 0} (\sum_k m_{s,k} l_{s,k} / n_s)    (loss_agg="seq_mean_token_mean")
+             = mean_{s: n_s > 0} (\sum_k m_{s,k} l_{s,k} / T)      (loss_agg="seq_mean_token_sum_norm", Dr. GRPO;
+                                                                   T = loss_norm_tokens, a constant)
 
 where m_k marks the policy tokens and k runs over the whole step's batch — every micro-batch on every rank: a
 micro-batch's own mean is weighted by its share of the global count (:func:`microbatch_weight`), so accumulated
@@ -60,7 +62,8 @@ Departures from the paper (and why)
   reward; there k3's expected gradient is that of KL(π_ref ‖ π_θ), the reverse direction (``kl_penalty``).
 * Token log-ratios are clamped to [-20, 20] before ``exp`` (verl does the same) so garbage never overflows.
 * Loss aggregation defaults to token-mean over all policy tokens of the batch (DAPO); the per-sequence mean of the
-  original GRPO is available as ``seq_mean_token_mean``.
+  original GRPO is available as ``seq_mean_token_mean``, and Dr. GRPO's sum over a sequence's tokens divided by one
+  constant T (no length bias) as ``seq_mean_token_sum_norm`` (with ``adv_scale: none`` for all of Dr. GRPO).
 * ``calibration`` (opt-in; α = 0 is the paper): a supervised term on the self-assessment itself.  Where the env
   measured the progress p_{t−1} of the action a label z_t rates, the label's distribution (restricted to the label
   words, as sampled) is pulled toward v* = sign(p_{t−1}) by α · mean_k(−log q_θ(y*_k)) over the label's policy tokens
@@ -131,7 +134,7 @@ __all__ = [
 NORMALISE_CHOICES = ("sum", "mean")
 SCALE_CHOICES = ("std", "none")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 ROLLOUT_CORRECTION_MODES = ("token", "sequence")
 ROLLOUT_CORRECTIONS = (None, "auto", *ROLLOUT_CORRECTION_MODES)
 
@@ -541,7 +544,7 @@ def calibration_term(target_logq: Tensor, targets: Tensor, target_label: Tensor,
 
 def microbatch_weight(mask: Tensor, totals: StepCounts, loss_agg: str = "token_mean") -> Tensor:
     """The share of the step's global loss that one micro-batch's own mean carries: its policy tokens over all
-    micro-batches' and ranks' (``token_mean``), or its sequences over all (``seq_mean_token_mean``).  ``totals``: the
+    micro-batches' and ranks' (``token_mean``), or its sequences over all (the two ``seq_mean_…``).  ``totals``: the
     step's counts.  Σ weight · (micro-batch mean) = the global mean."""
     check_choice("grpo.loss_agg", loss_agg, LOSS_AGGS)
     mine = policy_counts(mask)
@@ -599,12 +602,14 @@ def grpo_loss(
     loss_agg: str = "token_mean",
     is_weight: Tensor | None = None,
     dual_clip: float | None = None,
+    loss_norm_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped GRPO surrogate + optional per-token KL (paper eq. 9). Returns ``(loss, stats)``.
 
     ``dual_clip`` c (dual-clip PPO, Ye et al. 2020; not in the paper): a token with Â < 0 has its policy loss capped
     at −c·Â, so a ratio far above 1 + ε_high cannot make one token's loss (and the update) unbounded; there its
     gradient is 0.  With it, the stats hold dual_clip_frac (the share of policy tokens capped).
+    ``loss_norm_tokens`` T: the constant a sequence's token sum is divided by under ``seq_mean_token_sum_norm``.
 
     Shapes: ``logp``, ``old_logp``, ``mask``, ``ref_logp``, ``is_weight``: ``[S, L]``; ``advantages``: ``[S, L]`` or
     ``[S]``.  ``is_weight`` (rollout correction, :func:`rollout_correction_weights`) multiplies each token's policy
@@ -618,6 +623,8 @@ def grpo_loss(
     check_choice("grpo.kl_kind", kl_kind, KL_KINDS)  # even without ref_logp: a bad value fails on the first call
     check_choice("grpo.loss_agg", loss_agg, LOSS_AGGS)
     check_clip(clip_low, clip_high)
+    if loss_agg == "seq_mean_token_sum_norm" and not (loss_norm_tokens or 0) > 0:
+        raise ValueError("grpo.loss_norm_tokens: seq_mean_token_sum_norm divides by it: give a number > 0")
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(
             f"logp, old_logp, mask must all be [S, L]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
@@ -666,12 +673,14 @@ def grpo_loss(
         denom = n_tok.clamp(min=1).to(logp.dtype)
         loss = per_token.sum() / denom
         policy_loss = pg.detach().sum() / denom
-    else:  # seq_mean_token_mean
+    else:  # seq_mean_token_mean, seq_mean_token_sum_norm
         n_seq = mf.sum(dim=1)  # [S] tokens per sequence
         has = n_seq > 0  # [S]
         n_valid = has.sum().clamp(min=1).to(logp.dtype)
-        loss = (per_token.sum(dim=1) / n_seq.clamp(min=1)).sum() / n_valid  # empty rows contribute 0
-        policy_loss = (pg.detach().sum(dim=1) / n_seq.clamp(min=1)).sum() / n_valid
+        # each sequence's token sum over its own length, or over one constant T (Dr. GRPO: no length bias)
+        per_seq = n_seq.clamp(min=1) if loss_agg == "seq_mean_token_mean" else torch.full_like(n_seq, loss_norm_tokens)
+        loss = (per_token.sum(dim=1) / per_seq).sum() / n_valid  # empty rows contribute 0
+        policy_loss = (pg.detach().sum(dim=1) / per_seq).sum() / n_valid
 
     with torch.no_grad():
         r = ratio.detach()
@@ -753,8 +762,12 @@ class GRPOConfig:
     kl_kind: Literal["k1", "k2", "k3", "low_var_kl"] = "low_var_kl"
     """KL estimator: k1, k2, k3 or low_var_kl (both k3, continued linearly past k3 = 10 so the gradient never
     vanishes)"""
-    loss_agg: Literal["token_mean", "seq_mean_token_mean"] = "token_mean"
-    """loss aggregation: token_mean over all policy tokens of the step (DAPO, the paper) or seq_mean_token_mean"""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """token_mean over the step's policy tokens (DAPO, the paper), seq_mean_token_mean, or seq_mean_token_sum_norm
+    (Dr. GRPO: each sequence's sum over loss_norm_tokens)"""
+    loss_norm_tokens: int | None = None
+    """T, the constant each sequence's token sum is divided by under seq_mean_token_sum_norm (e.g. the policy
+    tokens an episode may write)"""
     advantage: str = "grpo"
     """the advantage estimator: ``grpo`` (one group-relative advantage per episode, the paper), another registered
     name (``grpo.register_advantage``) or ``package.module:function`` taking ``AdvantageInputs``"""
@@ -819,6 +832,10 @@ class GRPOConfig:
             raise ValueError(f"grpo.total_steps: must be >= 1 or null, got {self.total_steps}")
         check_trust_constant(self.trust_constant)
         check_choice("grpo.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
+        if self.loss_agg == "seq_mean_token_sum_norm" and not (self.loss_norm_tokens or 0) >= 1:
+            raise ValueError(f"grpo.loss_norm_tokens: seq_mean_token_sum_norm divides each sequence's token sum by "
+                             f"it: give an integer >= 1 (e.g. the tokens an episode may write), got "
+                             f"{self.loss_norm_tokens}")
         if self.calibration_balance and self.calibration == 0:
             raise ValueError("grpo.calibration_balance: weights the hindsight label loss, which is off "
                              "(grpo.calibration: 0): set grpo.calibration > 0 or leave calibration_balance false")

@@ -232,7 +232,7 @@ def microbatch_objective(mb: dict, logp: Tensor, ent: dict, ref_logp: Tensor | N
     loss, st = grpo.grpo_loss(
         logp, mb["old_logp"], mb["adv"], m, clip_low=cfg.clip_low, clip_high=cfg.clip_high, ref_logp=ref_logp,
         kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, loss_agg=cfg.loss_agg, is_weight=mb.get("is_weight"),
-        dual_clip=cfg.dual_clip,
+        dual_clip=cfg.dual_clip, loss_norm_tokens=cfg.loss_norm_tokens,
     )
     objective = loss * grpo.microbatch_weight(m, totals, cfg.loss_agg).to(loss.device)
     nll = n_targets = 0.0
