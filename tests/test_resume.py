@@ -296,7 +296,7 @@ def test_a_schedule_steps_once_an_optimiser_step_and_a_resume_continues_it(tmp_p
     tiny_trainer(tmp_path / "b", steps=3, enable_checkpointing=True).fit(dropped, ckpt_path=ckpt)
     assert lrs(dropped) == pytest.approx([2.5e-3, 1e-2, 1e-2])
     said = capsys.readouterr().err
-    assert "lr_scheduler none (the checkpoint's schedule), lr 0.01 (the checkpoint's 0.00625)" in said
+    assert "lr_scheduler none (the checkpoint's LRScheduler), lr 0.01 (the checkpoint's 0.00625)" in said
     # a schedule added on the resume of a run without one: it starts at the resumed step
     tiny_trainer(tmp_path / "c", steps=1, enable_checkpointing=True).fit(tiny_module(optimizer=adamw(1e-2)))
     added = tiny_module(optimizer=adamw(1e-2), lr_scheduler=warmup)

@@ -496,7 +496,7 @@ def test_every_shipped_config_parses(cfg, capsys):
         (["--model.optimizer.init_args.lr=-0.001"], "model.optimizer: Invalid learning rate: -0.001"),
         # a learning-rate schedule: one that needs a metric, a bare name two classes have, a bad argument
         (["--model.lr_scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau"],
-         "model.lr_scheduler: ReduceLROnPlateau steps on a metric; a schedule here steps once an optimiser step"),
+         "model.lr_scheduler: ReduceLROnPlateau steps on a metric; a learning-rate schedule here steps once"),
         (["--model.lr_scheduler=ReduceLROnPlateau"], "model.lr_scheduler: ReduceLROnPlateau names several classes; "
          "give one of torch.optim.lr_scheduler.ReduceLROnPlateau, lightning.pytorch.cli.ReduceLROnPlateau"),
         (["--model.lr_scheduler=LinearLR", "--model.lr_scheduler.start_factor=0"],

@@ -1,7 +1,7 @@
 """The optimiser and its learning-rate schedule: built from the config, checked before a run starts, and put back to
 the config's settings on a resume (no Lightning here; the module and a callback call these).
 
-A schedule steps once an optimiser step, skipped updates included, so the rate at optimiser step k is the schedule's
+The schedule steps once an optimiser step, skipped updates included, so the rate at optimiser step k is the schedule's
 k-th value whatever happened before.  A resume restores the schedule's progress from the checkpoint; a changed base
 rate in the config moves the whole schedule (the rate now is the new base times the schedule's factor now).
 """
@@ -43,8 +43,8 @@ def check(optimizer: Callable, lr_scheduler: Callable | None) -> None:
     except (TypeError, ValueError, KeyError) as err:
         raise ConfigError(f"model.lr_scheduler: {err}") from None
     if isinstance(schedule, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise ConfigError("model.lr_scheduler: ReduceLROnPlateau steps on a metric; a schedule here steps once an "
-                          "optimiser step (e.g. LinearLR for a warm-up, CosineAnnealingLR)")
+        raise ConfigError("model.lr_scheduler: ReduceLROnPlateau steps on a metric; a learning-rate schedule here "
+                          "steps once an optimiser step (e.g. LinearLR for a warm-up, CosineAnnealingLR)")
 
 
 def configure(params: list[torch.nn.Parameter], optimizer: Callable, lr_scheduler: Callable | None) -> Any:
@@ -78,7 +78,7 @@ def take_config_settings(optimizers: Sequence[torch.optim.Optimizer], schedules:
     changed: dict[str, tuple[Any, Any]] = {}
     groups = [g for opt in optimizers for g in opt.param_groups]
     if not schedules and any("initial_lr" in g for g in groups):  # the checkpoint's schedule is not the config's
-        changed["lr_scheduler"] = ("schedule", "none")
+        changed["lr_scheduler"] = ("LRScheduler", "none")
         for group in groups:
             group.pop("initial_lr")  # the rate is compared and set as a constant one below
     for schedule in schedules:
