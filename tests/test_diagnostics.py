@@ -143,6 +143,11 @@ def test_pass_at_k_is_the_mean_over_every_k_subset_of_a_tasks_tries():
     assert pass_at_k(episodes([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])) == pytest.approx(
         {"1": 5 / 12, "2": 0.5, "4": 2 / 3})
     assert pass_at_k(episodes([[1], [0]])) == {}  # one try a task: the success rate says it
+    from sglightning.report import build_report, validation_line
+
+    four = episodes([[1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    line = validation_line(build_report(3, 1, "dev", {}, {"sg": ({"rollout/success_rate": 5 / 12}, four)}))
+    assert line == "validation at step 3: self-guidance on success=0.417 pass@4=0.667 (12 episodes)"
     rng = random.Random(0)
     outcomes = [[rng.random() < 0.3 for _ in range(6)] for _ in range(5)]
     got = pass_at_k(episodes(outcomes))

@@ -190,9 +190,10 @@ def scalars(report: dict[str, Any]) -> dict[str, float]:
 
 def validation_line(report: dict[str, Any], seconds: float | None = None, before_training: bool = False) -> str:
     """A validation in one line (what a run writes to a log that is not a terminal): the step it evaluated, each
-    mode's success rate, the episodes per mode and the time it took."""
+    mode's success rate (and pass@n with n episodes a task), the episodes per mode and the time it took."""
     modes = report["modes"]
     parts = [f"{'off' if mode == 'nosg' else 'on'} success={stats.get('rollout/success_rate', float('nan')):.3f}"
+             + "".join(f" pass@{k}={v:.3f}" for k, v in list((stats.get("pass_at") or {}).items())[-1:])
              for mode, stats in modes.items()]
     episodes = max((stats.get("episodes", 0) for stats in modes.values()), default=0)
     when = f"before training at step {report['step']}" if before_training else f"at step {report['step']}"
