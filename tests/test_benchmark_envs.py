@@ -16,6 +16,7 @@ from sglightning.data import RolloutConfig
 from sglightning.envs.pool import EnvPool, live_java_processes
 from sglightning.envs.scienceworld import ScienceWorldEnv
 from sglightning.envs.textworld_express import TextWorldExpressEnv
+from sglightning.episodes import split_groups
 from sglightning.guidance import GuidanceConfig
 from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout
@@ -119,6 +120,7 @@ def test_twx_rollout_through_the_pool_and_no_jvm_left(tok):
         assert all(not s.invalid for s in ep.steps)  # the first admissible action is always valid
     g0 = [e for e in batch.episodes if e.group == 0]
     assert g0[0].initial_observation == g0[1].initial_observation  # a group shares its task
+    assert split_groups(batch.episodes) == []  # every group (rollout/split_groups stays 0 on a shipped env)
     r.run([13])  # workers are reused: no new JVMs
     assert len(set(live_java_processes()) - before) == 4
     r.close()
@@ -187,6 +189,7 @@ def test_scienceworld_rollout_free_form_actions(tok):
     r = Rollout(ScriptedLM(tok, scripted_reply(action=lambda ctx: "look around")), tok, factory,
                 GuidanceConfig(), RolloutConfig(group_size=2, max_steps=2))
     batch = r.run([3])
+    assert split_groups(batch.episodes) == []  # the group's members start in the same room
     for ep in batch.episodes:
         assert ep.error is None and len(ep.steps) == 2 and ep.truncated
         assert [s.action for s in ep.steps] == ["look around"] * 2 and not any(s.invalid for s in ep.steps)
@@ -256,6 +259,7 @@ def test_the_first_actions_progress_is_measured(tok, env):
         batch = r.run([3, 4])
     finally:
         r.close()
+    assert split_groups(batch.episodes) == []
     for ep in batch.episodes:
         assert ep.error is None and ep.initial_score is not None
         assert all(s.progress is not None for s in ep.steps), [s.progress for s in ep.steps]

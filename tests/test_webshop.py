@@ -20,6 +20,7 @@ from sglightning.envs.webshop import (
     normalise_action,
     parse_text_observation,
 )
+from sglightning.episodes import split_groups
 from sglightning.guidance import GuidanceConfig, parse_action
 from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout
@@ -188,6 +189,7 @@ def test_webshop_rollout_and_failure_patterns():
     r = Rollout(ScriptedLM(tok, scripted_reply(action=action)), tok, SIMULATOR, GuidanceConfig(),
                 RolloutConfig(group_size=2, max_steps=9))
     batch = r.run([3])
+    assert split_groups(batch.episodes) == []  # both members start on the same instruction page
     for ep in batch.episodes:
         assert ep.error is None and len(ep.steps) == 9 and not ep.won and ep.task == INSTR
         assert [s.invalid for s in ep.steps] == [False] * 9
