@@ -38,6 +38,7 @@ REQUIRED_SCALARS = [
     "tokens/generated", "tokens/policy", "time/rollout_s", "time/update_s", "time/rollout_prefill_s",
     "time/rollout_decode_s", "time/rollout_draw_s", "time/rollout_env_s", "time/update_forward_s",
     "time/update_backward_s", "time/update_optimiser_s", "train/lr", "rollout/split_groups",
+    "reward/blended_return_std", "reward/blended_return_min", "reward/blended_return_max",
 ]
 
 
@@ -282,6 +283,9 @@ def test_cli_fit_logs_everything_and_exports_the_adapter(cli_run, capsys):
     missing = [t for t in REQUIRED_SCALARS if t not in scalars]
     assert not missing, missing
     assert any("trajectory" in t for t in tensors), tensors  # text panel
+    for h in cli.model.history:  # the returns' spread brackets their mean
+        low, mean, high = (h[f"reward/blended_return{k}"] for k in ("_min", "", "_max"))
+        assert low <= mean <= high and 0 <= h["reward/blended_return_std"] <= (high - low) / 2 + 1e-9
     assert (run_dir / "config.yaml").is_file()
     # the last validation's report, as `validate` writes it: the same numbers the module logged, the run's settings
     written = json.loads((run_dir / "validation_report.json").read_text())

@@ -173,6 +173,10 @@ def step_logs(batch: RolloutBatch, prepared: UpdateBatch, global_step: int) -> d
         **batch_stats(policy),
         "reward/lambda": prepared.lam,
         "reward/blended_return": float(returns.mean()),
+        # the spread GRPO compares within groups: a narrow one (or min = max) leaves little to learn from
+        "reward/blended_return_std": float(returns.std(unbiased=False)) if returns.numel() else 0.0,
+        "reward/blended_return_min": float(returns.min()) if returns.numel() else 0.0,
+        "reward/blended_return_max": float(returns.max()) if returns.numel() else 0.0,
         "reward/internal_return": float(prepared.internal.mean()),  # S_i as blended (sum, or mean over steps)
         **{f"reward/{name}": float(v.mean()) for name, v in prepared.terms.items()},
         "rollout/degenerate_groups": float(degenerate_groups(returns[:n], groups[:n])),
