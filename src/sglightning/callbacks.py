@@ -335,10 +335,10 @@ class Dashboard(Callback):
 
     @rank_zero_only
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        layout = {category: {title: ["Multiline", tags] for title, tags in charts.items()}
+                  for category, charts in DASHBOARD.items()}
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                layout = {category: {title: ["Multiline", tags] for title, tags in charts.items()}
-                          for category, charts in DASHBOARD.items()}
                 logger.experiment.add_custom_scalars(layout)
 
 

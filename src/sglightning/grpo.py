@@ -115,6 +115,7 @@ __all__ = [
     "resolve_advantage",
     "grpo_advantages",
     "check_clip",
+    "check_loss_norm",
     "check_choice",
     "policy_counts",
     "microbatch_weight",
@@ -479,6 +480,13 @@ def check_clip(clip_low: float, clip_high: float) -> None:
         raise ValueError(f"grpo.clip_high: must be > 0, got {clip_high}")
 
 
+def check_loss_norm(loss_agg: str, loss_norm_tokens: float | None) -> None:
+    """``seq_mean_token_sum_norm`` divides each sequence's token sum by T = ``loss_norm_tokens``: it needs T >= 1."""
+    if loss_agg == "seq_mean_token_sum_norm" and not (loss_norm_tokens or 0) >= 1:
+        raise ValueError(f"grpo.loss_norm_tokens: seq_mean_token_sum_norm divides each sequence's token sum by it: "
+                         f"give an integer >= 1 (e.g. the tokens an episode may write), got {loss_norm_tokens}")
+
+
 def policy_counts(mask: Tensor | None) -> Tensor:
     """``[2]`` float64: (policy tokens, sequences with at least one policy token) of a ``[S, L]`` mask (zeros for
     None: a rank without samples still takes part in the sum over ranks)."""
@@ -623,8 +631,7 @@ def grpo_loss(
     check_choice("grpo.kl_kind", kl_kind, KL_KINDS)  # even without ref_logp: a bad value fails on the first call
     check_choice("grpo.loss_agg", loss_agg, LOSS_AGGS)
     check_clip(clip_low, clip_high)
-    if loss_agg == "seq_mean_token_sum_norm" and not (loss_norm_tokens or 0) > 0:
-        raise ValueError("grpo.loss_norm_tokens: seq_mean_token_sum_norm divides by it: give a number > 0")
+    check_loss_norm(loss_agg, loss_norm_tokens)
     if logp.dim() != 2 or old_logp.shape != logp.shape or mask.shape != logp.shape:
         raise ValueError(
             f"logp, old_logp, mask must all be [S, L]; got {tuple(logp.shape)}, {tuple(old_logp.shape)}, "
@@ -832,10 +839,7 @@ class GRPOConfig:
             raise ValueError(f"grpo.total_steps: must be >= 1 or null, got {self.total_steps}")
         check_trust_constant(self.trust_constant)
         check_choice("grpo.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
-        if self.loss_agg == "seq_mean_token_sum_norm" and not (self.loss_norm_tokens or 0) >= 1:
-            raise ValueError(f"grpo.loss_norm_tokens: seq_mean_token_sum_norm divides each sequence's token sum by "
-                             f"it: give an integer >= 1 (e.g. the tokens an episode may write), got "
-                             f"{self.loss_norm_tokens}")
+        check_loss_norm(self.loss_agg, self.loss_norm_tokens)
         if self.calibration_balance and self.calibration == 0:
             raise ValueError("grpo.calibration_balance: weights the hindsight label loss, which is off "
                              "(grpo.calibration: 0): set grpo.calibration > 0 or leave calibration_balance false")

@@ -59,7 +59,7 @@ def pass_at_k(episodes: list[Episode]) -> dict[str, float]:
     n = min((len(w) for w in wins.values()), default=0)
     if n < 2:
         return {}
-    ks = sorted({k for k in (2**i for i in range(n.bit_length())) if k <= n} | {n})
+    ks = sorted({2**i for i in range(n.bit_length())} | {n})  # 2**i <= n for i < n.bit_length()
     return {str(k): sum(1 - math.comb(len(w) - sum(w), k) / math.comb(len(w), k) for w in wins.values()) / len(wins)
             for k in ks}
 
@@ -192,9 +192,13 @@ def validation_line(report: dict[str, Any], seconds: float | None = None, before
     """A validation in one line (what a run writes to a log that is not a terminal): the step it evaluated, each
     mode's success rate (and pass@n with n episodes a task), the episodes per mode and the time it took."""
     modes = report["modes"]
-    parts = [f"{'off' if mode == 'nosg' else 'on'} success={stats.get('rollout/success_rate', float('nan')):.3f}"
-             + "".join(f" pass@{k}={v:.3f}" for k, v in list((stats.get("pass_at") or {}).items())[-1:])
-             for mode, stats in modes.items()]
+    parts = []
+    for mode, stats in modes.items():
+        part = f"{'off' if mode == 'nosg' else 'on'} success={stats.get('rollout/success_rate', float('nan')):.3f}"
+        if stats.get("pass_at"):  # k ascending: the last is n, every try a task had
+            n, rate = list(stats["pass_at"].items())[-1]
+            part += f" pass@{n}={rate:.3f}"
+        parts.append(part)
     episodes = max((stats.get("episodes", 0) for stats in modes.values()), default=0)
     when = f"before training at step {report['step']}" if before_training else f"at step {report['step']}"
     took = f", {seconds:.1f} s" if seconds is not None else ""

@@ -240,8 +240,10 @@ class Rollout:
         """Warn once a run when members of a group reset to different tasks or first observations: the env drew
         its own task, so GRPO's group baseline compares different tasks.  Counted each step as
         ``rollout/split_groups``."""
+        if self._split_warned:  # said once a run (batch_stats counts them every step)
+            return
         split = split_groups(episodes)
-        if not split or self._split_warned:
+        if not split:
             return
         self._split_warned = True
         first = next(ep for ep in episodes if ep.group == split[0])
