@@ -23,6 +23,11 @@ TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 KEYS = ("rollout/success_rate", "reward/internal_sum", "reward/lambda", "loss/policy", "loss/kl", "tokens/policy")
 
 
+def adamw(lr: float):
+    """An AdamW factory at ``lr`` (a config's ``model.optimizer``)."""
+    return lambda params: torch.optim.AdamW(params, lr=lr)
+
+
 def _lora(module):
     return {n: p.detach().clone() for n, p in module.policy.named_parameters() if p.requires_grad}
 
@@ -239,12 +244,6 @@ def test_a_resumed_runs_config_starts_fresh_when_run_again(resumed):
 def test_a_resume_trains_with_the_configs_optimiser_settings(tmp_path, capsys):
     """Torch's optimiser ``load_state_dict`` put the checkpoint's learning rate back: a resume with another
     ``model.optimizer.lr`` trained at the old one, silently.  The config's applies, and one line says so."""
-    import torch
-    from tiny import tiny_module, tiny_trainer
-
-    def adamw(lr):
-        return lambda params: torch.optim.AdamW(params, lr=lr)
-
     tiny_trainer(tmp_path, steps=1, enable_checkpointing=True).fit(tiny_module(optimizer=adamw(1e-2)))
     ckpt = str(tmp_path / "checkpoints" / "last.ckpt")
     capsys.readouterr()
@@ -262,12 +261,6 @@ def test_a_schedule_steps_once_an_optimiser_step_and_a_resume_continues_it(tmp_p
     the schedule where the checkpoint left it, and a new base rate in the config scales the schedule, not resets it.
     Before the base rate was compared with the scheduled one, so every resume under a schedule reset the rate."""
     import shutil
-
-    import torch
-    from tiny import tiny_module, tiny_trainer
-
-    def adamw(lr):
-        return lambda params: torch.optim.AdamW(params, lr=lr)
 
     def warmup(opt):  # the factor goes 0.25 -> 0.625 -> 1.0 over the first two optimiser steps
         return torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.25, total_iters=2)
