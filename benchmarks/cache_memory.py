@@ -91,9 +91,10 @@ def prefill_peak(prefill_tokens: int, rows: int, width: int) -> dict:
 
     import torch
 
+    from sglightning.embedded import TinyModelConfig
     from sglightning.engines import EngineConfig
     from sglightning.engines.builtin import BuiltinEngine
-    from sglightning.models import PolicyConfig, TinyModelConfig, load_policy
+    from sglightning.models import PolicyConfig, load_policy
 
     torch.manual_seed(0)
     shape = TinyModelConfig(hidden_size=512, num_layers=2, num_heads=8, intermediate_size=2048)

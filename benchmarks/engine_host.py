@@ -38,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_throughput import make_rollout  # noqa: E402
 
 from sglightning.console import quiet  # noqa: E402
+from sglightning.embedded import EMBEDDED_TINY  # noqa: E402
 from sglightning.engines import EngineConfig, builtin  # noqa: E402
 from sglightning.envs.household import HouseholdEnv  # noqa: E402
-from sglightning.models import EMBEDDED_TINY, PolicyConfig, load_policy  # noqa: E402
+from sglightning.models import PolicyConfig, load_policy  # noqa: E402
 from sglightning.rollout import Rollout  # noqa: E402
 
 

@@ -164,7 +164,7 @@ def shape_numbers(shape: dict) -> dict[str, float]:
     """Parameters (all, and those of the transformer layers) and KV bytes per token in bf16, from the shape alone."""
     import torch
 
-    from sglightning.models import TinyModelConfig, build_tiny_model
+    from sglightning.embedded import TinyModelConfig, build_tiny_model
 
     cfg = TinyModelConfig(**shape)
     with torch.device("meta"):  # shapes only, no memory
@@ -178,7 +178,7 @@ def update_passes(module) -> dict[str, int]:
     """The update's passes over its positions per step, from the module's configs: with a backward (one per PPO
     epoch) and without (the KL term's reference pass each epoch; the rollout correction's pass where the model drops
     out)."""
-    from sglightning.models import drops_out
+    from sglightning.traits import drops_out
 
     epochs = module.grpo_cfg.ppo_epochs
     correction = module.policy is not None and bool(module.correction_mode()) and drops_out(module.policy)

@@ -55,11 +55,12 @@ import torch
 from sglightning.chat import ChatFormat
 from sglightning.console import quiet
 from sglightning.data import RolloutConfig
+from sglightning.embedded import EMBEDDED_SMOLLM2, EMBEDDED_TINY
 from sglightning.engines import EngineConfig
 from sglightning.engines.builtin import BuiltinEngine
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig, parse_action, stream_first_messages, stream_next_user
-from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
+from sglightning.models import PolicyConfig, load_policy
 from sglightning.rollout import Rollout
 
 

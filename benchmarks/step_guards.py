@@ -29,8 +29,10 @@ from pathlib import Path
 import torch
 
 from sglightning.console import quiet
+from sglightning.embedded import EMBEDDED_TINY, TinyModelConfig
 from sglightning.engines import static
-from sglightning.models import EMBEDDED_TINY, PolicyConfig, TinyModelConfig, cache_argument_name, load_policy
+from sglightning.models import PolicyConfig, load_policy
+from sglightning.traits import cache_argument_name
 
 
 class InsideTimer:

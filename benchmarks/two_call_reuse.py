@@ -25,11 +25,12 @@ import torch
 
 from sglightning.console import quiet
 from sglightning.data import RolloutConfig
+from sglightning.embedded import EMBEDDED_SMOLLM2, EMBEDDED_TINY
 from sglightning.engines import EngineConfig
 from sglightning.engines.builtin import BuiltinEngine
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
+from sglightning.models import PolicyConfig, load_policy
 from sglightning.rollout import Rollout
 
 MODELS = {"tiny": EMBEDDED_TINY, "smollm2": EMBEDDED_SMOLLM2}

@@ -44,9 +44,10 @@ from sglightning import grpo, prefixes, scoring
 from sglightning.compiling import compiled_layers
 from sglightning.console import quiet
 from sglightning.data import RolloutConfig
+from sglightning.embedded import EMBEDDED_SMOLLM2, EMBEDDED_TINY
 from sglightning.envs.household import HouseholdEnv
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY, PolicyConfig, load_policy
+from sglightning.models import PolicyConfig, load_policy
 from sglightning.rollout import Rollout
 from sglightning.update import UpdateConfig, prefix_order
 

@@ -75,7 +75,7 @@ def step_seeds(args, step: int) -> list[int]:
 
 
 def model_name(args) -> str:
-    from sglightning.models import EMBEDDED_SMOLLM2, EMBEDDED_TINY
+    from sglightning.embedded import EMBEDDED_SMOLLM2, EMBEDDED_TINY
 
     return {"smollm2": EMBEDDED_SMOLLM2, "tiny": EMBEDDED_TINY}.get(args.model, args.model)
 

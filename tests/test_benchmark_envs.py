@@ -13,12 +13,12 @@ import pytest
 from fakes import ScriptedLM, scripted_reply
 
 from sglightning.data import RolloutConfig
+from sglightning.embedded import build_tiny_tokenizer
 from sglightning.envs.pool import EnvPool, live_java_processes
 from sglightning.envs.scienceworld import ScienceWorldEnv
 from sglightning.envs.textworld_express import TextWorldExpressEnv
 from sglightning.episodes import split_groups
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout
 
 pytestmark = pytest.mark.jvm

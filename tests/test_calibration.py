@@ -10,11 +10,11 @@ from tiny import tiny_module, tiny_trainer
 
 from sglightning.calibration import auroc, balanced_accuracy, calibration_stats, label_progress_pairs
 from sglightning.data import RolloutConfig
+from sglightning.embedded import build_tiny_tokenizer
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import KIND_ACTION, Episode, StepRecord
 from sglightning.guidance import GuidanceConfig, progress_label
-from sglightning.models import build_tiny_tokenizer
 from sglightning.report import build_report, report_markdown, scalars
 from sglightning.rewards import RewardTerm
 from sglightning.rollout import Rollout

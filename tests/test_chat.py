@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from sglightning.chat import ChatFormat
+from sglightning.embedded import build_tiny_tokenizer
 from sglightning.errors import ConfigError
-from sglightning.models import build_tiny_tokenizer
 
 GEMMA_STYLE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"

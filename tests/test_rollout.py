@@ -20,13 +20,14 @@ from fakes import (
 )
 
 from sglightning.data import RolloutConfig
+from sglightning.embedded import build_tiny_tokenizer
 from sglightning.engines import EngineConfig
 from sglightning.engines.builtin import BuiltinEngine, DecodeSession
 from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import KIND_ACTION, KIND_CONTEXT, KIND_GUIDANCE
 from sglightning.grpo import GRPOConfig
 from sglightning.guidance import GuidanceConfig, parse_action
-from sglightning.models import PolicyConfig, build_tiny_tokenizer, load_policy
+from sglightning.models import PolicyConfig, load_policy
 from sglightning.rewards import episode_returns
 from sglightning.rollout import Rollout
 

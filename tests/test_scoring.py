@@ -189,7 +189,7 @@ def test_choice_with_a_single_option_has_no_policy_token(tiny_lm):
 
 @pytest.fixture(scope="module")
 def tiny_lm():
-    from sglightning.models import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
+    from sglightning.embedded import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     return build_tiny_model(TinyModelConfig(), len(tok)).eval(), tok

@@ -302,7 +302,7 @@ def test_cli_fit_logs_everything_and_exports_the_adapter(cli_run, capsys):
 
     from peft import PeftModel
 
-    from sglightning.models import build_tiny_model
+    from sglightning.embedded import build_tiny_model
 
     base = build_tiny_model(cli.model.policy_cfg.tiny, len(cli.model.tokenizer))
     loaded = PeftModel.from_pretrained(base, str(adapter))
@@ -1330,7 +1330,8 @@ def test_fsdp2_on_one_device_prints_what_a_plain_run_prints(tmp_path):
 def test_a_bpe_tokenizer_loaded_from_a_folder_never_cleans_up_spaces(tmp_path, capsys):
     """A folder's BPE tokenizer saved with ``clean_up_tokenization_spaces: true`` (as converted GGUF tokenizers are):
     loaded with it off, so decoding keeps the text and transformers has nothing to warn about."""
-    from sglightning.models import PolicyConfig, build_tiny_tokenizer, load_tokenizer
+    from sglightning.embedded import build_tiny_tokenizer
+    from sglightning.models import PolicyConfig, load_tokenizer
 
     tok = build_tiny_tokenizer()
     tok.clean_up_tokenization_spaces = True

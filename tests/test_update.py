@@ -492,7 +492,7 @@ def test_a_sliding_window_model_shares_no_prefix_and_corrects_its_rollouts():
     from sglightning.engines.builtin import BuiltinEngine
     from sglightning.engines.vllm import VLLMEngine
     from sglightning.errors import ConfigError
-    from sglightning.models import sliding_window
+    from sglightning.traits import sliding_window
     from sglightning.update import rollout_correction_mode
 
     def model(config):
@@ -511,7 +511,7 @@ def test_a_sliding_window_model_shares_no_prefix_and_corrects_its_rollouts():
 
 def test_a_model_scored_whole_shares_no_prefix_and_counts_none():
     """A family whose logits the decoder-only scoring does not know is scored through the whole model
-    (``models.head_is_exact``), which shares no prefix: the update must not count shared positions for it."""
+    (``traits.head_is_exact``), which shares no prefix: the update must not count shared positions for it."""
     from sglightning import distributed
     from sglightning.errors import ConfigError
 

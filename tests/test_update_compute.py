@@ -11,9 +11,9 @@ from tiny import tiny_module, tiny_trainer
 
 from sglightning import grpo, scoring
 from sglightning.data import RolloutConfig
+from sglightning.embedded import TinyModelConfig, build_tiny_model
 from sglightning.episodes import KIND_ACTION, Sample
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import TinyModelConfig, build_tiny_model
 from sglightning.module import GRPOConfig, SelfGuideModule
 from sglightning.rewards import RewardTerm
 from sglightning.update import UpdateConfig

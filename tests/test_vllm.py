@@ -19,6 +19,7 @@ import torch
 
 from sglightning.cli import cli_main
 from sglightning.data import RolloutConfig
+from sglightning.embedded import TinyModelConfig
 from sglightning.engines import PROBE_TEXT, EngineConfig
 from sglightning.engines.base import RunContext
 from sglightning.engines.server import group_members
@@ -27,7 +28,7 @@ from sglightning.envs.household import HouseholdEnv
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE
 from sglightning.errors import EngineError
 from sglightning.guidance import GuidanceConfig
-from sglightning.models import PolicyConfig, TinyModelConfig, load_policy, served_model
+from sglightning.models import PolicyConfig, load_policy, served_model
 from sglightning.rollout import Rollout
 
 ROOT = Path(__file__).resolve().parents[1]

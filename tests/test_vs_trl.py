@@ -9,7 +9,8 @@ import argparse
 import torch
 from scripts import benchmark
 
-from sglightning.models import EMBEDDED_TINY, PolicyConfig, load_policy
+from sglightning.embedded import EMBEDDED_TINY
+from sglightning.models import PolicyConfig, load_policy
 
 
 def _bench():

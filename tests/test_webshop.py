@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sglightning.data import RolloutConfig
 from sglightning.diagnostics import episode_patterns
+from sglightning.embedded import build_tiny_tokenizer
 from sglightning.envs.webshop import (
     WebShopEnv,
     format_observation,
@@ -22,7 +23,6 @@ from sglightning.envs.webshop import (
 )
 from sglightning.episodes import split_groups
 from sglightning.guidance import GuidanceConfig, parse_action
-from sglightning.models import build_tiny_tokenizer
 from sglightning.rollout import Rollout
 
 INSTR = "i need a red cotton t-shirt in size large, and price lower than 30.00 dollars"

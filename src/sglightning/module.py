@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
-from sglightning import data, distributed, models, optimisation, report, rewards, scoring, strategies
+from sglightning import data, distributed, optimisation, report, rewards, scoring, strategies
 from sglightning.callbacks import RolloutCallback, default_callbacks
 from sglightning.chat import pad_token_id
 from sglightning.checkpointing import check_shapes, stop_nonfinite, use_atomic_io
@@ -43,17 +43,10 @@ from sglightning.grpo import GRPOConfig, StepCounts
 from sglightning.guidance import GuidanceConfig, check_calibration
 from sglightning.memory import PhasePeak
 from sglightning.metrics import SUM_KEYS, EpisodeMetrics, step_logs
-from sglightning.models import (
-    PolicyConfig,
-    check_adapter_folder,
-    check_model_source,
-    drops_out,
-    eval_mode,
-    load_policy,
-    warn_low_precision_adapters,
-)
+from sglightning.models import PolicyConfig, check_adapter_folder, check_model_source, load_policy
 from sglightning.profiling import phase, phase_logs, timing
 from sglightning.rewards import RewardTerm
+from sglightning.traits import drops_out, eval_mode, head_is_exact, sliding_window, warn_low_precision_adapters
 from sglightning.update import (
     RolloutCorrection,
     StepStats,
@@ -155,8 +148,8 @@ class SelfGuideModule(LightningModule):
     def share_prefix(self, strategy=None) -> bool:
         """Whether the update shares prefixes (:func:`distributed.prefix_sharing`)."""
         sharding = strategies.sharding_of(strategy or getattr(self._trainer, "strategy", None))
-        exact = bool(sharding) or self.policy is None or models.head_is_exact(self.policy)  # FSDP: no forward
-        checkpointing, sliding = self.policy_cfg.gradient_checkpointing, bool(models.sliding_window(self.policy))
+        exact = bool(sharding) or self.policy is None or head_is_exact(self.policy)  # FSDP: no forward
+        checkpointing, sliding = self.policy_cfg.gradient_checkpointing, bool(sliding_window(self.policy))
         return distributed.prefix_sharing(self.update_cfg.share_prefix, sharding, checkpointing, sliding, exact)
 
     def _check_env(self) -> None:
@@ -344,7 +337,7 @@ class SelfGuideModule(LightningModule):
         engine = engine_class(self.engine_cfg)
         return rollout_correction_mode(self.grpo_cfg.rollout_correction, weights_dtype=base, precision=precision,
                                        engine_half=engine.samples_in_half_precision(self.engine_cfg),
-                                       sliding=engine.pads_inside_rows and bool(models.sliding_window(self.policy)))
+                                       sliding=engine.pads_inside_rows and bool(sliding_window(self.policy)))
 
     @torch.no_grad()
     def _rollout_correction(self, correct: RolloutCorrection | None, rows: list[slice], pad: int) -> dict[str, float]:

@@ -81,9 +81,9 @@ from sglightning.guidance import (
     stream_first_messages,
     stream_next_user,
 )
-from sglightning.models import eval_mode
 from sglightning.prefixes import common_prefix
 from sglightning.profiling import phase, timing
+from sglightning.traits import eval_mode
 
 log = logging.getLogger(__name__)
 

@@ -31,8 +31,8 @@ from torch import Tensor
 
 from sglightning.episodes import KIND_ACTION, KIND_GUIDANCE, Restriction
 from sglightning.grpo import entropy_from_logits, masked_mean
-from sglightning.models import cache_argument_name, head_is_exact, head_logits
 from sglightning.prefixes import cluster_heads, microbatch_runs, shared_prefixes
+from sglightning.traits import cache_argument_name, head_is_exact, head_logits
 
 
 def complement_log_mass(lse: Tensor) -> Tensor:

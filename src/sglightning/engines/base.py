@@ -120,7 +120,7 @@ class Engine(abc.ABC):
         self.version: int | None = None
 
     #: whether its caches hold pads inside a row (left-padded blocks): a sliding window counts them, so under one
-    #: (:func:`sglightning.models.sliding_window`) its log-probs drift and ``grpo.rollout_correction: auto`` is on
+    #: (:func:`sglightning.traits.sliding_window`) its log-probs drift and ``grpo.rollout_correction: auto`` is on
     pads_inside_rows: bool = False
 
     @classmethod

@@ -51,9 +51,9 @@ from sglightning.engines.static import (
     slot_capacity,
 )
 from sglightning.episodes import Piece
-from sglightning.models import cache_argument_name
 from sglightning.prefixes import cluster_heads, shared_prefixes
 from sglightning.profiling import phase
+from sglightning.traits import cache_argument_name
 
 
 class BuiltinEngine(Engine):
