@@ -19,7 +19,7 @@ version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.a
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels "jsonargparse==$(version jsonargparse)" \
   "docstring-parser==$(version docstring-parser)" "typeshed-client==$(version typeshed-client)" "gguf==$(version gguf)"
 
-gguf=$("$PY" -c "from sglightning.models import smollm2_gguf_path; print(smollm2_gguf_path())" 2>/dev/null || true)
+gguf=$("$PY" -c "from sglightning.embedded import smollm2_gguf_path; print(smollm2_gguf_path())" 2>/dev/null || true)
 name="" sum=""
 if [ -n "$gguf" ] && [ -f "$gguf" ]; then
   mkdir -p .gpu/gguf1 .gpu/gguf2
