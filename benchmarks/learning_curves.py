@@ -43,6 +43,9 @@ mean ± std over seeds and each seed's, per arm) and ``<out>/curves.png`` (succe
 needs matplotlib: ``pip install -e ".[curves]"``).  ``--with DIR`` adds to those artefacts the finished runs of
 another study folder of the ``--arms``, for each arm × seed this one lacks (same config; marked with their folder
 in curves.json and under the table): a new arm next to the arms an earlier study ran, without running them again.
+An arm trained with overrides after ``--`` is a variant of its own, in its own row and curve, named with them: a
+study of ``sg_gr`` under another setting, run with ``--no-run --arms grpo sg_gr --with <the earlier study>``
+afterwards, shows that setting beside the default and plain GRPO.
 """
 
 from __future__ import annotations
@@ -396,29 +399,38 @@ def finished_runs(out: Path) -> list[dict]:
     return [load_done(folder) for _, _, folder in sorted(found)]
 
 
+def variant(run: dict) -> tuple[str, tuple[str, ...]]:
+    """A run's arm and the overrides after ``--`` it was trained with: the runs averaged together in one row and
+    one curve.  The same arm trained with other overrides is another variant (a run recorded before settings were
+    kept counts as trained with none)."""
+    return run["arm"], tuple((run.get("settings") or {}).get("overrides") or ())
+
+
 def borrow_runs(results: list[dict], others: list[str], config: str, arms: list[str]) -> list[dict]:
-    """The study's runs plus, from each folder in ``others``, the finished runs of ``arms`` for an arm × seed the
-    study lacks (marked ``from``: the folder): a new arm shown beside arms another study ran with the same config,
-    without running them again.  A borrowed run recorded with another config stops the command with one line."""
-    have = {(r["arm"], r["seed"]) for r in results}
+    """The study's runs plus, from each folder in ``others``, the finished runs of ``arms`` for a variant × seed
+    the study lacks (marked ``from``: the folder): a new arm, or an arm trained with other overrides, shown beside
+    the runs another study made with the same config, without running them again.  A borrowed run recorded with
+    another config stops the command with one line."""
+    have = {(variant(r), r["seed"]) for r in results}
     merged = list(results)
     for other in others:
         for r in finished_runs(Path(other)):
-            if r["arm"] not in arms or (r["arm"], r["seed"]) in have:
+            if r["arm"] not in arms or (variant(r), r["seed"]) in have:
                 continue
             recorded = (r.get("settings") or {}).get("config")
             if recorded is not None and recorded != Path(config).as_posix():
                 raise SystemExit(f"learning_curves: --with {other}: {r['arm']}-seed{r['seed']} was run with "
                                  f"--config {recorded}, this study with {config}")
             merged.append({**r, "from": Path(other).as_posix()})
-            have.add((r["arm"], r["seed"]))
-    return sorted(merged, key=lambda r: (list(ARMS).index(r["arm"]), r["seed"]))
+            have.add((variant(r), r["seed"]))
+    return sorted(merged, key=lambda r: (list(ARMS).index(r["arm"]), variant(r)[1], r["seed"]))
 
 
 def arm_name(arm: str, runs: list[dict]) -> str:
     """The arm as the table and the figure name it: followed by the overrides after ``--`` that all its runs were
     trained with, if any (``sg_gr_cal (grpo.calibration=0.1)``), so that a study of another setting does not pass
-    for the arm's default; runs trained with different overrides (borrowed ones) leave the bare name."""
+    for the arm's default; runs trained with different overrides leave the bare name (a row and a curve hold one
+    :func:`variant`, so only a caller that mixes them sees it)."""
     kinds = {tuple(r.get("settings", {}).get("overrides", [])) for r in runs}
     if len(kinds) != 1 or not (overrides := next(iter(kinds))):
         return arm
@@ -440,9 +452,9 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
     won only with guidance and only without it, summed over seeds, with the exact sign test over them, and, per seed,
     the labels' accuracy in that validation (the best single label's in brackets) and their balanced accuracy (a
     constant label's, 1/K, in brackets)."""
-    by_arm: dict[str, list[dict]] = {}
+    by_arm: dict[tuple, list[dict]] = {}
     for r in results:
-        by_arm.setdefault(r["arm"], []).append(r)
+        by_arm.setdefault(variant(r), []).append(r)
     finals = any("final" in r for r in results)
     rows = ["| arm | seeds | success at step 0 | success at the last step | by seed | last step | train success | "
             "label accuracy | one constant label | label AUROC | positive labels | mean λ |"
@@ -461,7 +473,7 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
         vals = [r["guide"][key] for r in runs if key in r.get("guide", {})]
         return f"{statistics.mean(vals):.2f}{over(vals, runs)}" if vals else "–"
 
-    for arm, runs in by_arm.items():
+    for (arm, _), runs in by_arm.items():
         first = [r["curve"][0][1] for r in runs]
         step = shared_last_step(runs)  # runs extended to different lengths are compared where they all are
         last = [dict(r["curve"])[step] for r in runs]
@@ -490,21 +502,21 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
     sources: dict[str, dict[str, list[int]]] = {}
     for r in results:
         if "from" in r:
-            sources.setdefault(r["from"], {}).setdefault(r["arm"], []).append(r["seed"])
+            sources.setdefault(r["from"], {}).setdefault(arm_name(r["arm"], [r]), []).append(r["seed"])
     for folder, arms in sources.items():
         seeds = "; ".join(f"{arm} seeds {', '.join(map(str, sorted(s)))}" for arm, s in arms.items())
         rows.append(f"\nFrom `{folder}` (`--with`): {seeds}.")
     return {"metric": METRIC, "runs": results}, "\n".join(rows) + "\n"
 
 
-def final_pairs(results: list[dict]) -> dict[str, list[tuple[int, float, float]]]:
+def final_pairs(results: list[dict]) -> dict[tuple, list[tuple[int, float, float]]]:
     """(seed, success with self-guidance, without) of every run validated both ways after training
-    (``--final-both``), by arm in the order the arms first appear."""
-    pairs: dict[str, list[tuple[int, float, float]]] = {}
+    (``--final-both``), by :func:`variant` in the order they first appear."""
+    pairs: dict[tuple, list[tuple[int, float, float]]] = {}
     for r in results:
         final = r.get("final") or {}
         if "sg" in final and "nosg" in final:
-            pairs.setdefault(r["arm"], []).append((r["seed"], final["sg"], final["nosg"]))
+            pairs.setdefault(variant(r), []).append((r["seed"], final["sg"], final["nosg"]))
     return {arm: sorted(v) for arm, v in pairs.items()}
 
 
@@ -525,11 +537,11 @@ def plot(results: list[dict], path: Path) -> list[str]:
         fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.4, 4.0), dpi=110, gridspec_kw={"width_ratios": [3, 2]})
     else:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
-    by_arm: dict[str, list[dict]] = {}
+    by_arm: dict[tuple, list[dict]] = {}
     for r in results:
-        by_arm.setdefault(r["arm"], []).append(r)
+        by_arm.setdefault(variant(r), []).append(r)
     colour = {}
-    for arm, runs in by_arm.items():
+    for key, runs in by_arm.items():
         steps = sorted(set.intersection(*({s for s, _ in r["curve"]} for r in runs)))  # every run's: one n
         means, lows, highs, xs = [], [], [], []
         for s in steps:
@@ -542,8 +554,8 @@ def plot(results: list[dict], path: Path) -> list[str]:
             highs.append(m + sd)
         borrowed = [Path(r["from"]).name for r in runs if "from" in r]  # --with: say where they come from
         where = f", {len(borrowed)} from {', '.join(sorted(set(borrowed)))}" if borrowed else ""
-        (line,) = ax.plot(xs, means, marker="o", label=f"{arm_name(arm, runs)} (n={len(runs)}{where})")
-        colour[arm] = line.get_color()
+        (line,) = ax.plot(xs, means, marker="o", label=f"{arm_name(key[0], runs)} (n={len(runs)}{where})")
+        colour[key] = line.get_color()
         ax.fill_between(xs, lows, highs, alpha=0.2)
     ax.set_xlabel("optimiser step (the GRPO step at grpo.ppo_epochs 1)")
     ax.set_ylabel("validation success rate")
@@ -554,16 +566,16 @@ def plot(results: list[dict], path: Path) -> list[str]:
     if pairs:
         ax.set_title(titles[0], fontsize=9)
         ticks, labels = [], []
-        for i, (arm, seeds) in enumerate(pairs.items()):
+        for i, (key, seeds) in enumerate(pairs.items()):
             x_on, x_off = 3 * i, 3 * i + 1
             for _, on, off in seeds:
-                ax2.plot([x_on, x_off], [on, off], color=colour.get(arm), alpha=0.45, marker=".")
+                ax2.plot([x_on, x_off], [on, off], color=colour.get(key), alpha=0.45, marker=".")
             ax2.plot([x_on, x_off], [statistics.mean(p[1] for p in seeds), statistics.mean(p[2] for p in seeds)],
-                     color=colour.get(arm), marker="o", markersize=8, linewidth=2.5)
+                     color=colour.get(key), marker="o", markersize=8, linewidth=2.5)
             ticks += [x_on, x_off]
             labels += ["on", "off"]
-            ax2.text(x_on + 0.5, -0.11, arm_name(arm, by_arm[arm]), transform=ax2.get_xaxis_transform(),
-                     ha="center", va="top", fontsize=8, color=colour.get(arm))
+            ax2.text(x_on + 0.5, -0.11, arm_name(key[0], by_arm[key]), transform=ax2.get_xaxis_transform(),
+                     ha="center", va="top", fontsize=8, color=colour.get(key))
         ax2.set_xticks(ticks, labels, fontsize=8)
         ax2.set_xlim(-0.6, 3 * len(pairs) - 1.4)
         ax2.set_ylim(bottom=0)
@@ -598,8 +610,8 @@ def main(argv: list[str] | None = None) -> None:
                          "one that another process is still running)")
     ap.add_argument("--with", dest="others", nargs="+", default=[], metavar="DIR",
                     help="also put in the table and figure the finished runs of another study's --out (same "
-                         "config) of the --arms, for each arm and seed this study lacks, marked as taken from "
-                         "there")
+                         "config) of the --arms, for each arm, overrides and seed this study lacks, marked as taken "
+                         "from there")
     args = ap.parse_args(argv)
     if args.eval_every < 1:
         ap.error("--eval-every: must be >= 1")

@@ -84,7 +84,7 @@ def test_the_figure_shows_on_and_off_after_training_when_runs_have_both(tmp_path
                for s, on, off in ((1, 0.25, 0.5), (0, 0.125, 0.0))]
     results.append({"arm": "grpo", "seed": 0, "curve": [[0, 0.0], [4, 0.2]], "guide": {}})  # validated one way only
     results.append({"arm": "oracle", "seed": 2, "curve": [[0, 0.0], [4, 0.2]], "guide": {}, "final": {"sg": 0.5}})
-    assert lc.final_pairs(results) == {"sg_gr": [(0, 0.125, 0.0), (1, 0.25, 0.5)]}  # by seed; incomplete ones left out
+    assert lc.final_pairs(results) == {("sg_gr", ()): [(0, 0.125, 0.0), (1, 0.25, 0.5)]}  # by seed; incomplete: out
     titles = lc.plot(results, tmp_path / "c.png")
     assert len(titles) == 2 and "on vs off" in titles[1] and (tmp_path / "c.png").stat().st_size > 1000
 
@@ -313,6 +313,38 @@ def test_with_adds_another_studys_runs_that_this_one_lacks_and_marks_them(tmp_pa
         lc.main(["--config", TINY, "--out", str(study), "--no-run", "--with", str(earlier)])
     with pytest.raises(SystemExit):
         lc.main(["--config", TINY, "--out", str(study), "--no-run", "--with", str(tmp_path / "missing")])
+
+
+def test_an_arm_trained_with_other_overrides_stands_beside_the_default_from_another_study(tmp_path):
+    """A study of ``sg_gr`` under another setting (overrides after ``--``) and an earlier study of the default: with
+    ``--with``, both are rows and curves of their own, never averaged together; the earlier study's seed is taken
+    although this study has a run of that arm and seed."""
+    lc = _runner()
+    study, earlier = tmp_path / "study", tmp_path / "earlier"
+    tuned = ["--model.grpo.adv_scale=none"]
+
+    def done(folder, arm, seed, last, overrides):
+        (folder / f"{arm}-seed{seed}").mkdir(parents=True)
+        (folder / f"{arm}-seed{seed}" / "done.json").write_text(json.dumps(
+            {"arm": arm, "seed": seed, "curve": [[0, 0.1], [8, last]], "guide": {},
+             "settings": {"config": Path(TINY).as_posix(), "steps": None, "eval_every": 4, "overrides": overrides}}))
+
+    for seed, last in ((0, 0.5), (1, 0.7)):
+        done(study, "sg_gr", seed, last, tuned)
+        done(earlier, "sg_gr", seed, last - 0.4, [])
+    done(earlier, "grpo", 0, 0.2, [])
+    lc.main(["--config", TINY, "--out", str(study), "--no-run", "--arms", "grpo", "sg_gr", "--with", str(earlier)])
+    runs = json.loads((study / "curves.json").read_text())["runs"]
+    assert [(r["arm"], r["seed"], "from" in r) for r in runs] == [
+        ("grpo", 0, True), ("sg_gr", 0, True), ("sg_gr", 1, True), ("sg_gr", 0, False), ("sg_gr", 1, False)]
+    table = (study / "curves.md").read_text()
+    assert "| sg_gr | 2 | 0.100 ± 0.000 | 0.200 ± 0.141 | 0: 0.100, 1: 0.300 |" in table
+    assert "| sg_gr (grpo.adv_scale=none) | 2 | 0.100 ± 0.000 | 0.600 ± 0.141 | 0: 0.500, 1: 0.700 |" in table
+    assert "| sg_gr | 4 |" not in table  # the control: never one row of four runs
+    assert [k for k in lc.final_pairs(runs)] == []  # no final validations: no second panel
+    if (study / "curves.png").exists():  # matplotlib installed: one curve a variant
+        titles = lc.plot(runs, tmp_path / "c.png")
+        assert titles == ["validation success vs GRPO step"]
 
 
 def test_a_final_validation_recorded_before_its_label_statistics_gets_them_from_its_report(tmp_path):
