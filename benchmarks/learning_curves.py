@@ -56,6 +56,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -589,6 +590,17 @@ def plot(results: list[dict], path: Path) -> list[str]:
     return titles
 
 
+def run_line(result: dict) -> str:
+    """One finished run in words: its validation success from step 0 to its last step, and with self-guidance on
+    and off after training when it was validated both ways."""
+    (first_step, first), (last_step, last) = result["curve"][0], result["curve"][-1]
+    line = f"success {first:.3f} at step {first_step} -> {last:.3f} at step {last_step}"
+    final = result.get("final") or {}
+    if "sg" in final and "nosg" in final:
+        line += f"; after training, self-guidance on {final['sg']:.3f}, off {final['nosg']:.3f}"
+    return line
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     extra: list[str] = []
@@ -628,9 +640,15 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds:  # seed-major: a cut study has whole seeds of every arm first
             for arm in args.arms:
                 print(f"learning_curves: {arm} seed {seed}", flush=True)
+                done = out / f"{arm}-seed{seed}" / "done.json"
+                before = done.stat().st_mtime_ns if done.is_file() else None
+                start = time.monotonic()
                 result = one_run(args.config, arm, seed, args.steps, args.eval_every, out, extra)
                 if args.final_both:
-                    final_both(args.config, arm, seed, out, extra, result)
+                    result = final_both(args.config, arm, seed, out, extra, result)
+                took = "finished earlier" if done.stat().st_mtime_ns == before else \
+                    f"{(time.monotonic() - start) / 60:.0f} min"
+                print(f"learning_curves: {arm} seed {seed}: {run_line(result)} ({took})", flush=True)
     results = finished_runs(out)  # the whole study, not only this command's arms and seeds
     results = borrow_runs(results, args.others, args.config, args.arms)
     if not results:

@@ -17,7 +17,7 @@ def _runner():
 
 
 @pytest.mark.slow
-def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path):
+def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path, capsys):
     lc = _runner()
     out = tmp_path / "curves"
     extra = ["--", "--model.rollout.max_steps=2", "--model.evaluation.num_tasks=2",
@@ -30,6 +30,10 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
     # the oracle's labels are the env's measured progress: they agree with it wherever it could tell
     assert run["guide"]["label_accuracy"] == 1.0 and 0.0 <= run["guide"]["train_success"] <= 1.0
     assert all(0.0 <= v <= 1.0 for _, v in run["curve"])
+    first, last = run["curve"][0][1], run["curve"][-1][1]
+    said = f"learning_curves: oracle seed 0: success {first:.3f} at step 0 -> {last:.3f} at step 2 ("
+    out_text = capsys.readouterr().out
+    assert said in out_text and "finished earlier" not in out_text and " min)" in out_text  # a run as it ends
     # trained with overrides after --: the arm is named with them
     named = "| oracle (rollout.max_steps=2 evaluation.num_tasks=2 evaluation.tasks_per_batch=2) | 1 |"
     assert named in (out / "curves.md").read_text()
@@ -40,6 +44,7 @@ def test_runner_writes_curves_skips_finished_runs_and_resumes_cut_ones(tmp_path)
     before = log.read_text()
     lc.main([*args, "--steps", "2", *extra])
     assert log.read_text() == before
+    assert said.replace(" (", " (finished earlier)") in capsys.readouterr().out
     (out / "curves.md").unlink()
     lc.main([*args, "--no-run"])  # artefacts from what is finished, nothing run
     assert log.read_text() == before and named in (out / "curves.md").read_text()
