@@ -56,6 +56,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -555,7 +556,8 @@ def plot(results: list[dict], path: Path) -> list[str]:
             highs.append(m + sd)
         borrowed = [Path(r["from"]).name for r in runs if "from" in r]  # --with: say where they come from
         where = f", {len(borrowed)} from {', '.join(sorted(set(borrowed)))}" if borrowed else ""
-        (line,) = ax.plot(xs, means, marker="o", label=f"{arm_name(key[0], runs)} (n={len(runs)}{where})")
+        name = textwrap.fill(f"{arm_name(key[0], runs)} (n={len(runs)}{where})", 48, subsequent_indent="  ")
+        (line,) = ax.plot(xs, means, marker="o", label=name)  # a long variant's name wrapped: the legend fits
         colour[key] = line.get_color()
         ax.fill_between(xs, lows, highs, alpha=0.2)
     ax.set_xlabel("optimiser step (the GRPO step at grpo.ppo_epochs 1)")
