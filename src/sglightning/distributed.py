@@ -117,7 +117,7 @@ def collective_device(fallback: torch.device) -> torch.device:
 def prefix_sharing(setting: bool | None, sharding: str | None, gradient_checkpointing: bool,
                    sliding: bool = False, head_exact: bool = True) -> bool:
     """``update.share_prefix`` resolved for ``sharding`` (``"fsdp2"``, ``"fsdp1"`` or None), gradient checkpointing,
-    ``sliding`` (the model has sliding-window layers: :func:`models.sliding_window`) and ``head_exact``
+    ``sliding`` (the model has sliding-window layers: :func:`traits.sliding_window`) and ``head_exact``
     (:func:`traits.head_is_exact`): null = on where it holds, true where it cannot hold = ``ConfigError``."""
     why = None
     if sharding is not None:

@@ -124,7 +124,7 @@ def ensure_smollm2_folder(cache_dir: str | None = None) -> Path:
         cache_dir: ``model.policy.cache_dir``; None for the default cache (:func:`cache_root`).
     """
     target = smollm2_folder(cache_dir)
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
+    if _is_saved(target):
         return target
     gguf = smollm2_gguf_path()
     log.warning("converting %s to an HF folder at %s (once)", gguf.name, target)
@@ -150,18 +150,28 @@ def _convert_smollm2(gguf: Path, target: Path) -> None:
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
     if missing or unexpected:
         raise RuntimeError(f"GGUF conversion mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
+    _save_whole(model, tok, target, ".smollm2-")
+
+
+def _is_saved(folder: Path) -> bool:
+    """Whether ``folder`` holds a model this module saved (:func:`_save_whole` makes it appear whole or not at all)."""
+    return (folder / "config.json").is_file() and (folder / "tokenizer_config.json").is_file()
+
+
+def _save_whole(model, tok, target: Path, prefix: str) -> None:
+    """Save ``model`` (safetensors) and ``tok`` as the HF folder ``target``, atomically: written into a temporary
+    folder beside it (named ``prefix``…), then renamed. A killed save leaves no half folder behind; where another
+    process finished first, its folder is kept and this one dropped."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".smollm2-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        with no_progress_bars():
+            model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        if target.exists():  # a concurrent conversion finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, target)  # atomic: a killed conversion never leaves a half folder behind
+        if not target.exists():
+            os.replace(tmp, target)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; the loser's copy of a race otherwise
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -245,22 +255,9 @@ def tiny_folder(cfg: TinyModelConfig, cache_dir: str | None = None, device: torc
     device = torch.device(device)
     drawn = "" if device.type == "cpu" else f"-{device.type}-{str(dtype).removeprefix('torch.')}"
     target = cache_root(cache_dir) / "models" / (cfg.key() + drawn)
-    if (target / "config.json").is_file() and (target / "tokenizer_config.json").is_file():
-        return target
-    tok = build_tiny_tokenizer(cfg.vocab_size)
-    model = build_tiny_model(cfg, len(tok), device, dtype)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=target.parent))
-    try:
-        with no_progress_bars():
-            model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        if target.exists():  # another process won the race: keep its folder
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    if not _is_saved(target):
+        tok = build_tiny_tokenizer(cfg.vocab_size)
+        _save_whole(build_tiny_model(cfg, len(tok), device, dtype), tok, target, ".tiny-")
     return target
 
 

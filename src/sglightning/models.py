@@ -127,9 +127,6 @@ _TINY_QUANT = ("model.policy.quantization: 4bit is not supported for embedded:ti
                "nothing to quantise); allowed: null, or 4bit with a real model")
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-
-
 def load_tokenizer(cfg: PolicyConfig):
     from transformers import AutoTokenizer
 
