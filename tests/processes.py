@@ -1,5 +1,5 @@
 """Processes of several ranks in tests: running a command that starts its own (Lightning's other ranks) to its end,
-and joining and ending the gloo group of ranks a test spawned itself."""
+running the commands of several nodes at once, and joining and ending the gloo group of ranks a test spawned itself."""
 
 from __future__ import annotations
 
@@ -29,6 +29,42 @@ def run_whole(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProce
             proc.communicate()
             raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_together(cmds: list[list[str]], timeout: float, envs: list[dict]) -> list[subprocess.CompletedProcess]:
+    """Run every command at once to its end (each in a session of its own), as the nodes of one job: a timeout or
+    an error kills every process of every command.
+
+    Args:
+        cmds: the command lines.
+        timeout: seconds for all of them together before every process is killed and ``TimeoutExpired`` raised.
+        envs: each command's environment.
+    """
+    import time
+
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=env) for cmd, env in zip(cmds, envs, strict=True)]
+    try:
+        end = time.monotonic() + timeout
+        outs = [proc.communicate(timeout=max(1.0, end - time.monotonic())) for proc in procs]
+    except BaseException:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        raise
+    return [subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+            for cmd, proc, (out, err) in zip(cmds, procs, outs)]
+
+
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, for a launcher that takes a port and no store file (another process may
+    take it before the launcher does: rare, and why spawned tests use a store file instead)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def join_gloo(rank: int, folder: str, seconds: float = 300) -> None:

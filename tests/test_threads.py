@@ -71,19 +71,32 @@ def test_apply_sets_torch_threads():
         torch.set_num_threads(before)
 
 
-def test_the_budget_of_several_processes_is_not_replaced_by_lightnings(monkeypatch):
-    """Lightning's launcher sets cores ÷ processes threads in every rank unless OMP_NUM_THREADS is set: with
-    devices: 2 the budget (`auto` leaves a core free; an integer is the user's) was replaced by all the cores."""
+@pytest.mark.parametrize(("trainer", "exported"), [
+    ({"devices": 2}, True),  # two ranks here: they inherit the variable
+    ({"devices": 1, "num_nodes": 2}, True),  # one rank per node: Lightning's launcher still runs in each
+    ({"devices": 1, "num_nodes": "2"}, True),
+    ({"devices": 1, "strategy": "ddp"}, True),  # a distributed strategy on one device
+    ({"devices": 1, "strategy": {"class_path": "sglightning.strategies.FSDP2Strategy"}}, True),
+    ({"devices": 1}, False),  # one process, no launcher: nothing to export
+    ({"devices": 1, "strategy": "auto", "num_nodes": 1}, False),
+    ({"devices": 1, "strategy": {"class_path": "lightning.pytorch.strategies.SingleDeviceStrategy"}}, False),
+])
+def test_the_budget_is_not_replaced_by_lightnings_launcher(monkeypatch, trainer, exported):
+    """Lightning's launcher sets cores ÷ local processes threads in every rank unless OMP_NUM_THREADS is set: with
+    devices: 2 the budget (`auto` leaves a core free; an integer is the user's) was replaced by all the cores, and
+    so it still was with one rank per node or a distributed strategy on one device (a 2-node run on one 2-core box
+    10x slower under --threads 1)."""
     from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)  # what Lightning divides
     try:
-        assert threads.apply(1, {"devices": 1}) == 1 and "OMP_NUM_THREADS" not in os.environ  # one process: unset
-        assert threads.apply(1, {"devices": 2}) == 1 and os.environ["OMP_NUM_THREADS"] == "1"  # the ranks inherit it
-        _set_num_threads_if_needed(2)  # what fit does in every rank
-        assert torch.get_num_threads() == 1
+        assert threads.apply(1, trainer) == 1
+        assert os.environ.get("OMP_NUM_THREADS") == ("1" if exported else None)
+        if exported:
+            _set_num_threads_if_needed(threads.local_processes(trainer))  # what fit does in every rank
+            assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 

@@ -141,17 +141,34 @@ def resolve(setting: Threads, processes: int = 1, cpus: int | None = None, load:
     return setting
 
 
+def launched(trainer: dict[str, Any] | None) -> bool:
+    """Whether Lightning starts this run through a launcher: several processes on this machine, several nodes, or a
+    distributed strategy (DDP, FSDP) even on one device.  Its launcher sets every rank's threads to cores ÷ local
+    processes unless ``OMP_NUM_THREADS`` is set."""
+    trainer = trainer or {}
+    if local_processes(trainer) > 1:
+        return True
+    nodes = trainer.get("num_nodes", 1)
+    if str(nodes).strip().isdigit() and int(nodes) > 1:
+        return True
+    strategy = trainer.get("strategy") or "auto"
+    if hasattr(strategy, "get"):  # class_path and init_args (a config's mapping)
+        strategy = strategy.get("class_path") or "auto"
+    elif not isinstance(strategy, str):  # an instance
+        strategy = type(strategy).__name__
+    return strategy not in ("auto", "single_device") and "SingleDevice" not in strategy
+
+
 def apply(setting: Threads, trainer: dict[str, Any] | None = None) -> int:
-    """Set torch's intra-op threads for this process; returns the count in force.  With several processes on this
-    machine the count goes to ``OMP_NUM_THREADS`` too: Lightning's launcher sets cores ÷ processes in every rank
-    unless that is set (all the cores: the oversubscription ``auto`` leaves a core free against), and the ranks it
-    starts inherit it."""
+    """Set torch's intra-op threads for this process; returns the count in force.  Where Lightning's launcher will
+    run (:func:`launched`), the count goes to ``OMP_NUM_THREADS`` too: otherwise the launcher replaces it with cores
+    ÷ local processes in every rank (all the cores: the oversubscription ``auto`` leaves a core free against, and a
+    user's ``--threads 1`` lost), and the ranks it starts inherit it."""
     import torch
 
-    processes = local_processes(trainer)
-    n = resolve(setting, processes)
+    n = resolve(setting, local_processes(trainer))
     if n is not None and n != torch.get_num_threads():
         torch.set_num_threads(n)
-    if n is not None and processes > 1:
+    if n is not None and launched(trainer):
         os.environ["OMP_NUM_THREADS"] = str(n)
     return torch.get_num_threads()
