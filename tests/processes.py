@@ -40,18 +40,22 @@ def run_together(cmds: list[list[str]], timeout: float, envs: list[dict]) -> lis
         timeout: seconds for all of them together before every process is killed and ``TimeoutExpired`` raised.
         envs: each command's environment.
     """
-    import time
+    from concurrent.futures import ThreadPoolExecutor
 
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                               env=env) for cmd, env in zip(cmds, envs, strict=True)]
     try:
-        end = time.monotonic() + timeout
-        outs = [proc.communicate(timeout=max(1.0, end - time.monotonic())) for proc in procs]
+        # read every command's pipes at once: one reader at a time would leave another's pipe full, that process
+        # blocked, and the one read waiting on it in a collective
+        with ThreadPoolExecutor(len(procs)) as pool:
+            outs = list(pool.map(lambda proc: proc.communicate(timeout=timeout), procs))
     except BaseException:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        for proc in procs:
+            with contextlib.suppress(ValueError, OSError):  # a command whose pipes were read to the end already
+                proc.communicate()
         raise
     return [subprocess.CompletedProcess(cmd, proc.returncode, out, err)
             for cmd, proc, (out, err) in zip(cmds, procs, outs)]
