@@ -85,7 +85,7 @@ def test_the_budget_is_not_replaced_by_lightnings_launcher(monkeypatch, trainer,
     """Lightning's launcher sets cores ÷ local processes threads in every rank unless OMP_NUM_THREADS is set: with
     devices: 2 the budget (`auto` leaves a core free; an integer is the user's) was replaced by all the cores, and
     so it still was with one rank per node or a distributed strategy on one device (a 2-node run on one 2-core box
-    10x slower under --threads 1)."""
+    4-8x slower a step under --threads 1)."""
     from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
     before = torch.get_num_threads()
