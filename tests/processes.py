@@ -19,44 +19,46 @@ def run_whole(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProce
         timeout: seconds before every process of the command is killed and ``TimeoutExpired`` raised.
         **kw: ``env``, ``cwd``: as for ``subprocess.Popen``.
     """
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                          **kw) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except BaseException:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-            raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    env = kw.pop("env", None)
+    return run_together([cmd], timeout, [env], **kw)[0]
 
 
-def run_together(cmds: list[list[str]], timeout: float, envs: list[dict]) -> list[subprocess.CompletedProcess]:
-    """Run every command at once to its end (each in a session of its own), as the nodes of one job: a timeout or
-    an error kills every process of every command.
+def run_together(cmds: list[list[str]], timeout: float, envs: list[dict | None], **kw
+                 ) -> list[subprocess.CompletedProcess]:
+    """Run every command at once to its end (each in a session of its own), as the nodes of one job: a timeout, an
+    error or pytest-timeout's alarm kills every process of every command.
 
     Args:
         cmds: the command lines.
         timeout: seconds for all of them together before every process is killed and ``TimeoutExpired`` raised.
-        envs: each command's environment.
+        envs: each command's environment (None: this process's).
+        **kw: ``cwd``: as for ``subprocess.Popen``.
     """
     from concurrent.futures import ThreadPoolExecutor
 
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                              env=env) for cmd, env in zip(cmds, envs, strict=True)]
+                              env=env, **kw) for cmd, env in zip(cmds, envs, strict=True)]
+    # several commands: every command's pipes read at once (one reader at a time would leave another's pipe full,
+    # that process blocked, and the one read waiting on it in a collective)
+    pool = ThreadPoolExecutor(len(procs)) if len(procs) > 1 else None
     try:
-        # read every command's pipes at once: one reader at a time would leave another's pipe full, that process
-        # blocked, and the one read waiting on it in a collective
-        with ThreadPoolExecutor(len(procs)) as pool:
+        if pool is None:
+            outs = [procs[0].communicate(timeout=timeout)]
+        else:
             outs = list(pool.map(lambda proc: proc.communicate(timeout=timeout), procs))
     except BaseException:
         for proc in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+        if pool is not None:
+            pool.shutdown(wait=True)  # the readers end as their processes die; only then read here
         for proc in procs:
             with contextlib.suppress(ValueError, OSError):  # a command whose pipes were read to the end already
                 proc.communicate()
         raise
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
     return [subprocess.CompletedProcess(cmd, proc.returncode, out, err)
             for cmd, proc, (out, err) in zip(cmds, procs, outs)]
 
