@@ -192,10 +192,27 @@ def guide_stats(scalars: list[dict[str, dict[int, float]]]) -> dict[str, float]:
             if tag in version:
                 values.setdefault(key, {}).update({k: v for k, v in version[tag].items() if v == v})
     stats = {k: statistics.mean(v.values()) for k, v in values.items() if v}
+    stats.update(signal_stats(scalars))
     if not stats.get("positive") and not stats.get("negative"):  # no labels (plain GRPO): λ weighs nothing
         for key in ("positive", "negative", "lambda"):
             stats.pop(key, None)
     return stats
+
+
+def signal_stats(scalars: list[dict[str, dict[int, float]]]) -> dict[str, float]:
+    """What the training steps had to learn from, in a run's scalars: ``degenerate_share``, the share of the groups
+    trained on whose returns were all equal (advantage 0), and ``still_steps``, the share of steps on which every group
+    was so (no policy gradient).  With dynamic sampling the trained batch's groups count.  Empty where not logged."""
+    counts: dict[int, tuple[float, float]] = {}
+    for version in scalars:  # a resumed run's later version wins a step both logged
+        degenerate, groups = version.get("rollout/degenerate_groups", {}), version.get("rollout/groups", {})
+        for step in degenerate.keys() & groups.keys():
+            counts[step] = (version.get("dynamic_sampling/degenerate_groups", {}).get(step, degenerate[step]),
+                            version.get("dynamic_sampling/groups", {}).get(step, groups[step]))
+    if not counts:
+        return {}
+    return {"degenerate_share": sum(d for d, _ in counts.values()) / sum(g for _, g in counts.values()),
+            "still_steps": sum(d >= g for d, g in counts.values()) / len(counts)}
 
 
 # extra options that change how fast a run goes, not what it computes: left out of the recorded settings
@@ -270,7 +287,8 @@ def load_done(folder: Path) -> dict:
     done = folder / "done.json"
     result = json.loads(done.read_text())
     changed = False
-    if "guide" not in result and any(folder.glob("version_*")):  # written before the guide statistics existed
+    if ("guide" not in result or "degenerate_share" not in result["guide"]) and any(folder.glob("version_*")):
+        # written before these statistics existed, and the run's events are still here
         result["guide"] = guide_stats(run_scalars(folder))
         changed = True
     if "final" in result and (not {"balanced_accuracy", "constant_accuracy"} <= set(result.get("final_labels", {}))
@@ -449,7 +467,8 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
     over seeds, then each seed's: with few seeds the spread says more than a mean), then training means over steps
     and seeds — training success, the labels' accuracy against measured progress (and the best single label's on the
     same pairs: the labels inform only above it), their AUROC against success, the
-    share of positive labels, the mean trust weight λ ("–": not logged, e.g. no labels in plain GRPO); with
+    share of positive labels, the mean trust weight λ ("–": not logged, e.g. no labels in plain GRPO), the share of
+    degenerate groups (equal returns, advantage 0) and, in brackets, of steps on which every group was so; with
     ``--final-both`` runs, success with self-guidance on and off after training, the episodes of those validations
     won only with guidance and only without it, summed over seeds, with the exact sign test over them, and, per seed,
     the labels' accuracy in that validation (the best single label's in brackets) and their balanced accuracy (a
@@ -459,10 +478,11 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
         by_arm.setdefault(variant(r), []).append(r)
     finals = any("final" in r for r in results)
     rows = ["| arm | seeds | success at step 0 | success at the last step | by seed | last step | train success | "
-            "label accuracy | one constant label | label AUROC | positive labels | mean λ |"
+            "label accuracy | one constant label | label AUROC | positive labels | mean λ | degenerate groups "
+            "(steps with none informative) |"
             + (" final, SG on | final, SG off | final, won only on / only off (sign test p) | final label accuracy "
                "(one constant label) | final balanced accuracy (one constant label: 1/K) |" if finals else ""),
-            "|---" * (17 if finals else 12) + "|"]
+            "|---" * (18 if finals else 13) + "|"]
 
     def ms(vals: list[float]) -> str:
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -481,6 +501,8 @@ def summarise(results: list[dict]) -> tuple[dict, str]:
         last = [dict(r["curve"])[step] for r in runs]
         cells = [guide(runs, k) for k in ("train_success", "label_accuracy", "constant_accuracy", "label_auroc",
                                           "positive", "lambda")]
+        cells.append(f"{guide(runs, 'degenerate_share')} ({guide(runs, 'still_steps')})"
+                     if any("degenerate_share" in r.get("guide", {}) for r in runs) else "–")
         each = ", ".join(f"{r['seed']}: {dict(r['curve'])[step]:.3f}" for r in sorted(runs, key=lambda r: r["seed"]))
         ends = sorted({r["curve"][-1][0] for r in runs} - {step})
         step_cell = f"{step}" + (f" (some runs go on to {', '.join(map(str, ends))})" if ends else "")

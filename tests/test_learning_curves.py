@@ -257,6 +257,21 @@ def test_sigterm_to_the_runner_reaches_the_command_and_stops_the_study(tmp_path)
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_signal_stats_count_the_groups_trained_on():
+    """The share of degenerate groups and of steps with none informative, from a run's scalars: with dynamic
+    sampling the trained batch's groups count (not the first round's), and a resumed run's later version wins a step
+    both versions logged."""
+    lc = _runner()
+    first = {"rollout/degenerate_groups": {1: 4.0, 2: 4.0}, "rollout/groups": {1: 4.0, 2: 4.0},
+             "dynamic_sampling/degenerate_groups": {2: 4.0}, "dynamic_sampling/groups": {2: 6.0}}
+    resumed = {"rollout/degenerate_groups": {2: 4.0, 3: 0.0}, "rollout/groups": {2: 4.0, 3: 4.0}}
+    # step 1: 4 of 4 (none informative); step 2, resumed without dynamic sampling: 4 of 4; step 3: 0 of 4
+    assert lc.signal_stats([first, resumed]) == {"degenerate_share": 8 / 12, "still_steps": 2 / 3}
+    # step 2 as the first version logged it: dynamic sampling added two informative groups
+    assert lc.signal_stats([first]) == {"degenerate_share": 8 / 10, "still_steps": 1 / 2}
+    assert lc.signal_stats([{"rollout/success_rate": {1: 0.5}}]) == {}  # not logged: nothing to say
+
+
 @pytest.mark.slow
 def test_the_calibrated_arm_and_the_final_validation_with_guidance_on_and_off(tmp_path):
     """``sg_gr_cal`` trains with the hindsight label loss (logged, so its mean is in the guide statistics), and
@@ -274,7 +289,8 @@ def test_the_calibrated_arm_and_the_final_validation_with_guidance_on_and_off(tm
     table = (out / "curves.md").read_text()
     kept = set(lc.FINAL_LABEL_KEYS) | {"balanced_accuracy", "progress_kinds"}
     assert {"positive", "neutral", "negative"} <= set(done["final_labels"]) <= kept
-    assert "final, SG on | final, SG off | final, won only on / only off" in table and table.count("|---") == 17
+    assert "final, SG on | final, SG off | final, won only on / only off" in table and table.count("|---") == 18
+    assert 0.0 <= done["guide"]["degenerate_share"] <= 1.0 and 0.0 <= done["guide"]["still_steps"] <= 1.0
     assert set(done["final_paired"]) == {"pairs", "only_sg", "only_nosg", "sign_test_p"}
     log = out / "sg_gr_cal-seed0" / "run.log"
     before = log.read_text()

@@ -1096,6 +1096,10 @@ def test_run_dir_has_no_half_written_exports_and_a_readable_trajectory(cli_run):
     decode = sum(r["time/rollout_decode_s"] for r in hist) / len(hist)
     assert "by phase (s)      rollout: prefill " in summary and f"decode {decode:.1f}" in summary
     assert "update: forward " in summary and "correction" not in summary
+    # and how many of the groups trained on could teach anything (the logged counts, summed over the steps)
+    degenerate, groups = (int(sum(r[f"rollout/{k}"] for r in hist)) for k in ("degenerate_groups", "groups"))
+    assert groups == 2 * m.rollout_cfg.groups_per_step
+    assert f"degenerate groups {degenerate} of {groups} (equal returns, advantage 0)" in summary
 
 
 def test_summary_splits_labels_and_episode_length_by_trust_phase():
@@ -1143,6 +1147,25 @@ def test_summary_reports_labels_only_when_the_model_writes_guidance(tmp_path):
     assert "2 GRPO steps, 32 episodes" in plain and "success rate      all 0.250" in plain
     for line in ("labels ", "label calibration", "by trust phase", "internal sum"):
         assert line not in plain and line in guided
+
+
+def test_summary_counts_the_groups_that_taught_nothing(tmp_path):
+    """A run whose success stays flat may have had nothing to learn from: every group's returns equal, so every
+    advantage 0.  The summary sums the degenerate groups and counts the steps with no informative group; with dynamic
+    sampling, over the trained batch (the first round's groups plus those it added), not the first round alone."""
+    from sglightning.report import fit_summary
+
+    hist = [{"rollout/degenerate_groups": 4.0, "rollout/groups": 4.0},  # nothing to learn from
+            {"rollout/degenerate_groups": 1.0, "rollout/groups": 4.0},
+            {"rollout/degenerate_groups": 4.0, "rollout/groups": 4.0,  # dynamic sampling added an informative one
+             "dynamic_sampling/degenerate_groups": 4.0, "dynamic_sampling/groups": 5.0}]
+    for r in hist:
+        r["rollout/success_rate"] = 0.5
+    lines = [ln for ln in fit_summary(hist, 0, None, None, tmp_path, None).splitlines() if "degenerate" in ln]
+    assert lines == ["  degenerate groups 9 of 13 (equal returns, advantage 0)   steps without an informative group "
+                     "1 of 3"]
+    # a checkpoint from before these counts were logged: no line, rather than a line of zeros
+    assert "degenerate" not in fit_summary([{"rollout/success_rate": 0.5}], 0, None, None, tmp_path, None)
 
 
 def test_summary_has_a_line_for_the_configured_reward_terms(tmp_path):

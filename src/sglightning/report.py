@@ -407,6 +407,7 @@ def fit_summary(hist: list[dict[str, float]], skipped_updates: int, before: dict
         f"  invalid actions   {mean('rollout/invalid_action_rate'):.3f}   skipped updates {skipped_updates}"
         + (f"   episodes failed in the env {env_errors:.3f}" if (env_errors := mean("rollout/env_error_rate")) > 0
            else ""),
+        *_signal_lines(hist),
         f"  {'time per GRPO step' if ppo_epochs > 1 else 'time per step':<17} rollout {mean('time/rollout_s'):.1f}s"
         f"  update {mean('time/update_s'):.1f}s",
         *_phase_time_lines(hist, mean),
@@ -457,6 +458,20 @@ def history_from_state(state: dict[str, Any] | None) -> list[dict[str, float]]:
         return []
     keys, values, logged = state["keys"], state["values"].tolist(), state["logged"].tolist()
     return [{k: v for k, v, m in zip(keys, row, mask) if m} for row, mask in zip(values, logged)]
+
+
+def _signal_lines(hist: list[dict]) -> list[str]:
+    """The groups trained on whose returns were all equal (their advantage is 0: nothing for the policy gradient) and
+    the steps on which no group was informative.  A run whose success stays flat shows here whether it had anything
+    to learn from.  With dynamic sampling, the trained batch's groups are counted, not the first round's."""
+    counts = [(r.get("dynamic_sampling/degenerate_groups", r["rollout/degenerate_groups"]),
+               r.get("dynamic_sampling/groups", r["rollout/groups"]))
+              for r in hist if "rollout/degenerate_groups" in r and "rollout/groups" in r]
+    if not counts:  # a checkpoint written before these were logged
+        return []
+    still = sum(1 for degenerate, groups in counts if degenerate >= groups)
+    return [f"  degenerate groups {sum(d for d, _ in counts):.0f} of {sum(g for _, g in counts):.0f} (equal returns, "
+            f"advantage 0)   steps without an informative group {still} of {len(counts)}"]
 
 
 def _memory_lines(hist: list[dict]) -> list[str]:
