@@ -100,6 +100,28 @@ def test_a_csv_logger_resumed_keeps_its_earlier_metrics_and_no_tensorboard_line_
     assert (folder / "metrics.csv").is_file() and "Previous log files" not in capsys.readouterr().err
 
 
+def test_a_number_a_step_did_not_measure_has_no_value_in_the_logger(tmp_path):
+    """Lightning logs each key again at every later step of its epoch with its last value, and a fit is one epoch. A
+    step whose rows were all left out (every group's returns equal, no KL) measures no loss and no entropy: its
+    logged row must leave them empty, not repeat the step before's. Every training row of metrics.csv holds exactly
+    the keys the step measured (the summary's history)."""
+    import csv
+
+    args = ["fit", "--config", TINY, "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path}", "--trainer.logger.name=exp", "--trainer.limit_val_batches=0",
+            "--trainer.max_steps=3", "--model.grpo.kl_coef=0",  # rows with advantage 0 are left out
+            "--model.grpo.trust_breakpoints=[0, 0, 0.5, 0.5]"]  # λ 1, 1, 0: the tiny model never wins, so the last
+    cli = cli_main(args)  # step's returns are all 0 and it has no row to update
+    hist = cli.model.history
+    assert "policy/entropy" in hist[0] and "policy/entropy" not in hist[-1], [sorted(h) for h in hist]
+    with open(tmp_path / "exp" / "version_0" / "metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("rollout/success_rate")]
+    assert len(rows) == len(hist) == 3
+    for step, (row, measured) in enumerate(zip(rows, hist), 1):
+        logged = {k for k, v in row.items() if v != ""} - {"epoch", "step"}
+        assert logged == set(measured), (step, sorted(logged ^ set(measured)))
+
+
 def test_several_loggers_resume_in_the_first_ones_folder(tmp_path):
     """The first logger's folder is the run's: a resume continues there, with any TensorBoard or CSV logger of the
     same save_dir and name; a logger with a root of its own starts a version of its own (its version_0 may be

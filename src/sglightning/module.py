@@ -295,6 +295,7 @@ class SelfGuideModule(LightningModule):
         self.rollouts_done += 1
         logs = distributed.reduce_logs(logs, SUM_KEYS, self._world()[1])
         self.history.append({k: float(v) for k, v in logs.items()})
+        self._forget_last_step()
         self.log_dict(logs, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(rb.episodes))
         self._log_at_global_step(on_step=True, on_epoch=False)
         self.log("success", logs["rollout/success_rate"], on_step=True, prog_bar=True, logger=False)
@@ -452,6 +453,12 @@ class SelfGuideModule(LightningModule):
         for key, value in report.scalars(self.val_report).items():
             self.log(key, value, on_epoch=True, batch_size=1, sync_dist=sync)
         self._log_at_global_step(step, on_epoch=True, sync_dist=sync)
+
+    def _forget_last_step(self) -> None:
+        """Lightning logs a key at every later step of its epoch (here the fit) with its last value: a number this step
+        did not measure (no row to update: no loss) would repeat. Loggers get no point; callbacks keep the last."""
+        if (results := getattr(self._trainer, "_results", None)) is not None:  # Lightning's own; a test checks it
+            results.reset(metrics=False, fx="training_step")
 
     def _log_at_global_step(self, step: int | None = None, **kw) -> None:
         """The loggers' x-axis, logged as ``step``: optimiser steps taken (default ``global_step``; docs/metrics)."""
