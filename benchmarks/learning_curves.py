@@ -206,9 +206,12 @@ def signal_stats(scalars: list[dict[str, dict[int, float]]]) -> dict[str, float]
     counts: dict[int, tuple[float, float]] = {}
     for version in scalars:  # a resumed run's later version wins a step both logged
         degenerate, groups = version.get("rollout/degenerate_groups", {}), version.get("rollout/groups", {})
+        added = version.get("rollout/dynamic_sampling_groups", {})
         for step in degenerate.keys() & groups.keys():
-            counts[step] = (version.get("dynamic_sampling/degenerate_groups", {}).get(step, degenerate[step]),
-                            version.get("dynamic_sampling/groups", {}).get(step, groups[step]))
+            counts[step] = (degenerate[step], groups[step])
+            if added.get(step, 0.0) > 0:  # else an older run's events may hold the last round's counts, repeated
+                counts[step] = (version["dynamic_sampling/degenerate_groups"][step],
+                                version["dynamic_sampling/groups"][step])
     if not counts:
         return {}
     return {"degenerate_share": sum(d for d, _ in counts.values()) / sum(g for _, g in counts.values()),

@@ -263,8 +263,11 @@ def test_signal_stats_count_the_groups_trained_on():
     both versions logged."""
     lc = _runner()
     first = {"rollout/degenerate_groups": {1: 4.0, 2: 4.0}, "rollout/groups": {1: 4.0, 2: 4.0},
-             "dynamic_sampling/degenerate_groups": {2: 4.0}, "dynamic_sampling/groups": {2: 6.0}}
-    resumed = {"rollout/degenerate_groups": {2: 4.0, 3: 0.0}, "rollout/groups": {2: 4.0, 3: 4.0}}
+             "rollout/dynamic_sampling_groups": {1: 0.0, 2: 2.0},
+             # step 1's are step 0's repeated (events written before 996e0b1): no group was added at step 1
+             "dynamic_sampling/degenerate_groups": {1: 0.0, 2: 4.0}, "dynamic_sampling/groups": {1: 9.0, 2: 6.0}}
+    resumed = {"rollout/degenerate_groups": {2: 4.0, 3: 0.0}, "rollout/groups": {2: 4.0, 3: 4.0},
+               "rollout/dynamic_sampling_groups": {2: 0.0, 3: 0.0}}
     # step 1: 4 of 4 (none informative); step 2, resumed without dynamic sampling: 4 of 4; step 3: 0 of 4
     assert lc.signal_stats([first, resumed]) == {"degenerate_share": 8 / 12, "still_steps": 2 / 3}
     # step 2 as the first version logged it: dynamic sampling added two informative groups
