@@ -64,7 +64,7 @@ import yaml
 
 from sglightning.calibration import balanced_accuracy, constant_accuracy
 from sglightning.guidance import LABELS
-from sglightning.report import episode_pairs, paired_outcomes, sign_test
+from sglightning.report import SIGNAL_KEYS, episode_pairs, group_signal, paired_outcomes, sign_test
 
 ARMS: dict[str, list[str]] = {
     "grpo": ["--model.guidance.enabled=false", "--model.evaluation.self_guidance=off"],
@@ -200,22 +200,18 @@ def guide_stats(scalars: list[dict[str, dict[int, float]]]) -> dict[str, float]:
 
 
 def signal_stats(scalars: list[dict[str, dict[int, float]]]) -> dict[str, float]:
-    """What the training steps had to learn from, in a run's scalars: ``degenerate_share``, the share of the groups
-    trained on whose returns were all equal (advantage 0), and ``still_steps``, the share of steps on which every group
-    was so (no policy gradient).  With dynamic sampling the trained batch's groups count.  Empty where not logged."""
-    counts: dict[int, tuple[float, float]] = {}
+    """What the training steps had to learn from, in a run's scalars (:func:`sglightning.report.group_signal`):
+    ``degenerate_share``, the share of the groups trained on whose returns were all equal (advantage 0), and
+    ``still_steps``, the share of steps on which every group was so (no policy gradient).  Empty where not logged."""
+    steps: dict[int, dict[str, float]] = {}
     for version in scalars:  # a resumed run's later version wins a step both logged
-        degenerate, groups = version.get("rollout/degenerate_groups", {}), version.get("rollout/groups", {})
-        added = version.get("rollout/dynamic_sampling_groups", {})
-        for step in degenerate.keys() & groups.keys():
-            counts[step] = (degenerate[step], groups[step])
-            if added.get(step, 0.0) > 0:  # else an older run's events may hold the last round's counts, repeated
-                counts[step] = (version["dynamic_sampling/degenerate_groups"][step],
-                                version["dynamic_sampling/groups"][step])
-    if not counts:
+        logged = {step for tag in SIGNAL_KEYS for step in version.get(tag, {})}
+        steps.update({step: {tag: version[tag][step] for tag in SIGNAL_KEYS if step in version.get(tag, {})}
+                      for step in logged})
+    if (signal := group_signal(list(steps.values()))) is None:
         return {}
-    return {"degenerate_share": sum(d for d, _ in counts.values()) / sum(g for _, g in counts.values()),
-            "still_steps": sum(d >= g for d, g in counts.values()) / len(counts)}
+    degenerate, groups, still, counted = signal
+    return {"degenerate_share": degenerate / groups, "still_steps": still / counted}
 
 
 # extra options that change how fast a run goes, not what it computes: left out of the recorded settings

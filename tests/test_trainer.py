@@ -1158,6 +1158,7 @@ def test_summary_counts_the_groups_that_taught_nothing(tmp_path):
     hist = [{"rollout/degenerate_groups": 4.0, "rollout/groups": 4.0},  # nothing to learn from
             {"rollout/degenerate_groups": 1.0, "rollout/groups": 4.0},
             {"rollout/degenerate_groups": 4.0, "rollout/groups": 4.0,  # dynamic sampling added an informative one
+             "rollout/dynamic_sampling_groups": 1.0,
              "dynamic_sampling/degenerate_groups": 4.0, "dynamic_sampling/groups": 5.0}]
     for r in hist:
         r["rollout/success_rate"] = 0.5

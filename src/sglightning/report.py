@@ -460,18 +460,41 @@ def history_from_state(state: dict[str, Any] | None) -> list[dict[str, float]]:
     return [{k: v for k, v, m in zip(keys, row, mask) if m} for row, mask in zip(values, logged)]
 
 
-def _signal_lines(hist: list[dict]) -> list[str]:
-    """The groups trained on whose returns were all equal (their advantage is 0: nothing for the policy gradient) and
-    the steps on which no group was informative.  A run whose success stays flat shows here whether it had anything
-    to learn from.  With dynamic sampling, the trained batch's groups are counted, not the first round's."""
-    counts = [(r.get("dynamic_sampling/degenerate_groups", r["rollout/degenerate_groups"]),
-               r.get("dynamic_sampling/groups", r["rollout/groups"]))
-              for r in hist if "rollout/degenerate_groups" in r and "rollout/groups" in r]
-    if not counts:  # a checkpoint written before these were logged
-        return []
+#: the per-step logs :func:`group_signal` reads
+SIGNAL_KEYS = ("rollout/degenerate_groups", "rollout/groups", "rollout/dynamic_sampling_groups",
+               "dynamic_sampling/degenerate_groups", "dynamic_sampling/groups")
+
+
+def group_signal(steps: Sequence[dict[str, float]]) -> tuple[float, float, int, int] | None:
+    """What training steps had to learn from: the degenerate groups among those trained on (all returns equal: their
+    advantage is 0, nothing for the policy gradient), the groups trained on, the steps on which no group was
+    informative, and the steps counted.  With dynamic sampling the trained batch's groups count, not the first
+    round's.  None: no step logged the counts (a checkpoint from before they were).
+
+    Args:
+        steps: one dict of logged numbers per training step (:data:`SIGNAL_KEYS` are read).
+    """
+    counts = []
+    for r in steps:
+        if "rollout/degenerate_groups" not in r or "rollout/groups" not in r:
+            continue
+        # dynamic_sampling/… only where groups were added (older TensorBoard events repeat them at later steps)
+        trained = "dynamic_sampling" if r.get("rollout/dynamic_sampling_groups", 0.0) > 0 else "rollout"
+        counts.append((r[f"{trained}/degenerate_groups"], r[f"{trained}/groups"]))
+    if not counts:
+        return None
     still = sum(1 for degenerate, groups in counts if degenerate >= groups)
-    return [f"  degenerate groups {sum(d for d, _ in counts):.0f} of {sum(g for _, g in counts):.0f} (equal returns, "
-            f"advantage 0)   steps without an informative group {still} of {len(counts)}"]
+    return sum(d for d, _ in counts), sum(g for _, g in counts), still, len(counts)
+
+
+def _signal_lines(hist: list[dict]) -> list[str]:
+    """:func:`group_signal`'s counts in a line: a run whose success stays flat shows whether it had anything to learn
+    from."""
+    if (signal := group_signal(hist)) is None:
+        return []
+    degenerate, groups, still, steps = signal
+    return [f"  degenerate groups {degenerate:.0f} of {groups:.0f} (equal returns, advantage 0)   steps without an "
+            f"informative group {still} of {steps}"]
 
 
 def _memory_lines(hist: list[dict]) -> list[str]:
